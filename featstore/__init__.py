@@ -1,0 +1,25 @@
+"""featstore: compute a frozen Model A's outputs once, store them in versioned Zarr v3, and
+stream them into Model B's training loop.
+
+>>> import featstore
+>>> store = featstore.open_store("./feats")
+>>> version = store.compute("cnn-a/train", model=model_a, dataset=train_set,
+...                         outputs={"features": "float16"})
+>>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
+"""
+
+__version__ = "0.1.0"
+
+from .dataset import FeatureDataset, ReaderOptions
+from .errors import (ComputeFailed, CorruptChunk, EmptyDataset, FeatstoreError, IncompatibleFormat,
+                     InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput, OutputMismatch,
+                     StoreConflict, StoreUnavailable, VersionNotFound)
+from .store import FeatureStore, Version, open_store
+from .writer import ComputeOptions
+
+__all__ = [
+    "ComputeFailed", "ComputeOptions", "CorruptChunk", "EmptyDataset", "FeatureDataset",
+    "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
+    "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
+    "StoreUnavailable", "Version", "VersionNotFound", "open_store", "__version__",
+]

@@ -1,0 +1,158 @@
+"""Output codecs: how a tensor Model A produced becomes a stored Zarr array, and back.
+
+Pure functions, no IO. Each codec stores a standard Zarr dtype, so plain ``zarr`` and ``xarray``
+can read a version (``bfloat16`` is stored as its raw 16 bits in ``uint16``, since Zarr 3.1 has
+no bfloat16). Compression (zstd) and integrity (crc32c per chunk) are added by the Zarr codec
+chain in :func:`zarr_codecs`, the same for every output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from .errors import InvalidInput, NonFiniteOutput
+
+ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one output is stored: the stored numpy dtype and the torch dtype it decodes to."""
+
+    name: str
+    stored: str  # numpy dtype string written to zarr
+    torch_dtype: torch.dtype
+    lossy: bool
+
+    def encode(self, values: torch.Tensor) -> np.ndarray:
+        """Turn A's output (any float dtype, any device) into the stored numpy array.
+
+        Raises :class:`NonFiniteOutput` when finite values overflow the stored type (float16
+        holds at most 65504): silently storing ``inf`` would change the user's data.
+        """
+        x = values.detach()
+        if self.name == "bfloat16":
+            out = x.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        else:
+            out = x.to("cpu", self.torch_dtype).contiguous().numpy()
+        if self.lossy:
+            overflow = torch.isinf(decode_np(self, out)) & torch.isfinite(x.to("cpu"))
+            if bool(overflow.any()):
+                raise NonFiniteOutput(
+                    f"{int(overflow.sum())} finite values overflow {self.name} "
+                    f"(largest |value| {float(x.abs().max()):.4g}); store this output as "
+                    "'float32' or 'bfloat16' instead."
+                )
+        return out
+
+    def decode(self, stored: np.ndarray) -> torch.Tensor:
+        """The tensor a reader gets back (float16 stays float16: cast in Model B if needed)."""
+        return decode_np(self, stored)
+
+
+def decode_np(codec: Codec, stored: np.ndarray) -> torch.Tensor:
+    """Stored numpy values -> torch tensor, without a copy where the dtype allows."""
+    if codec.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(stored))
+
+
+OUTPUT_CODECS: dict[str, Codec] = {
+    "float32": Codec("float32", "float32", torch.float32, lossy=False),
+    "float16": Codec("float16", "float16", torch.float16, lossy=True),
+    "bfloat16": Codec("bfloat16", "uint16", torch.bfloat16, lossy=True),
+}
+
+_KEEP_DTYPES = {
+    torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.float16: "float16",
+    torch.float32: "float32", torch.float64: "float64",
+}
+
+
+def output_codec(name: str) -> Codec:
+    """Look up an output codec by name (``float32``, ``float16``, ``bfloat16``)."""
+    try:
+        return OUTPUT_CODECS[name]
+    except KeyError:
+        raise InvalidInput(
+            f"unknown output codec {name!r}; choose one of {sorted(OUTPUT_CODECS)}."
+        ) from None
+
+
+def keep_codec(dtype: torch.dtype) -> Codec:
+    """The lossless codec for a kept dataset field (labels, ids) of this torch dtype."""
+    if dtype == torch.bfloat16:
+        return OUTPUT_CODECS["bfloat16"]
+    try:
+        stored = _KEEP_DTYPES[dtype]
+    except KeyError:
+        raise InvalidInput(
+            f"cannot store a kept field of dtype {dtype}; convert it to an integer or float tensor."
+        ) from None
+    return Codec(f"keep-{stored}", stored, dtype, lossy=False)
+
+
+def codec_by_name(name: str) -> Codec:
+    """Inverse of ``Codec.name`` for what a manifest records."""
+    if name in OUTPUT_CODECS:
+        return OUTPUT_CODECS[name]
+    if name.startswith("keep-"):
+        for dtype, stored in _KEEP_DTYPES.items():
+            if stored == name[5:]:
+                return keep_codec(dtype)
+    raise InvalidInput(f"unknown codec {name!r} in a manifest; upgrade featstore.")
+
+
+def zarr_codecs() -> list:
+    """The bytes-to-bytes chain for every chunk: zstd, then a crc32c checksum."""
+    return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()]
+
+
+def value_stats(values: torch.Tensor) -> dict[str, float]:
+    """Sufficient statistics of a batch for the manifest (merged with :func:`merge_stats`)."""
+    x = values.detach().to("cpu")
+    if not x.is_floating_point():
+        x = x.to(torch.float64)
+    x = x.to(torch.float64) if x.dtype != torch.float64 else x
+    finite = torch.isfinite(x)
+    nan = int(torch.isnan(x).sum())
+    inf = int(x.numel() - int(finite.sum()) - nan)
+    fx = x[finite]
+    return {
+        "count": int(x.numel()),
+        "nan": nan,
+        "inf": inf,
+        "min": float(fx.min()) if fx.numel() else None,
+        "max": float(fx.max()) if fx.numel() else None,
+        "sum": float(fx.sum()),
+        "finite": int(fx.numel()),
+    }
+
+
+def merge_stats(a: dict | None, b: dict) -> dict:
+    """Combine two :func:`value_stats` results."""
+    if a is None:
+        return dict(b)
+
+    def pick(f, x, y):
+        return y if x is None else x if y is None else f(x, y)
+
+    return {
+        "count": a["count"] + b["count"], "nan": a["nan"] + b["nan"], "inf": a["inf"] + b["inf"],
+        "min": pick(min, a["min"], b["min"]), "max": pick(max, a["max"], b["max"]),
+        "sum": a["sum"] + b["sum"], "finite": a["finite"] + b["finite"],
+        **({"max_abs_error": max(a.get("max_abs_error", 0.0), b.get("max_abs_error", 0.0))}
+           if "max_abs_error" in a or "max_abs_error" in b else {}),
+    }
+
+
+def finalize_stats(s: dict) -> dict:
+    """Add the mean and drop the running sum."""
+    out = {k: v for k, v in s.items() if k not in ("sum", "finite")}
+    out["mean"] = s["sum"] / s["finite"] if s["finite"] else None
+    return out

@@ -1,0 +1,78 @@
+"""The featstore error tree, grouped by what the caller will do about it.
+
+Every error derives from :class:`FeatstoreError` and also from the builtin that matches its
+meaning, so ``except KeyError`` still catches an unknown version. Messages say what happened
+and what to do next. This module imports nothing from featstore.
+"""
+
+from __future__ import annotations
+
+
+class FeatstoreError(Exception):
+    """Base class of every error featstore raises."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+# -- the caller must change its input ------------------------------------------------------
+class InvalidInput(FeatstoreError, ValueError):
+    """An argument, dataset item or model output cannot be stored as given."""
+
+
+class InvalidName(InvalidInput):
+    """A feature-set, tag or version name that is not allowed (path escapes, odd characters)."""
+
+
+class EmptyDataset(InvalidInput):
+    """The dataset has no samples."""
+
+
+class MissingInputKey(InvalidInput):
+    """A dataset item lacks the field named by ``input_key`` or ``keep``."""
+
+
+class OutputMismatch(InvalidInput):
+    """Model A's output changed shape, dtype or keys between batches, or does not match ``outputs``."""
+
+
+class NonFiniteOutput(InvalidInput):
+    """Model A produced NaN/Inf (or a value the storage codec cannot represent)."""
+
+
+# -- the caller must pick another version / name ---------------------------------------------
+class VersionNotFound(FeatstoreError, KeyError):
+    """No committed version, tag or feature set by that name."""
+
+
+class StoreConflict(FeatstoreError, FileExistsError):
+    """Another writer committed the same object first."""
+
+
+# -- the caller must fix the environment ----------------------------------------------------
+class StoreUnavailable(FeatstoreError, ConnectionError):
+    """The store URL cannot be reached, or there are no (valid) credentials for it."""
+
+
+class IncompatibleFormat(FeatstoreError, ValueError):
+    """Stored metadata is malformed or was written by a newer featstore."""
+
+
+# -- the data or the run is broken ----------------------------------------------------------
+class CorruptChunk(FeatstoreError, IOError):
+    """A stored chunk is missing, truncated or fails its checksum."""
+
+    def __init__(self, message: str, *, version: str = "", array: str = "", chunk: str = "") -> None:
+        super().__init__(message)
+        self.version, self.array, self.chunk = version, array, chunk
+
+    def __reduce__(self):  # keep the fields across process boundaries (DataLoader workers, Dask)
+        return (_rebuild_corrupt, (self.args[0], self.version, self.array, self.chunk))
+
+
+def _rebuild_corrupt(message: str, version: str, array: str, chunk: str) -> CorruptChunk:
+    return CorruptChunk(message, version=version, array=array, chunk=chunk)
+
+
+class ComputeFailed(FeatstoreError, RuntimeError):
+    """Model A or the dataset raised inside a compute task; finished shards are kept for resume."""

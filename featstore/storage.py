@@ -1,0 +1,266 @@
+"""The fsspec adapter: a store URL becomes a :class:`Storage` with a tiny surface.
+
+Everything featstore writes besides Zarr chunks (manifests, receipts, tags) goes through
+:class:`Storage`, which maps backend errors onto the featstore error tree and offers one atomic
+primitive, :meth:`Storage.create`: write an object only if it does not exist yet
+(``os.link`` locally, ``If-None-Match: *`` on S3). Credentials given in ``storage_options`` are
+kept in memory only: never logged, never shown in a repr, never written to the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import fsspec
+import zarr.storage
+
+from .errors import FeatstoreError, IncompatibleFormat, StoreConflict, StoreUnavailable
+
+_WRITE_ID = "_write_id"
+
+
+def _strip(url: str) -> str:
+    return url.rstrip("/") if len(url) > 1 else url
+
+
+@contextlib.contextmanager
+def backend_errors(url: str) -> Iterator[None]:
+    """Map the backend's connection and credential errors onto :class:`StoreUnavailable`."""
+    try:
+        yield
+    except FeatstoreError:
+        raise
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+        raise
+    except PermissionError as exc:
+        raise StoreUnavailable(
+            f"access to {url} was denied ({type(exc).__name__}: {exc}). Check the credentials "
+            "(environment, profile or role) and the bucket policy."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - botocore and aiohttp raise many unrelated types
+        name = type(exc).__name__
+        if "Credential" in name or "Connect" in name or isinstance(exc, (OSError, TimeoutError)):
+            raise StoreUnavailable(
+                f"cannot reach the store at {url} ({name}: {exc}). Check the URL, the endpoint "
+                "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
+                "see the README section 'Credentials'."
+            ) from exc
+        raise
+
+
+class Storage:
+    """One store root on any fsspec filesystem.
+
+    >>> s = Storage("/tmp/feats")        # or "s3://bucket/prefix", storage_options={...}
+    >>> s.write_json("a/b.json", {"x": 1}); s.read_json("a/b.json")
+    {'x': 1}
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = _strip(str(url))
+        self._options = dict(storage_options or {})
+        with backend_errors(self.url):
+            self.fs, root = fsspec.core.url_to_fs(self.url, **self._options)
+        self.root = _strip(root)
+        self.is_local = "file" in _protocols(self.fs)
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold secrets
+        return f"Storage({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Reopen by URL after unpickling: a filesystem object is not fork- or loop-safe.
+        return {"url": self.url, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["options"])  # type: ignore[misc]
+
+    # -- paths --------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        """The backend path of ``key``; keys are validated names joined by '/', never '..'."""
+        if key.startswith("/") or ".." in key.split("/") or "\\" in key:
+            raise FeatstoreError(f"internal error: unsafe key {key!r}")
+        return posixpath.join(self.root, key) if key else self.root
+
+    def child_url(self, key: str) -> str:
+        """A full URL for ``key`` (what Zarr and worker processes open)."""
+        return posixpath.join(self.url, key)
+
+    # -- probing ------------------------------------------------------------------------
+    def check_reachable(self) -> None:
+        """Fail fast with :class:`StoreUnavailable` if the root cannot be listed or created."""
+        with backend_errors(self.url):
+            if self.is_local:
+                os.makedirs(self.root, exist_ok=True)
+                return
+            try:
+                self.fs.ls(self.root, detail=False, refresh=True)
+            except FileNotFoundError:
+                bucket = self.root.split("/", 1)[0]
+                if not self.fs.exists(bucket):
+                    raise StoreUnavailable(
+                        f"the bucket of {self.url} does not exist or is not visible with these "
+                        "credentials; create it first or fix the URL."
+                    ) from None
+
+    # -- bytes --------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes | None:
+        """The object's bytes, or ``None`` if it does not exist."""
+        with backend_errors(self.url):
+            try:
+                return self.fs.cat_file(self.path(key))
+            except FileNotFoundError:
+                return None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) an object; atomic for readers (temp + rename locally)."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{uuid.uuid4().hex}.partial"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            else:
+                self.fs.pipe_file(path, data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``data`` only if ``key`` does not exist; return whether this call created it.
+
+        Atomic against concurrent writers: ``os.link`` locally, ``If-None-Match: *`` on S3.
+        """
+        path = self.path(key)
+        with backend_errors(self.url):
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{uuid.uuid4().hex}.partial"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, path)
+                    return True
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
+            try:
+                if "s3" in _protocols(self.fs) or "s3a" in _protocols(self.fs):
+                    self.fs.pipe_file(path, data, mode="create")
+                else:  # backends without a conditional put: exists-check, documented as racy
+                    if self.fs.exists(path):
+                        return False
+                    self.fs.pipe_file(path, data)
+                return True
+            except FileExistsError:
+                return False
+
+    def create_json(self, key: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create a JSON object exactly once and return the object that is stored.
+
+        A write-id is stamped into the object, so a conditional write whose reply was lost
+        (the retry sees "exists") is recognised as ours by reading it back. Raises
+        :class:`StoreConflict` when another writer's object is there.
+        """
+        stamped = {**obj, _WRITE_ID: uuid.uuid4().hex}
+        if self.create(key, canonical_json(stamped)):
+            return stamped
+        stored = self.read_json(key)
+        if stored is not None and stored.get(_WRITE_ID) == stamped[_WRITE_ID]:
+            return stored
+        raise StoreConflict(f"{self.child_url(key)} was already written by another writer.")
+
+    # -- JSON ---------------------------------------------------------------------------
+    def read_json(self, key: str) -> dict[str, Any] | None:
+        """Parse a JSON object (never a pickle); ``None`` if absent."""
+        data = self.read_bytes(key)
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise IncompatibleFormat(
+                f"{self.child_url(key)} is not valid JSON ({exc}); the object is damaged. "
+                "Delete the version and recompute it."
+            ) from exc
+        if not isinstance(obj, dict):
+            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object.")
+        return obj
+
+    def write_json(self, key: str, obj: dict[str, Any]) -> None:
+        """Write a JSON object (overwrite allowed: used for tags and receipts)."""
+        self.write_bytes(key, canonical_json(obj))
+
+    # -- listing and deletion -----------------------------------------------------------
+    def list_dirs(self, key: str) -> list[str]:
+        """Names of the entries directly under ``key`` (empty if it does not exist)."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            try:
+                self.fs.invalidate_cache(path)
+                entries = self.fs.ls(path, detail=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+
+    def find(self, key: str) -> list[str]:
+        """Every object under ``key``, as keys relative to the root."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path)
+            except FileNotFoundError:
+                return []
+        root = self.root.rstrip("/") + "/"
+        return sorted(p[len(root):] if p.startswith(root) else p for p in found)
+
+    def exists(self, key: str) -> bool:
+        """Whether an object exists at ``key``."""
+        with backend_errors(self.url):
+            self.fs.invalidate_cache(self.path(key))
+            return bool(self.fs.exists(self.path(key)))
+
+    def delete(self, key: str, *, recursive: bool = False) -> None:
+        """Delete an object (or everything under ``key`` with ``recursive=True``)."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            try:
+                self.fs.rm(path, recursive=recursive)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(path)
+
+    # -- zarr ---------------------------------------------------------------------------
+    def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
+        """A Zarr v3 store rooted at ``key`` (LocalStore locally, FsspecStore elsewhere)."""
+        if self.is_local:
+            path = self.path(key)
+            if not read_only:
+                os.makedirs(path, exist_ok=True)
+            return zarr.storage.LocalStore(path, read_only=read_only)
+        with backend_errors(self.url):
+            return zarr.storage.FsspecStore.from_url(
+                self.child_url(key), storage_options=self._options or None, read_only=read_only
+            )
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no NaN): what fingerprints and manifests use."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
