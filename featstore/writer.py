@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -136,8 +137,9 @@ def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | Non
 # ---------------------------------------------------------------------------------------------
 # Worker side: one Model A per process, tasks that own whole shards.
 # ---------------------------------------------------------------------------------------------
-_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}  # insertion-ordered: oldest first
 _MODELS_LOCK = threading.Lock()
+_MODELS_KEPT = 2
 
 
 @dataclass(frozen=True)
@@ -172,14 +174,18 @@ def worker_device() -> torch.device:
 def worker_model(model: Any, key: str, threads: int) -> torch.nn.Module:
     """Model A for this process: built (or unpickled) once, moved to the device once."""
     device = worker_device()
+    if threads > 0 and device.type == "cpu" and torch.get_num_threads() != threads:
+        # Dask pins OMP_NUM_THREADS=1 in its workers, and OpenMP's setting is per thread: set
+        # it in every task, on the thread that runs it.
+        torch.set_num_threads(threads)
     with _MODELS_LOCK:
         cached = _MODELS.get((key, str(device)))
         if cached is None:
-            if threads > 0 and device.type == "cpu":
-                torch.set_num_threads(threads)  # Dask sets OMP_NUM_THREADS=1 in its workers
             built = model if isinstance(model, torch.nn.Module) else model()
             cached = built.to(device).eval().requires_grad_(False)
             _MODELS[(key, str(device))] = cached
+            while len(_MODELS) > _MODELS_KEPT:  # free the device memory of older runs' models
+                _MODELS.pop(next(iter(_MODELS)))
         return cached
 
 
@@ -535,7 +541,9 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
         topic = f"featstore-progress-{vid}"
         model_f = dclient.scatter(model, broadcast=True, hash=False)
         data_f = dclient.scatter(dataset, broadcast=True, hash=False)
-        base = TaskSpec(storage, name, vid, mdigest, input_key, keep_map, outputs, {}, Layout(n, 1, 1),
+        # One model per compute call and worker: same weights may come with different code.
+        run_key = f"{vid}-{uuid.uuid4().hex[:8]}"
+        base = TaskSpec(storage, name, vid, run_key, input_key, keep_map, outputs, {}, Layout(n, 1, 1),
                         batch_size, options.allow_nonfinite, options.autocast,
                         threads, topic)
         resources = {"GPU": 1} if _has_gpu_resource(dclient) else None
@@ -604,7 +612,8 @@ def _run(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[int]
     if not todo:
         return []
     n_workers = max(1, len(_workers(client)))
-    per_task = max(1, -(-len(todo) // (4 * n_workers)))
+    # Few, long tasks: the write of a task's last shard cannot overlap the next forward.
+    per_task = max(1, -(-len(todo) // (2 * n_workers)))
     groups = [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
     bar = _Progress(spec.layout.n_samples, done_rows, spec.name, options.progress)
     client.subscribe_topic(spec.topic, bar)

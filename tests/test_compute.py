@@ -1,0 +1,176 @@
+"""Compute on a real LocalCluster, read back on local disk and S3: round-trip and versions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import featstore
+from featstore import ComputeOptions, VersionNotFound
+
+from .models import CountingA, TinyA, VectorData
+
+OUTPUTS = {"features": "float16", "logits": "float32"}
+QUIET = ComputeOptions(progress=False)
+
+
+def compute(store, client, name="tiny/train", model=None, data=None, **kw):
+    kw.setdefault("outputs", OUTPUTS)
+    kw.setdefault("keep", ["target"])
+    kw.setdefault("samples_per_shard", 64)
+    kw.setdefault("batch_size", 16)
+    kw.setdefault("options", QUIET)
+    return store.compute(name, model=model or TinyA(), dataset=data or VectorData(300),
+                         client=client, **kw)
+
+
+def test_round_trip_equals_model_outputs(store, dask_client):
+    data = VectorData(300)
+    model = TinyA()
+    v = compute(store, dask_client, model=model, data=data)
+    assert len(v) == 300 and v.manifest.layout.n_shards == 5
+    with torch.inference_mode():
+        ref = model.eval()(data.x)
+    got = v.load()
+    assert got["logits"].dtype == torch.float32
+    assert torch.equal(got["logits"], ref["logits"])  # float32 stored exactly
+    assert torch.equal(got["features"], ref["features"].to(torch.float16))  # float16 is the cast
+    assert torch.equal(got["target"], data.y)
+    assert torch.equal(got["index"], torch.arange(300))
+    part = v[[5, 299, 17]]
+    assert torch.equal(part["logits"], ref["logits"][[5, 299, 17]])
+    assert torch.equal(v[7]["features"], ref["features"][7].half())
+    stats = v.manifest.stats["logits"]
+    assert stats["count"] == 300 * 5 and stats["nan"] == 0
+    assert stats["min"] == pytest.approx(float(ref["logits"].min()))
+    assert stats["mean"] == pytest.approx(float(ref["logits"].mean()), rel=1e-5)
+    assert v.manifest.stats["features"]["max_abs_error"] > 0
+
+
+def test_bfloat16_codec_round_trip(local_store, dask_client):
+    data, model = VectorData(100), TinyA()
+    v = compute(local_store, dask_client, data=data, model=model, outputs={"features": "bfloat16", "logits": "float32"})
+    with torch.inference_mode():
+        ref = model.eval()(data.x)
+    assert torch.equal(v.load()["features"], ref["features"].to(torch.bfloat16))
+
+
+def test_plain_zarr_reads_a_committed_version(store, dask_client):
+    data, model = VectorData(130), TinyA()
+    v = compute(store, dask_client, data=data, model=model)
+    group = zarr.open_group(v.url, mode="r", storage_options=None if store.storage.is_local
+                            else store.storage._options)
+    with torch.inference_mode():
+        ref = model.eval()(data.x)
+    np.testing.assert_array_equal(group["logits"][:], ref["logits"].numpy())
+    assert group["features"].dtype == np.float16 and group["features"].shape == (130, 8)
+    assert group["logits"].shards == (64, 5)
+
+
+def test_single_tensor_output_and_tuple_items(local_store, dask_client):
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return torch.full((12,), float(i)), i % 3
+
+    lin = torch.nn.Linear(12, 3)
+    v = local_store.compute("pairs", model=lin, dataset=Pairs(), input_key=0, keep=[1],
+                            outputs={"emb": "float32"}, client=dask_client, options=QUIET)
+    got = v.load()
+    assert set(got) == {"emb", "field1", "index"}
+    with torch.inference_mode():
+        assert torch.equal(got["emb"], lin(torch.stack([Pairs()[i][0] for i in range(40)])))
+    assert got["field1"].tolist() == [i % 3 for i in range(40)]
+
+
+def test_same_fingerprint_does_not_run_model_again(local_store, dask_client, tmp_path):
+    calls = tmp_path / "calls.txt"
+    v1 = compute(local_store, dask_client, model=CountingA(str(calls)))
+    first = calls.read_text().count("\n")
+    assert first >= 300 // 16  # the probe plus one call per batch
+    v2 = compute(local_store, dask_client, model=CountingA(str(calls)))
+    assert calls.read_text().count("\n") == first  # not called again
+    assert v2.id == v1.id and v2.fingerprint == v1.fingerprint
+
+
+def test_changing_one_weight_gives_a_new_version(local_store, dask_client):
+    a = TinyA()
+    v1 = compute(local_store, dask_client, model=a)
+    with torch.no_grad():
+        a.h.bias[0] += 1e-3
+    v2 = compute(local_store, dask_client, model=a)
+    assert v2.id != v1.id
+    assert [v.id for v in local_store.versions("tiny/train")] == [v1.id, v2.id]
+    assert local_store.open("tiny/train").id == v2.id  # newest
+
+
+def test_dataset_content_and_output_spec_are_in_the_fingerprint(local_store, dask_client):
+    v1 = compute(local_store, dask_client)
+    v2 = compute(local_store, dask_client, data=VectorData(300, seed=1))
+    v3 = compute(local_store, dask_client, outputs={"features": "float32", "logits": "float32"})
+    v4 = compute(local_store, dask_client, keep=[])
+    assert len({v1.id, v2.id, v3.id, v4.id}) == 4
+
+
+def test_tags_listing_delete(store, dask_client):
+    v1 = compute(store, dask_client)
+    v2 = compute(store, dask_client, model=TinyA(seed=1))
+    store.tag(v1, "best")
+    assert store.open("tiny/train@best") == v1
+    assert store.open(f"tiny/train@{v2.id}") == v2
+    assert store.tags("tiny/train") == {"best": v1.id}
+    store.tag(v2, "best")  # tags move
+    assert store.open("tiny/train@best") == v2
+    assert store.names() == ["tiny/train"]
+    store.delete(v2)
+    assert [v.id for v in store.versions("tiny/train")] == [v1.id]
+    assert store.tags("tiny/train") == {}  # a tag never points at a deleted version
+    with pytest.raises(VersionNotFound):
+        store.open(f"tiny/train@{v2.id}")
+    with pytest.raises(KeyError):  # VersionNotFound is also a KeyError
+        store.open("tiny/train@nope")
+    store.tag(v1, "keep")
+    store.untag("tiny/train", "keep")
+    assert store.tags("tiny/train") == {}
+
+
+def test_uncommitted_version_is_invisible(local_store, dask_client):
+    v = compute(local_store, dask_client)
+    manifest = local_store.storage.read_bytes(f"{v.key}/manifest.json")
+    local_store.storage.delete(f"{v.key}/manifest.json")  # as if the commit never happened
+    assert local_store.versions("tiny/train") == []
+    with pytest.raises(VersionNotFound):
+        local_store.open("tiny/train")
+    with pytest.raises(VersionNotFound):
+        local_store.dataset("tiny/train")
+    assert local_store.names() == []
+    local_store.storage.write_bytes(f"{v.key}/manifest.json", manifest)
+    assert local_store.open("tiny/train") == v
+
+
+def test_embedded_cluster_and_factory_model(local_store):
+    v = local_store.compute("factory", model=TinyA, dataset=VectorData(50), outputs=OUTPUTS,
+                            samples_per_shard=32, options=QUIET)
+    with torch.inference_mode():
+        ref = TinyA().eval()(VectorData(50).x)
+    assert torch.equal(v.load()["logits"], ref["logits"])
+
+
+def test_verify_clean_version(local_store, dask_client):
+    v = compute(local_store, dask_client)
+    assert v.verify() == []
+
+
+def test_manifest_records_layout_and_libraries(local_store, dask_client):
+    v = compute(local_store, dask_client)
+    m = v.manifest
+    assert m.layout.samples_per_shard == 64 and m.layout.n_samples == 300
+    assert {"torch", "zarr", "dask", "featstore"} <= set(m.libraries)
+    assert m.fingerprint_parts["outputs"] == OUTPUTS
+    assert m.fingerprint_parts["dataset"]["length"] == 300
+    assert len(m.shards) == 5 and all(set(s.digests) == {"features", "logits", "target"} for s in m.shards)
+    assert m.timings["shards_computed"] == 5

@@ -1,0 +1,160 @@
+"""The worker/rank/shuffle arithmetic, exhaustively over ranks x workers x shard layouts."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featstore.plan import (consumer_plan, consumer_span, round_robin_consumed, shard_order,
+                            span_pieces, window_permutation)
+
+LAYOUTS = {
+    "one-shard": [10],
+    "fewer-shards-than-consumers": [7, 7],
+    "even": [16] * 6,
+    "ragged-tail": [32] * 5 + [3],
+    "many-small": [5] * 23 + [2],
+}
+
+
+def epoch_indices(sizes, world, workers, partition, seed=0, epoch=0, shuffle=True, window=20):
+    """Global sample ids each consumer reads, as {(rank, worker): [ids in read order]}."""
+    spp = max(sizes)  # shards are equal-sized except the last, as in a Layout
+    w = max(1, workers)
+    out = {}
+    for rank, worker in itertools.product(range(world), range(w)):
+        plan = consumer_plan(sizes, seed=seed, epoch=epoch, shuffle=shuffle, consumers=world * w,
+                             cid=rank * w + worker, partition=partition, window=window)
+        ids = []
+        for wi, window_ in enumerate(plan.windows):
+            rows = np.concatenate([np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi) for p in window_])
+            if shuffle:
+                rows = rows[window_permutation(seed, epoch, rank * w + worker, wi, len(rows))]
+            ids.extend(rows.tolist())
+        assert len(ids) == plan.n_samples
+        out[(rank, worker)] = ids
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_even_partition_reads_every_sample_exactly_once(layout, world, workers):
+    sizes = LAYOUTS[layout]
+    got = epoch_indices(sizes, world, workers, "even")
+    flat = [i for ids in got.values() for i in ids]
+    spp = max(sizes)
+    expected = [s * spp + r for s, size in enumerate(sizes) for r in range(size)]
+    assert sorted(flat) == expected
+    counts = [len(v) for v in got.values()]
+    assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_pad_gives_equal_counts_and_covers_everything(layout, world, workers):
+    sizes = LAYOUTS[layout]
+    n = sum(sizes)
+    got = epoch_indices(sizes, world, workers, "pad")
+    counts = {len(v) for v in got.values()}
+    assert counts == {-(-n // (world * max(1, workers)))}
+    c = Counter(i for ids in got.values() for i in ids)
+    assert len(c) == n  # every sample at least once
+    assert sum(c.values()) - n == len(got) * counts.pop() - n  # the only repeats are the padding
+    assert max(c.values()) <= 1 + -(-len(got) // n)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_drop_gives_equal_counts_without_repeats(layout, world, workers):
+    sizes = LAYOUTS[layout]
+    got = epoch_indices(sizes, world, workers, "drop")
+    consumers = world * max(1, workers)
+    assert {len(v) for v in got.values()} == {sum(sizes) // consumers}
+    flat = [i for ids in got.values() for i in ids]
+    assert len(flat) == len(set(flat))
+
+
+def test_same_seed_and_epoch_same_order_next_epoch_different():
+    sizes = LAYOUTS["even"]
+    a = epoch_indices(sizes, 2, 2, "even", seed=3, epoch=1)
+    b = epoch_indices(sizes, 2, 2, "even", seed=3, epoch=1)
+    c = epoch_indices(sizes, 2, 2, "even", seed=3, epoch=2)
+    d = epoch_indices(sizes, 2, 2, "even", seed=4, epoch=1)
+    assert a == b
+    assert a != c and a != d
+
+
+def test_no_shuffle_is_sequential():
+    sizes = [4, 4, 2]
+    got = epoch_indices(sizes, 1, 0, "even", shuffle=False)
+    assert got[(0, 0)] == list(range(10))
+
+
+def test_shuffle_window_spans_several_shards():
+    sizes = [8] * 8
+    plan = consumer_plan(sizes, seed=0, epoch=0, shuffle=True, consumers=1, cid=0, partition="even", window=24)
+    assert all(len({p.shard for p in w}) >= 3 for w in plan.windows[:-1])
+
+
+def test_span_pieces_wraps_for_padding():
+    pieces = span_pieces([1, 0], [3, 3], 4, 8)
+    assert [(p.shard, p.lo, p.hi) for p in pieces] == [(0, 1, 3), (1, 0, 2)]
+
+
+def test_consumer_span_rejects_bad_input():
+    with pytest.raises(ValueError):
+        consumer_span(10, 2, 2, "even")
+    with pytest.raises(ValueError):
+        consumer_span(10, 2, 0, "sideways")  # type: ignore[arg-type]
+
+
+def test_shard_order_is_a_permutation():
+    assert sorted(shard_order(17, 5, 2, True)) == list(range(17))
+    assert shard_order(4, 5, 2, False) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("per_worker,seen,expected", [
+    ([3, 3], 3, [2, 1]),
+    ([3, 1], 3, [2, 1]),
+    ([1, 3], 4, [1, 3]),
+    ([2, 2, 2], 6, [2, 2, 2]),
+    ([5], 4, [4]),
+])
+def test_round_robin_consumed(per_worker, seen, expected):
+    assert round_robin_consumed(seen, per_worker) == expected
+
+
+def test_round_robin_consumed_rejects_too_many():
+    with pytest.raises(ValueError):
+        round_robin_consumed(5, [2, 2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    world=st.integers(1, 4), workers=st.integers(0, 3), seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 50), window=st.integers(1, 100),
+    partition=st.sampled_from(["even", "pad", "drop"]),
+)
+def test_plan_property(sizes, world, workers, seed, epoch, window, partition):
+    # Shards of a real layout are equal except the last.
+    sizes = [max(sizes)] * (len(sizes) - 1) + [sizes[-1] if sizes[-1] <= max(sizes) else max(sizes)]
+    n = sum(sizes)
+    got = epoch_indices(sizes, world, workers, partition, seed=seed, epoch=epoch, window=window)
+    consumers = world * max(1, workers)
+    flat = [i for ids in got.values() for i in ids]
+    counts = [len(v) for v in got.values()]
+    if partition == "even":
+        assert len(flat) == n and len(set(flat)) == n
+    elif partition == "pad":
+        assert set(counts) == {-(-n // consumers)} and len(set(flat)) == n
+    else:
+        assert set(counts) == {n // consumers} and len(set(flat)) == len(flat)
