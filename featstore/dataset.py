@@ -161,24 +161,32 @@ class FeatureDataset(IterableDataset):
         self.epoch = int(state["epoch"])
         self._resume = {"epoch": self.epoch, "batches_seen": int(state["batches_seen"])}
 
-    def _skip_batches(self, worker: int, num_workers: int) -> int:
+    def _role_and_skip(self, worker: int, num_workers: int) -> tuple[int, int]:
+        """Which consumer this worker plays, and how many of its batches to skip.
+
+        DataLoader always starts its round-robin at worker 0; after ``k`` batches the original
+        run would next have read from worker ``k % W``, so on resume worker ``w`` plays the role
+        of worker ``(w + k) % W`` and the batch order continues exactly where it stopped.
+        """
         if not self._resume or self._resume["epoch"] != self.epoch:
-            return 0
+            return worker, 0
         w = max(1, num_workers)
+        seen = self._resume["batches_seen"]
         counts = [self.plan(i, num_workers).n_batches(self.options.batch_size, self.options.drop_last)
                   for i in range(w)]
-        return round_robin_consumed(self._resume["batches_seen"], counts)[worker]
+        role = (worker + seen) % w
+        return role, round_robin_consumed(seen, counts)[role]
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
-        plan = self.plan(worker, num_workers)
-        skip = self._skip_batches(worker, num_workers) * self.options.batch_size
+        role, skipped = self._role_and_skip(worker, num_workers)
+        plan = self.plan(role, num_workers)
         if info is None:
-            self._yielded = skip // self.options.batch_size
-        cid = self.rank * max(1, num_workers) + worker
-        for batch in self._batches(plan, cid, skip):
+            self._yielded = skipped
+        cid = self.rank * max(1, num_workers) + role
+        for batch in self._batches(plan, cid, skipped * self.options.batch_size):
             if info is None:
                 self._yielded += 1
             yield batch

@@ -382,7 +382,8 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
     for r in it:
         for field, digest in r.digests.items():
             try:
-                got = hashlib.sha256(np.ascontiguousarray(version.read_rows(field, r.start, r.stop)).tobytes()).hexdigest()
+                stored = version.read_rows(field, r.start, r.stop)
+                got = hashlib.sha256(np.ascontiguousarray(stored).tobytes()).hexdigest()
             except CorruptChunk as exc:
                 problems.append(f"shard {r.index} rows [{r.start}, {r.stop}) array {field!r}: {exc}")
                 continue

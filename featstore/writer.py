@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +160,7 @@ class TaskSpec:
     autocast: str | None
     threads: int
     topic: str
+    dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
 
     @property
     def key(self) -> str:
@@ -232,12 +233,11 @@ def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, sta
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
                 f"{(rows, *want.shape)} was expected (from the first batch); Model A's output "
                 "shape must not change between batches.")
-        if want.source == "output" and not t.is_floating_point():
-            raise OutputMismatch(f"output {name!r} is {t.dtype} on samples [{start}, {start + rows}); "
-                                 "Model A outputs must be floating point.")
-        if want.source == "keep" and _codecs.keep_codec(t.dtype).name != want.codec:
-            raise OutputMismatch(f"kept field {name!r} changed dtype to {t.dtype} on samples "
-                                 f"[{start}, {start + rows}).")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if spec.dtypes and dtype != spec.dtypes[name]:
+            raise OutputMismatch(
+                f"{name!r} has dtype {dtype} on samples [{start}, {start + rows}), but the first "
+                f"batch had {spec.dtypes[name]}; Model A's output dtype must not change between batches.")
 
 
 def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tuple[dict, dict]:
@@ -552,7 +552,8 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
         arrays = _spec_arrays(probed, outputs, keep_map)
         row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
         layout = choose_layout(n, row_bytes, samples_per_shard, options.chunk_rows, options.target_shard_bytes)
-        spec = TaskSpec(**{**base.__dict__, "arrays": arrays, "layout": layout})
+        spec = TaskSpec(**{**base.__dict__, "arrays": arrays, "layout": layout,
+                           "dtypes": {k: d for k, (_, d) in probed.items()}})
         done = _prepare(storage, key, layout, arrays)
         todo = [i for i in range(layout.n_shards) if i not in done]
         done_rows = sum(b - a for a, b in map(layout.shard_range, done))
@@ -573,7 +574,7 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
     manifest = Manifest(
         id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=layout, arrays=arrays,
         stats=stats, shards=tuple(r.__class__(r.index, r.start, r.stop, r.digests) for r in all_receipts),
-        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+        created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings={"setup_s": round(t_compute - t_setup, 3), "compute_s": round(t_written - t_compute, 3),
                  "total_s": round(time.perf_counter() - t0, 3), "shards_computed": len(receipts)},
         libraries=_libraries(),

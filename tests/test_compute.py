@@ -7,7 +7,6 @@ import pytest
 import torch
 import zarr
 
-import featstore
 from featstore import ComputeOptions, VersionNotFound
 
 from .models import CountingA, TinyA, VectorData
