@@ -148,6 +148,8 @@ def merge_stats(a: dict | None, b: dict) -> dict:
         "sum": a["sum"] + b["sum"], "finite": a["finite"] + b["finite"],
         **({"max_abs_error": max(a.get("max_abs_error", 0.0), b.get("max_abs_error", 0.0))}
            if "max_abs_error" in a or "max_abs_error" in b else {}),
+        **({"nonfinite_samples": (a.get("nonfinite_samples", []) + b.get("nonfinite_samples", []))[:1000]}
+           if "nonfinite_samples" in a or "nonfinite_samples" in b else {}),
     }
 
 

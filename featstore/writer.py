@@ -39,6 +39,7 @@ log = logging.getLogger("featstore")
 PENDING = "_pending.json"
 RECEIPTS = "_receipts"
 MIN_SHARDS = 8
+NONFINITE_KEPT = 1000  # sample ids with NaN/Inf recorded in the manifest, per output
 
 
 @dataclass(frozen=True)
@@ -245,16 +246,20 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
     for name, t in values.items():
         want = spec.arrays[name]
         codec = _codecs.codec_by_name(want.codec)
-        if want.source == "output" and not spec.allow_nonfinite:
+        bad_rows: list[int] = []
+        if want.source == "output":
             bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
-            if bool(bad.any()):
-                rows = (torch.nonzero(bad).reshape(-1) + start).tolist()
+            bad_rows = (torch.nonzero(bad).reshape(-1) + start).tolist() if bool(bad.any()) else []
+            if bad_rows and not spec.allow_nonfinite:
+                rows = bad_rows
                 raise NonFiniteOutput(
                     f"Model A produced NaN/Inf in {name!r} for {len(rows)} samples (first: "
                     f"{rows[:10]}); fix the model or data, or pass "
                     "ComputeOptions(allow_nonfinite=True) to store them.")
         arr = codec.encode(t)
         s = _codecs.value_stats(t)
+        if bad_rows:
+            s["nonfinite_samples"] = bad_rows[:NONFINITE_KEPT]
         if codec.lossy:
             err = (codec.decode(arr).to(torch.float64) - t.detach().to("cpu", torch.float64)).abs()
             err = err[torch.isfinite(err)]
@@ -437,6 +442,7 @@ def _prepare(storage: Storage, key: str, layout: Layout, arrays: dict[str, Array
             chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
             compressors=_codecs.zarr_codecs(), fill_value=0,
             config={"write_empty_chunks": True},
+            dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
             attributes={"featstore": {"codec": a.codec, "source": a.source}},
         )
     storage.write_json(f"{key}/{PENDING}", pending)
@@ -593,10 +599,11 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
 def _result(future: Any) -> Any:
     try:
         return future.result()
-    except FeatstoreError:
+    except FeatstoreError as exc:
+        exc.args = (f"{exc} [Dask task {future.key}]", *exc.args[1:])
         raise
     except Exception as exc:  # noqa: BLE001 - anything else a task raised
-        raise ComputeFailed(f"a compute task failed: {type(exc).__name__}: {exc}") from exc
+        raise ComputeFailed(f"compute task {future.key} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _run(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[int], done_rows: int,

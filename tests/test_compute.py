@@ -173,3 +173,18 @@ def test_manifest_records_layout_and_libraries(local_store, dask_client):
     assert m.fingerprint_parts["dataset"]["length"] == 300
     assert len(m.shards) == 5 and all(set(s.digests) == {"features", "logits", "target"} for s in m.shards)
     assert m.timings["shards_computed"] == 5
+
+
+def test_xarray_opens_a_committed_version(local_store, dask_client):
+    import xarray as xr  # in the test extra
+    data, model = VectorData(100), TinyA()
+    v = compute(local_store, dask_client, data=data, model=model)
+    ds = xr.open_zarr(v.url, consolidated=False, zarr_format=3)
+    assert ds["logits"].dims == ("sample", "logits_1") and ds.sizes["sample"] == 100
+    with torch.inference_mode():
+        np.testing.assert_array_equal(ds["logits"].values, model.eval()(data.x)["logits"].numpy())
+
+
+def test_existing_cluster_by_scheduler_address(local_store, dask_client):
+    v = compute(local_store, dask_client.scheduler.address, data=VectorData(40))
+    assert len(v) == 40 and v.verify() == []

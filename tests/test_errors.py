@@ -60,6 +60,7 @@ def test_nan_is_an_error_by_default_and_stored_on_request(local_store, dask_clie
     allow = ComputeOptions(allow_nonfinite=True, progress=False)
     v = run(local_store, dask_client, NaNAt(21), IdData(40), options=allow)
     assert v.manifest.stats["out"]["nan"] == 4
+    assert v.manifest.stats["out"]["nonfinite_samples"] == [21]
     assert torch.isnan(v[21]["out"]).all() and not torch.isnan(v[20]["out"]).any()
 
 
@@ -73,7 +74,7 @@ def test_float16_overflow_is_refused(local_store, dask_client):
 
 
 def test_model_exception_names_the_samples(local_store, dask_client):
-    with pytest.raises(featstore.ComputeFailed, match=r"boom from Model A on samples \[0, 1\)"):
+    with pytest.raises(featstore.ComputeFailed, match=r"boom from Model A on samples \[0, 1\).*task featstore-probe"):
         run(local_store, dask_client, Raises(), VectorData(16))
     assert nothing_committed(local_store, "bad/set")
 
