@@ -55,13 +55,12 @@ class _StrictStore(zarr.storage.WrapperStore):
 
     async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
         buf = await self._store.get(key, prototype, byte_range)
-        if "/c/" in f"/{key}" and (buf is None or len(buf) == 0):
-            array = key.split("/c/")[0] if "/c/" in key else key
+        if "/c/" in key and (buf is None or len(buf) == 0):
             raise CorruptChunk(
-                f"chunk object {key!r} of version {self._where} is "
+                f"version {self._where}, array {key.split('/c/')[0]!r}, chunk object {key!r} is "
                 f"{'missing' if buf is None else 'empty'}; the stored data is damaged. Run "
-                f"`featstore verify` to list every bad chunk, then delete and recompute the version.",
-                version=self._where, array=array, chunk=key,
+                "`featstore verify` to list every bad chunk, then delete and recompute the version.",
+                version=self._where, array=key.split("/c/")[0], chunk=key,
             )
         return buf
 
@@ -143,7 +142,7 @@ class Version:
             except FileNotFoundError as exc:
                 raise CorruptChunk(f"array {field!r} of version {self.name}@{self.id} is missing "
                                    "its zarr.json; delete and recompute the version.",
-                                   version=self.id, array=field, chunk="zarr.json") from exc
+                                   version=f"{self.name}@{self.id}", array=field, chunk="zarr.json") from exc
         return self._arrays[field]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
@@ -161,13 +160,32 @@ class Version:
         except (ConnectionError, TimeoutError) as exc:
             raise StoreUnavailable(f"reading {self.name}@{self.id}/{field} failed: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
-            shard = first_row // self.manifest.layout.samples_per_shard
+            shard = self._bad_shard(field, selection, first_row)
+            obj = self.chunk_key(field, shard)
             raise CorruptChunk(
-                f"version {self.name}@{self.id}, array {field!r}, shard {shard} (object "
-                f"{field}/c/{shard}/...) failed to decode: {type(exc).__name__}: {exc}. The "
-                "stored bytes are damaged; run `featstore verify` and recompute the version.",
-                version=self.id, array=field, chunk=f"{field}/c/{shard}",
+                f"version {self.name}@{self.id}, array {field!r}, chunk object {obj!r} failed to "
+                f"decode ({type(exc).__name__}: {exc}). The stored bytes are damaged; run "
+                "`featstore verify` to list every bad chunk, then delete and recompute the version.",
+                version=f"{self.name}@{self.id}", array=field, chunk=obj,
             ) from exc
+
+    def _bad_shard(self, field: str, selection: Any, first_row: int) -> int:
+        """On a failed multi-shard read, find the shard that fails on its own (error path only)."""
+        spp = self.manifest.layout.samples_per_shard
+        if isinstance(selection, slice):
+            shards = range(selection.start // spp, -(-selection.stop // spp))
+        else:
+            shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
+        for shard in shards:
+            try:
+                self.array(field)[shard * spp:min((shard + 1) * spp, len(self))]
+            except Exception:  # noqa: BLE001 - the failing one is what we are looking for
+                return shard
+        return first_row // spp
+
+    def chunk_key(self, field: str, shard: int) -> str:
+        """The key of shard ``shard`` of ``field`` inside the version (one object per shard)."""
+        return "/".join([field, "c", str(shard), *["0"] * len(self.manifest.arrays[field].shape)])
 
     def decode(self, field: str, stored: np.ndarray) -> torch.Tensor:
         """Stored values -> the tensor a reader gets (see :mod:`featstore.codecs`)."""
@@ -385,9 +403,9 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
                 stored = version.read_rows(field, r.start, r.stop)
                 got = hashlib.sha256(np.ascontiguousarray(stored).tobytes()).hexdigest()
             except CorruptChunk as exc:
-                problems.append(f"shard {r.index} rows [{r.start}, {r.stop}) array {field!r}: {exc}")
+                problems.append(f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop}): {exc}")
                 continue
             if got != digest:
-                problems.append(f"shard {r.index} rows [{r.start}, {r.stop}) array {field!r}: content "
+                problems.append(f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop}): content "
                                 "differs from the digest recorded at compute time")
     return problems

@@ -270,7 +270,10 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
 
 def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
     store = spec.storage.zarr_store(spec.key, read_only=False)
-    return {n: zarr.open_array(store, path=n, mode="r+") for n in spec.arrays}
+    # write_empty_chunks is a runtime setting, lost on reopen: without it an all-fill-value shard
+    # is never stored, and a committed version must hold every shard object.
+    return {n: zarr.open_array(store, path=n, mode="r+").with_config({"write_empty_chunks": True})
+            for n in spec.arrays}
 
 
 def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,

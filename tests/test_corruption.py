@@ -1,0 +1,148 @@
+"""Flipped bits, missing, truncated and empty chunk objects are detected, never read as data."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import featstore
+from featstore import ComputeOptions, CorruptChunk
+from featstore.cli import main as cli
+
+from .models import TinyA, VectorData
+
+FLIPS = 120  # random single-bit flips per run (FEATSTORE_FLIPS overrides for a longer local run)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, dask_client):
+    root = tmp_path_factory.mktemp("pristine") / "store"
+    store = featstore.open_store(root)
+    v = store.compute("c/set", model=TinyA(), dataset=VectorData(256), keep=["target"],
+                      outputs={"features": "float16", "logits": "float32"}, batch_size=32,
+                      samples_per_shard=64, client=dask_client,
+                      options=ComputeOptions(progress=False, chunk_rows=16))
+    return root, v.id
+
+
+@pytest.fixture
+def damaged(pristine, tmp_path):
+    """A private copy of the pristine store, to damage."""
+    root, vid = pristine
+    shutil.copytree(root, tmp_path / "store")
+    store = featstore.open_store(tmp_path / "store")
+    v = store.open(f"c/set@{vid}")
+    return store, v, Path(v.storage.path(v.key))
+
+
+def shard_objects(base: Path) -> list[Path]:
+    return sorted(p for p in base.glob("*/c/**/*") if p.is_file())
+
+
+def test_every_single_bit_flip_is_detected(damaged):
+    import os
+
+    store, v, base = damaged
+    files = shard_objects(base)
+    assert len(files) == 3 * 4  # 3 arrays x 4 shards, one object each
+    rng = random.Random(1234)
+    flips = int(os.environ.get("FEATSTORE_FLIPS", FLIPS))
+    detected = 0
+    for i in range(flips):
+        f = rng.choice(files)
+        data = bytearray(f.read_bytes())
+        pos, bit = rng.randrange(len(data)), rng.randrange(8)
+        data[pos] ^= 1 << bit
+        f.write_bytes(bytes(data))
+        rel = f.relative_to(base).as_posix()
+        field, shard = rel.split("/")[0], int(rel.split("/")[2])
+        fresh = store.open(f"c/set@{v.id}")  # no cached decoded data
+        with pytest.raises(CorruptChunk) as err:
+            fresh.read_rows(field, shard * 64, shard * 64 + 64)
+        assert err.value.array == field and err.value.chunk == rel and v.id in err.value.version
+        assert rel in str(err.value) and "featstore verify" in str(err.value)
+        if i % 20 == 0:  # the whole-version check names exactly that object
+            problems = fresh.verify()
+            assert len(problems) == 1 and problems[0].startswith(rel)
+        data[pos] ^= 1 << bit
+        f.write_bytes(bytes(data))
+        detected += 1
+    assert detected == flips
+    assert store.open(f"c/set@{v.id}").verify() == []  # restored: clean again
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "truncated"])
+def test_missing_empty_or_truncated_object_raises(damaged, damage):
+    store, v, base = damaged
+    target = base / "logits" / "c" / "2" / "0"
+    if damage == "missing":
+        target.unlink()
+    elif damage == "empty":
+        target.write_bytes(b"")
+    else:
+        target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])
+    fresh = store.open(f"c/set@{v.id}")
+    with pytest.raises(CorruptChunk, match="logits/c/2/0"):
+        fresh.read_rows("logits", 128, 192)
+    with pytest.raises(CorruptChunk):
+        fresh.load()
+    with pytest.raises(CorruptChunk):  # and through DataLoader worker processes
+        list(DataLoader(fresh.dataset(batch_size=32), batch_size=None, num_workers=2, timeout=120))
+    assert [p.split(" ")[0] for p in fresh.verify()] == ["logits/c/2/0"]
+    assert torch.equal(fresh[0:64]["logits"], store.open(f"c/set@{v.id}")[0:64]["logits"])  # others fine
+
+
+def test_all_zero_shards_are_stored_and_their_loss_detected(tmp_path, dask_client):
+    zero = torch.nn.Linear(12, 4)
+    with torch.no_grad():
+        zero.weight.zero_()
+        zero.bias.zero_()
+    store = featstore.open_store(tmp_path / "store")
+    v = store.compute("zeros", model=zero, dataset=VectorData(64), outputs={"z": "float32"},
+                      samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
+    base = Path(v.storage.path(v.key))
+    assert len(shard_objects(base)) == 2  # written although equal to the fill value
+    assert torch.equal(v.load()["z"], torch.zeros(64, 4))
+    (base / "z" / "c" / "1" / "0").unlink()
+    with pytest.raises(CorruptChunk, match="missing"):
+        store.open("zeros").load()  # never read back as zeros
+
+
+def test_cli_verify_reports_every_bad_chunk(damaged, capsys):
+    store, v, base = damaged
+    (base / "features" / "c" / "0" / "0").unlink()
+    bad = base / "target" / "c" / "3"
+    data = bytearray(bad.read_bytes())
+    data[5] ^= 0x10
+    bad.write_bytes(bytes(data))
+    assert cli(["verify", str(store.url), f"c/set@{v.id}"]) == 1
+    out = capsys.readouterr().out
+    assert "features/c/0/0" in out and "target/c/3" in out and "2 bad" in out
+    shutil.rmtree(base / "features")
+    assert cli(["verify", str(store.url), f"c/set@{v.id}"]) == 1
+
+
+def test_s3_bit_flip_detected(s3_url, dask_client):
+    import boto3
+
+    url, opts = s3_url
+    store = featstore.open_store(url, storage_options=opts)
+    v = store.compute("c/s3", model=TinyA(), dataset=VectorData(64), outputs={"features": "float32",
+                      "logits": "float32"}, samples_per_shard=32, client=dask_client,
+                      options=ComputeOptions(progress=False))
+    s3 = boto3.client("s3", endpoint_url=opts["endpoint_url"])
+    bucket, prefix = url[5:].split("/", 1)
+    key = f"{prefix}/{v.key}/logits/c/1/0"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 3] ^= 0x04
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(CorruptChunk, match="logits/c/1/0"):
+        featstore.open_store(url, storage_options=opts).open("c/s3").load()
+    s3.delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(CorruptChunk, match="missing"):
+        featstore.open_store(url, storage_options=opts).open("c/s3").load()
