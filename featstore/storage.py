@@ -65,6 +65,12 @@ class Storage:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = _strip(str(url))
         self._options = dict(storage_options or {})
+        if self.url.startswith(("s3://", "s3a://")):
+            # One GET per object: with max_concurrency > 1 s3fs first asks the object's size
+            # (a HEAD, or a stale listing cache that says "not found" for an object another
+            # process just wrote). Listings are always fresh: other processes write the store.
+            self._options.setdefault("max_concurrency", 1)
+            self._options.setdefault("use_listings_cache", False)
         with backend_errors(self.url):
             self.fs, root = fsspec.core.url_to_fs(self.url, **self._options)
         self.root = _strip(root)
@@ -225,6 +231,22 @@ class Storage:
                 return []
         root = self.root.rstrip("/") + "/"
         return sorted(p[len(root):] if p.startswith(root) else p for p in found)
+
+    def find_modified(self, key: str) -> dict[str, float]:
+        """``{key: modification time (epoch seconds)}`` for every object under ``key``."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return {}
+        root = self.root.rstrip("/") + "/"
+        out = {}
+        for p, info in found.items():
+            t = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
+            out[p[len(root):] if p.startswith(root) else p] = t if isinstance(t, (int, float)) else t.timestamp()
+        return out
 
     def exists(self, key: str) -> bool:
         """Whether an object exists at ``key``."""

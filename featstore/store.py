@@ -341,6 +341,40 @@ class FeatureStore:
         self.storage.delete(f"{v.key}/{MANIFEST}")
         self.storage.delete(v.key, recursive=True)
 
+    def gc(self, older_than: float = 3600.0, dry_run: bool = False) -> list[str]:
+        """Delete what no committed version needs, and return the keys deleted.
+
+        That is: folders of versions that were never committed (an interrupted ``compute``)
+        whose newest object is older than ``older_than`` seconds (younger ones may belong to a
+        compute still running, or waiting to be resumed), and temporary ``*.partial`` objects
+        left by a killed writer. Committed versions and tags are never touched.
+
+        >>> store.gc(older_than=24 * 3600)
+        ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
+        """
+        import time
+
+        now = time.time()
+        deleted: list[str] = []
+        objects = self.storage.find_modified("")
+        by_version: dict[str, dict[str, float]] = {}
+        for key, mtime in objects.items():
+            if "/_versions/" in key:
+                name, rest = key.split("/_versions/", 1)
+                by_version.setdefault(f"{name}/_versions/{rest.split('/', 1)[0]}", {})[key] = mtime
+            elif key.endswith(".partial") and now - mtime > older_than:
+                deleted.append(key)
+        for vkey, members in by_version.items():
+            if f"{vkey}/{MANIFEST}" not in members:
+                if now - max(members.values()) > older_than:
+                    deleted.extend(sorted(members))
+            else:
+                deleted.extend(k for k, t in members.items() if ".partial" in k and now - t > older_than)
+        if not dry_run:
+            for key in deleted:
+                self.storage.delete(key)
+        return deleted
+
     def compute(self, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
