@@ -1,7 +1,7 @@
 """Validation of user-given names; nothing outside the store root may ever be addressed.
 
 Names are checked by an allow-list, never by stripping bad parts: a segment starts with an ASCII
-letter or digit and continues with letters, digits, ``.``, ``_`` or ``-``. So ``..``, absolute
+letter or digit, continues with letters, digits, ``.``, ``_`` or ``-`` and does not end in ``.``. So ``..``, absolute
 paths, backslashes, ``%2e``, NUL and unicode look-alikes are all refused, and a segment can never
 collide with featstore's own ``_versions``/``_tags`` folders (they start with ``_``).
 """
@@ -12,7 +12,8 @@ import re
 
 from .errors import InvalidName
 
-_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+# No trailing dot: Windows and some object-store tools strip it, so "a." would alias "a".
+_SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9_-])?"
 _NAME_RE = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT}){{0,7}}")
 _TAG_RE = re.compile(_SEGMENT)
 _VERSION_RE = re.compile(r"[0-9a-f]{16}")
@@ -38,7 +39,8 @@ def check_name(name: object) -> str:
     return _check(
         "feature-set name", name, _NAME_RE,
         "use 1-8 '/'-separated segments of ASCII letters, digits, '.', '_' or '-', each starting "
-        "with a letter or digit and at most 64 characters (e.g. 'resnet50/imagenet-train').",
+        "with a letter or digit, not ending with '.', at most 64 characters "
+        "(e.g. 'resnet50/imagenet-train').",
     )
 
 
@@ -46,7 +48,8 @@ def check_tag(tag: object) -> str:
     """Return ``tag`` if it is a valid tag name (one segment, like ``best`` or ``v1.2``)."""
     return _check(
         "tag", tag, _TAG_RE,
-        "use ASCII letters, digits, '.', '_' or '-', starting with a letter or digit, at most 64.",
+        "use ASCII letters, digits, '.', '_' or '-', starting with a letter or digit, not ending "
+        "with '.', at most 64 characters.",
     )
 
 

@@ -295,8 +295,10 @@ class FeatureStore:
             return ref
         if not isinstance(ref, str):
             raise InvalidInput(f"expected 'name', 'name@tag' or 'name@id', got {ref!r}")
-        name, _, sel = ref.partition("@")
+        name, at, sel = ref.partition("@")
         check_name(name)
+        if at and not is_version_id(sel):
+            check_tag(sel)
         if not sel:
             versions = self.versions(name)
             if not versions:
