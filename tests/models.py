@@ -116,3 +116,16 @@ class IdData(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input": torch.arange(6, dtype=torch.float32) * 0.5 + i}
+
+
+class FailsAt(VectorData):
+    """VectorData whose item ``bad`` raises, as a broken file in a real dataset would."""
+
+    def __init__(self, n: int, bad: int, **kw) -> None:
+        super().__init__(n, **kw)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"cannot decode item {i}")
+        return super().__getitem__(i)

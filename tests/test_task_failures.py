@@ -1,0 +1,47 @@
+"""A failure inside one compute task stops the job, names the samples and the task, commits
+nothing, and keeps the finished shards for the resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from featstore import ComputeFailed, ComputeOptions, NonFiniteOutput
+from featstore.fingerprint import sample_positions
+
+from .models import FailsAt, IdData, NaNAt, TinyA, VectorData
+
+N, SPP, BAD = 256, 32, 200
+QUIET = ComputeOptions(progress=False)
+
+
+def receipts(store) -> set[int]:
+    return {int(k.rsplit("/", 1)[1].split(".")[0]) for k in store.storage.find("") if "/_receipts/" in k}
+
+
+def test_dataset_error_in_one_task_keeps_finished_shards(local_store, dask_client):
+    assert BAD not in sample_positions(N)  # the driver's fingerprint sampling does not hit it
+    kw = dict(model=TinyA(), keep=["target"], outputs={"features": "float32", "logits": "float32"},
+              batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
+    with pytest.raises(ComputeFailed) as err:
+        local_store.compute("fail/set", dataset=FailsAt(N, BAD), **kw)
+    msg = str(err.value)
+    assert "cannot decode item 200" in msg and "[192, 208)" in msg and "featstore-shards-" in msg
+    assert local_store.versions("fail/set") == []
+    kept = receipts(local_store)
+    assert BAD // SPP not in kept and kept  # the broken shard is not marked finished; others are
+    v = local_store.compute("fail/set", dataset=VectorData(N), **kw)  # the data fixed, same content
+    assert v.manifest.timings["shards_computed"] == N // SPP - len(kept)
+    assert v.verify() == []
+
+
+def test_nan_in_one_task_reports_the_sample_and_keeps_finished_shards(local_store, dask_client):
+    with pytest.raises(NonFiniteOutput, match=r"first: \[150\].*featstore-shards-"):
+        local_store.compute("nan/set", model=NaNAt(150), dataset=IdData(N), outputs={"out": "float32"},
+                            batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
+    kept = receipts(local_store)
+    assert 150 // SPP not in kept and kept
+    v = local_store.compute("nan/set", model=NaNAt(150), dataset=IdData(N), outputs={"out": "float32"},
+                            batch_size=16, samples_per_shard=SPP, client=dask_client,
+                            options=ComputeOptions(progress=False, allow_nonfinite=True))
+    assert v.manifest.timings["shards_computed"] == N // SPP - len(kept)
+    assert v.manifest.stats["out"]["nonfinite_samples"] == [150]
