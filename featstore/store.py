@@ -158,7 +158,7 @@ class Version:
             return arr.oindex[selection]
         except FeatstoreError:
             raise
-        except (ConnectionError, TimeoutError) as exc:
+        except (ConnectionError, TimeoutError, PermissionError) as exc:
             raise StoreUnavailable(f"reading {self.name}@{self.id}/{field} failed: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
             shard = first_row // self.manifest.layout.samples_per_shard
