@@ -54,39 +54,47 @@ def classify(method: str, path: str, query: str) -> str:
 
 @dataclass
 class Rule:
-    """Fail requests of ``ops`` whose path matches ``path`` with fault ``kind``.
+    """Fail requests of ``ops`` whose path (and query) matches ``path`` with fault ``kind``.
 
-    ``rate`` is the share of distinct requests that are faulted at all; each faulted request
-    fails its first k attempts, k drawn from ``min_times``..``times`` (or forever when ``times`` is None).
+    ``kind`` is one fault or a tuple of them, dealt out in turn to the faulted requests. ``rate``
+    is the share of distinct requests that are faulted at all (the first ``first`` always are);
+    each faulted request fails its first k attempts, k drawn from ``min_times``..``times``, or
+    forever when ``times`` is None.
     """
 
-    kind: str
+    kind: str | tuple[str, ...]
     ops: tuple[str, ...] = ("PUT", "GET", "LIST", "HEAD")
     path: str = ""
     times: int | None = 2
     min_times: int = 1
     rate: float = 1.0
+    first: int = 0
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False)
     _left: dict = field(init=False, repr=False, default_factory=dict)
+    _dealt: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
-        assert self.kind in KINDS, self.kind
+        self.kinds = (self.kind,) if isinstance(self.kind, str) else tuple(self.kind)
+        assert set(self.kinds) <= set(KINDS), self.kinds
         self._rng = random.Random(self.seed)
 
-    def take(self, op: str, ident: tuple) -> bool:
-        """Whether this attempt of request ``ident`` must fail (called under the proxy lock)."""
-        if op not in self.ops or (self.path and not re.search(self.path, ident[1])):
-            return False
-        if self.times is None:
-            return True
+    def take(self, op: str, ident: tuple) -> str | None:
+        """The fault for this attempt of request ``ident``, or None (called under the proxy lock)."""
+        if op not in self.ops or (self.path and not re.search(self.path, f"{ident[1]}?{ident[2]}")):
+            return None
         if ident not in self._left:
-            hit = self._rng.random() < self.rate
-            self._left[ident] = self._rng.randint(min(self.min_times, self.times), self.times) if hit else 0
-        if self._left[ident] > 0:
-            self._left[ident] -= 1
-            return True
-        return False
+            hit = len(self._left) < self.first or self._rng.random() < self.rate
+            n = 0
+            if hit:
+                n = -1 if self.times is None else self._rng.randint(min(self.min_times, self.times), self.times)
+            self._left[ident] = [n, self.kinds[self._dealt % len(self.kinds)]]
+            self._dealt += bool(hit)
+        left = self._left[ident]
+        if left[0] == 0:
+            return None
+        left[0] -= left[0] > 0
+        return left[1]
 
 
 class FaultProxy:
@@ -165,10 +173,11 @@ class FaultProxy:
                 self.retries += 1
                 self._faulted.discard(ident)
             for rule in self.rules:
-                if rule.take(op, ident):
-                    self.faults[(rule.kind, op)] += 1
+                kind = rule.take(op, ident)
+                if kind is not None:
+                    self.faults[(kind, op)] += 1
                     self._faulted.add(ident)
-                    return rule.kind
+                    return kind
         return None
 
 
