@@ -241,7 +241,7 @@ class Storage:
             return None
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
             raise IncompatibleFormat(
                 f"{self.child_url(key)} is not valid JSON ({exc}); the object is damaged. "
                 "Delete the version and recompute it."
