@@ -247,7 +247,8 @@ class Storage:
                 "Delete the version and recompute it."
             ) from exc
         if not isinstance(obj, dict):
-            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object.")
+            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object; the object "
+                                     "is damaged or not featstore's. Delete it (or its version) and recompute.")
         return obj
 
     def write_json(self, key: str, obj: dict[str, Any]) -> None:

@@ -69,6 +69,10 @@ def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version:
         problems.append(f"shape {meta.get('shape')!r} but the manifest says {want_shape}")
     if grid.get("name") != "regular" or (grid.get("configuration") or {}).get("chunk_shape") != want_grid:
         problems.append(f"chunk grid {grid!r} is not shards of {want_grid}")
+    top = meta.get("codecs")
+    if not (isinstance(top, list) and len(top) == 1 and isinstance(top[0], dict)
+            and top[0].get("name") == "sharding_indexed"):
+        problems.append("the codec chain is not one sharding codec (featstore writes whole shards)")
     names = _codec_names(meta.get("codecs", []))
     if not names or not set(names) <= ALLOWED_CODECS:
         problems.append(f"codecs {names} (featstore writes only {sorted(ALLOWED_CODECS)})")
