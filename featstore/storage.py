@@ -165,9 +165,14 @@ class Storage:
     # -- bytes --------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes | None:
         """The object's bytes, or ``None`` if it does not exist."""
+        path = self.path(key)
         with backend_errors(self.url):
+            # s3fs answers "not found" from a cached listing of the parent folder (its size
+            # lookup before a GET): a manifest another process just committed would read as
+            # absent. Drop the cached listings on the way first (local, no request).
+            self.fs.invalidate_cache(path)
             try:
-                return self.fs.cat_file(self.path(key))
+                return self.fs.cat_file(path)
             except FileNotFoundError:
                 return None
 
