@@ -4,7 +4,13 @@ Everything featstore writes besides Zarr chunks (manifests, receipts, tags) goes
 :class:`Storage`, which maps backend errors onto the featstore error tree and offers one atomic
 primitive, :meth:`Storage.create`: write an object only if it does not exist yet
 (``os.link`` locally, ``If-None-Match: *`` on S3). Credentials given in ``storage_options`` are
-kept in memory only: never logged, never shown in a repr, never written to the store.
+kept in memory only: never logged, never shown in a repr, never written to the store (they do
+travel, pickled, to the worker processes that need them: see the README section "Credentials").
+
+On S3, transient faults (503 SlowDown, 500 InternalError, connection resets, read timeouts) are
+retried by botocore with jittered exponential backoff, configured here explicitly so the policy
+does not depend on ``~/.aws/config`` (see :func:`s3_options`); a fault that outlasts the retries
+becomes :class:`StoreUnavailable`, in featstore's own calls and in Zarr's chunk reads and writes.
 """
 
 from __future__ import annotations
@@ -18,11 +24,52 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
+import zarr.abc.store
 import zarr.storage
 
 from .errors import FeatstoreError, IncompatibleFormat, StoreConflict, StoreUnavailable
 
 _WRITE_ID = "_write_id"
+
+#: botocore attempts per S3 request (the first one included) when the user sets no policy.
+#: s3fs retries SlowDown and connection errors again around botocore (5 times), but not 500
+#: InternalError: so a request survives 4 consecutive faults of any kind, a persistent 500
+#: fails after 5 attempts (~8 s of backoff), a persistent 503/reset after at most 25 (~40 s).
+S3_MAX_ATTEMPTS = 5
+
+#: Option names whose values are credentials: masked in every repr featstore makes.
+SECRET_OPTIONS = frozenset({"key", "secret", "token", "password", "username", "aws_access_key_id",
+                            "aws_secret_access_key", "aws_session_token", "session_token",
+                            "sas_token", "account_key", "client_secret", "credentials"})
+
+
+def s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``storage_options`` for an S3 URL with featstore's retry policy filled in.
+
+    Only when the user set none (no ``config_kwargs["retries"]``, no ``AWS_MAX_ATTEMPTS`` or
+    ``AWS_RETRY_MODE``): botocore's "standard" mode with :data:`S3_MAX_ATTEMPTS` attempts, which
+    retries 500/502/503/504, throttling, connection errors and read timeouts. These options
+    travel with the store to Dask and DataLoader workers and into Zarr's FsspecStore, so every
+    process and every chunk read/write gets the same policy.
+    """
+    out = dict(options)
+    # One GET per object: with max_concurrency > 1 s3fs first asks the object's size (a HEAD,
+    # or a stale listing cache that says "not found" for an object another process just
+    # wrote). Listings are always fresh: other processes write the store.
+    out.setdefault("max_concurrency", 1)
+    out.setdefault("use_listings_cache", False)
+    config = dict(out.get("config_kwargs") or {})
+    if "retries" not in config and not ({"AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"} & set(os.environ)):
+        config["retries"] = {"mode": "standard", "total_max_attempts": S3_MAX_ATTEMPTS}
+        out["config_kwargs"] = config
+    return out
+
+
+def redact(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every credential value replaced by ``'***'`` (nested dicts too)."""
+    return {k: "***" if k.lower() in SECRET_OPTIONS and v is not None
+            else redact(v) if isinstance(v, Mapping) else v
+            for k, v in options.items()}
 
 
 def _strip(url: str) -> str:
@@ -45,7 +92,8 @@ def backend_errors(url: str) -> Iterator[None]:
         ) from exc
     except Exception as exc:  # noqa: BLE001 - botocore and aiohttp raise many unrelated types
         name = type(exc).__name__
-        if "Credential" in name or "Connect" in name or isinstance(exc, (OSError, TimeoutError)):
+        if ("Credential" in name or "Connect" in name or "Timeout" in name or "HTTPClientError" in name
+                or isinstance(exc, (OSError, TimeoutError))):
             raise StoreUnavailable(
                 f"cannot reach the store at {url} ({name}: {exc}). Check the URL, the endpoint "
                 "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
@@ -65,12 +113,8 @@ class Storage:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = _strip(str(url))
         self._options = dict(storage_options or {})
-        if self.url.startswith(("s3://", "s3a://")):
-            # One GET per object: with max_concurrency > 1 s3fs first asks the object's size
-            # (a HEAD, or a stale listing cache that says "not found" for an object another
-            # process just wrote). Listings are always fresh: other processes write the store.
-            self._options.setdefault("max_concurrency", 1)
-            self._options.setdefault("use_listings_cache", False)
+        if fsspec.core.split_protocol(self.url)[0] in ("s3", "s3a"):
+            self._options = s3_options(self._options)
         with backend_errors(self.url):
             self.fs, root = fsspec.core.url_to_fs(self.url, **self._options)
         self.root = _strip(root)
@@ -81,8 +125,15 @@ class Storage:
     def __repr__(self) -> str:  # never the storage options: they may hold secrets
         return f"Storage({self.url!r})"
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The storage options with credentials masked (safe to log or show)."""
+        return redact(self._options)
+
     def __getstate__(self) -> dict[str, Any]:
-        # Reopen by URL after unpickling: a filesystem object is not fork- or loop-safe.
+        # Reopen by URL after unpickling: a filesystem object is not fork- or loop-safe. The
+        # options go along, credentials included: a worker without its own credential chain
+        # needs them. That is why the README recommends the chain over secrets in options.
         return {"url": self.url, "options": self._options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -119,9 +170,14 @@ class Storage:
     # -- bytes --------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes | None:
         """The object's bytes, or ``None`` if it does not exist."""
+        path = self.path(key)
         with backend_errors(self.url):
+            # s3fs answers "not found" from a cached listing of the parent folder (its size
+            # lookup before a GET): a manifest another process just committed would read as
+            # absent. Drop the cached listings on the way first (local, no request).
+            self.fs.invalidate_cache(path)
             try:
-                return self.fs.cat_file(self.path(key))
+                return self.fs.cat_file(path)
             except FileNotFoundError:
                 return None
 
@@ -195,13 +251,14 @@ class Storage:
             return None
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
             raise IncompatibleFormat(
                 f"{self.child_url(key)} is not valid JSON ({exc}); the object is damaged. "
                 "Delete the version and recompute it."
             ) from exc
         if not isinstance(obj, dict):
-            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object.")
+            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object; the object "
+                                     "is damaged or not featstore's. Delete it (or its version) and recompute.")
         return obj
 
     def write_json(self, key: str, obj: dict[str, Any]) -> None:
@@ -273,9 +330,51 @@ class Storage:
                 os.makedirs(path, exist_ok=True)
             return zarr.storage.LocalStore(path, read_only=read_only)
         with backend_errors(self.url):
-            return zarr.storage.FsspecStore.from_url(
+            store = zarr.storage.FsspecStore.from_url(
                 self.child_url(key), storage_options=self._options or None, read_only=read_only
             )
+        return BackendErrorStore(store, self.url)
+
+
+class BackendErrorStore(zarr.storage.WrapperStore):
+    """Zarr store wrapper: a backend fault that outlasted the retries becomes
+    :class:`StoreUnavailable` (with the fix in its message) instead of a bare ``OSError`` that
+    callers could mistake for corrupt data. Missing keys keep zarr's own meaning."""
+
+    def __init__(self, store: Any, url: str) -> None:
+        super().__init__(store)
+        self._url = url
+
+    def _with_store(self, store: Any) -> "BackendErrorStore":
+        return type(self)(store, self._url)
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        with backend_errors(self._url):
+            return await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+        with backend_errors(self._url):
+            return await self._store.get_partial_values(prototype, key_ranges)
+
+    async def set(self, key: str, value: Any) -> None:
+        with backend_errors(self._url):
+            return await self._store.set(key, value)
+
+    async def set_if_not_exists(self, key: str, value: Any) -> None:
+        with backend_errors(self._url):
+            return await self._store.set_if_not_exists(key, value)
+
+    async def exists(self, key: str) -> bool:
+        with backend_errors(self._url):
+            return await self._store.exists(key)
+
+    async def delete(self, key: str) -> None:
+        with backend_errors(self._url):
+            return await self._store.delete(key)
+
+    async def getsize(self, key: str) -> int:
+        with backend_errors(self._url):
+            return await self._store.getsize(key)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

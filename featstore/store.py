@@ -23,11 +23,12 @@ import zarr
 import zarr.storage
 
 from .codecs import codec_by_name
-from .errors import (CorruptChunk, FeatstoreError, InvalidInput, StoreUnavailable,
+from .errors import (CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreUnavailable,
                      VersionNotFound)
-from .manifest import Manifest
+from .manifest import OBJECT_VERSION, TAG_SCHEMA, Manifest, check_schema
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .storage import Storage
+from .zarrmeta import check_array_metadata
 
 if TYPE_CHECKING:
     from .dataset import FeatureDataset
@@ -135,14 +136,28 @@ class Version:
                                f"{sorted(self.manifest.arrays)}")
             store = _StrictStore(self.storage.zarr_store(self.key, read_only=True),
                                  f"{self.name}@{self.id}")
+            where = f"{self.name}@{self.id}"
             try:
-                self._arrays[field] = zarr.open_array(store, path=field, mode="r")
+                arr = zarr.open_array(store, path=field, mode="r")
             except FeatstoreError:
                 raise
             except FileNotFoundError as exc:
                 raise CorruptChunk(f"array {field!r} of version {self.name}@{self.id} is missing "
                                    "its zarr.json; delete and recompute the version.",
-                                   version=f"{self.name}@{self.id}", array=field, chunk="zarr.json") from exc
+                                   version=where, array=field, chunk="zarr.json") from exc
+            except Exception as exc:  # noqa: BLE001 - zarr raises many types on bad metadata
+                # Say "newer format" when it is one, else "damaged", from the raw JSON.
+                raw = self.storage.read_bytes(f"{self.key}/{field}/zarr.json")
+                meta = _loads_or_none(raw)
+                check_array_metadata(meta, self.manifest.arrays[field], self.manifest.layout,
+                                     version=where, array=field)
+                raise CorruptChunk(f"{field}/zarr.json of version {where} cannot be opened "
+                                   f"({type(exc).__name__}: {exc}); delete and recompute the version.",
+                                   version=where, array=field, chunk=f"{field}/zarr.json") from exc
+            # Validate what zarr parsed (the very metadata it will use) before any chunk is decoded.
+            check_array_metadata(arr.metadata.to_dict(), self.manifest.arrays[field], self.manifest.layout,
+                                 version=where, array=field)
+            self._arrays[field] = arr
         return self._arrays[field]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
@@ -157,7 +172,7 @@ class Version:
             return arr.oindex[selection]
         except FeatstoreError:
             raise
-        except (ConnectionError, TimeoutError) as exc:
+        except (ConnectionError, TimeoutError, PermissionError) as exc:
             raise StoreUnavailable(f"reading {self.name}@{self.id}/{field} failed: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
             shard = self._bad_shard(field, selection, first_row)
@@ -272,16 +287,41 @@ class FeatureStore:
     def _manifest(self, name: str, vid: str) -> Manifest | None:
         key = f"{version_key(name, vid)}/{MANIFEST}"
         obj = self.storage.read_json(key)
-        return None if obj is None else Manifest.from_json(obj, self.storage.child_url(key))
+        if obj is None:
+            return None
+        where = self.storage.child_url(key)
+        m = Manifest.from_json(obj, where)
+        if (m.name, m.id) != (name, vid):  # a manifest copied or planted under another path
+            raise IncompatibleFormat(f"{where} describes {m.name}@{m.id}, not {name}@{vid}; the store "
+                                     "is damaged. Delete that version folder.")
+        return m
+
+    def _tag(self, name: str, tag: str) -> str | None:
+        """The version id a tag points at (validated), or None if there is no such tag."""
+        key = _tag_key(name, tag)
+        obj = self.storage.read_json(key)
+        if obj is None:
+            return None
+        where = self.storage.child_url(key)
+        check_schema(obj, TAG_SCHEMA, OBJECT_VERSION, where)
+        vid = obj.get("version")
+        if not isinstance(vid, str) or not is_version_id(vid):
+            raise IncompatibleFormat(f"{where} does not point at a version id ({vid!r}); the tag is "
+                                     f"damaged: move it with store.tag(version, {tag!r}) or remove it.")
+        return vid
 
     def tags(self, name: str) -> dict[str, str]:
         """``{tag: version id}`` for one feature set."""
         out = {}
         for entry in self.storage.list_dirs(f"{check_name(name)}/_tags"):
             if entry.endswith(".json"):
-                obj = self.storage.read_json(f"{name}/_tags/{entry}")
-                if obj is not None:
-                    out[entry[:-5]] = str(obj.get("version"))
+                try:
+                    check_tag(entry[:-5])
+                except FeatstoreError:
+                    continue  # not a tag featstore wrote: never addressed
+                vid = self._tag(name, entry[:-5])
+                if vid is not None:
+                    out[entry[:-5]] = vid
         return out
 
     # -- resolving ------------------------------------------------------------------------
@@ -311,9 +351,9 @@ class FeatureStore:
             m = self._manifest(name, sel)
             if m is not None:
                 return Version(self.storage, m)
-        tag_obj = self.storage.read_json(_tag_key(name, sel)) if not is_version_id(sel) else None
-        if tag_obj is not None:
-            m = self._manifest(name, check_version_id(str(tag_obj.get("version"))))
+        tag_vid = self._tag(name, sel) if not is_version_id(sel) else None
+        if tag_vid is not None:
+            m = self._manifest(name, tag_vid)
             if m is not None:
                 return Version(self.storage, m)
         raise VersionNotFound(
@@ -325,7 +365,8 @@ class FeatureStore:
     def tag(self, version: "Version | str", tag: str) -> None:
         """Point ``tag`` at a committed version (moving it if it pointed elsewhere)."""
         v = self.open(version)
-        self.storage.write_json(_tag_key(v.name, tag), {"version": v.id})
+        self.storage.write_json(_tag_key(v.name, tag),
+                                {"schema": TAG_SCHEMA, "schema_version": OBJECT_VERSION, "version": v.id})
 
     def untag(self, name: str, tag: str) -> None:
         """Remove a tag (the version stays)."""
@@ -402,6 +443,15 @@ class FeatureStore:
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         """
         return self.open(ref).dataset(**options)
+
+
+def _loads_or_none(raw: bytes | None) -> Any:
+    import json
+
+    try:
+        return None if raw is None else json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> FeatureStore:

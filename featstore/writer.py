@@ -26,7 +26,7 @@ import torch
 import zarr
 
 from . import codecs as _codecs
-from .errors import (ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput,
+from .errors import (ComputeFailed, EmptyDataset, FeatstoreError, IncompatibleFormat, InvalidInput,
                      MissingInputKey, NonFiniteOutput, OutputMismatch, StoreConflict)
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
@@ -423,33 +423,74 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str]], outputs: Map
     return arrays
 
 
-def _prepare(storage: Storage, key: str, layout: Layout, arrays: dict[str, ArraySpec]) -> set[int]:
-    """Create the version's arrays, or reuse them for a resume; return finished shard indices."""
-    pending = {"layout": layout.__dict__, "arrays": {n: a.__dict__ for n, a in arrays.items()}}
-    pending = _json_roundtrip(pending)
-    if storage.read_json(f"{key}/{PENDING}") == pending:
-        done = set()
-        for entry in storage.list_dirs(f"{key}/{RECEIPTS}"):
-            obj = storage.read_json(f"{key}/{RECEIPTS}/{entry}") if entry.endswith(".json") else None
-            if obj is None:
-                continue
-            r = ShardReceipt.from_json(obj)
-            if (r.start, r.stop) == layout.shard_range(r.index) and set(r.digests) == set(arrays):
-                done.add(r.index)
-        return done
-    storage.delete(key, recursive=True)  # an uncommitted leftover of another layout
-    group = zarr.open_group(storage.zarr_store(key, read_only=False), mode="w")
+def _prepare(storage: Storage, key: str, layout: Layout,
+             arrays: dict[str, ArraySpec]) -> tuple[Layout, set[int]]:
+    """Claim the version folder (or join the run that claimed it); return the layout to use and
+    the shards already finished.
+
+    Never deletes anything: a concurrent compute of the same fingerprint may be writing here or
+    may just have committed. The first run creates ``_pending.json`` (create-if-absent) and so
+    fixes the layout; every later run (a resume, or a concurrent run) adopts that layout: same
+    fingerprint, same content, the layout only cuts it into shards. Shards with a receipt are
+    skipped; the rest may be written by several runs at once, with the same bytes.
+    """
+    from .storage import canonical_json
+
+    pending = _json_roundtrip({"layout": layout.__dict__, "arrays": {n: a.__dict__ for n, a in arrays.items()}})
+    founder = storage.create(f"{key}/{PENDING}", canonical_json(pending))
+    claimed = pending if founder else storage.read_json(f"{key}/{PENDING}")
+    if claimed is None:  # removed by a run that committed in between: that commit will be adopted
+        claimed = pending
+    if claimed.get("arrays") != pending["arrays"]:
+        raise StoreConflict(
+            f"{storage.child_url(key)} is being (or was) computed with other arrays "
+            f"({sorted(claimed.get('arrays') or {})}) for the same fingerprint; wait for that run, "
+            "or delete the uncommitted version folder if no run is alive, then rerun.")
+    try:
+        claimed_layout = Layout(**{k: int(v) for k, v in claimed["layout"].items()})
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise IncompatibleFormat(f"{storage.child_url(key)}/{PENDING} is malformed ({exc}); delete the "
+                                 "uncommitted version folder and rerun.") from exc
+    if claimed_layout != layout:
+        log.warning("%s: another run fixed the layout (%d samples per shard); using it instead of %d",
+                    key, claimed_layout.samples_per_shard, layout.samples_per_shard)
+        layout = claimed_layout
+    try:
+        group = zarr.open_group(storage.zarr_store(key, read_only=False), mode="a")
+    except zarr.errors.ContainsGroupError:  # a concurrent run created it between look and create
+        group = zarr.open_group(storage.zarr_store(key, read_only=False), mode="r+")
     for name, a in arrays.items():
-        group.create_array(
-            name, shape=(layout.n_samples, *a.shape), dtype=a.dtype,
-            chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
-            compressors=_codecs.zarr_codecs(), fill_value=0,
-            config={"write_empty_chunks": True},
-            dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
-            attributes={"featstore": {"codec": a.codec, "source": a.source}},
-        )
-    storage.write_json(f"{key}/{PENDING}", pending)
-    return set()
+        shape = (layout.n_samples, *a.shape)
+        try:
+            existing = group[name]
+        except KeyError:
+            existing = None
+        if existing is not None:
+            if existing.shape == shape and existing.shards == (layout.samples_per_shard, *a.shape):
+                continue  # created by the founder or an earlier run: identical metadata
+            raise StoreConflict(f"array {name!r} under {storage.child_url(key)} has another layout "
+                                "than its claim; if no compute of it is running, delete that "
+                                "uncommitted version folder and rerun.")
+        try:
+            group.create_array(
+                name, shape=shape, dtype=a.dtype,
+                chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
+                compressors=_codecs.zarr_codecs(), fill_value=0,
+                config={"write_empty_chunks": True},
+                dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
+                attributes={"featstore": {"codec": a.codec, "source": a.source}},
+            )
+        except zarr.errors.ContainsArrayError:
+            pass  # a concurrent run created it a moment ago, from the same claim
+    done = set()
+    for entry in storage.list_dirs(f"{key}/{RECEIPTS}"):
+        obj = storage.read_json(f"{key}/{RECEIPTS}/{entry}") if entry.endswith(".json") else None
+        if obj is None:
+            continue
+        r = ShardReceipt.from_json(obj)
+        if (r.start, r.stop) == layout.shard_range(r.index) and set(r.digests) == set(arrays):
+            done.add(r.index)
+    return layout, done
 
 
 def _json_roundtrip(obj: Any) -> Any:
@@ -561,9 +602,9 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
         arrays = _spec_arrays(probed, outputs, keep_map)
         row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
         layout = choose_layout(n, row_bytes, samples_per_shard, options.chunk_rows, options.target_shard_bytes)
+        layout, done = _prepare(storage, key, layout, arrays)  # may adopt a concurrent run's layout
         spec = TaskSpec(**{**base.__dict__, "arrays": arrays, "layout": layout,
                            "dtypes": {k: d for k, (_, d) in probed.items()}})
-        done = _prepare(storage, key, layout, arrays)
         todo = [i for i in range(layout.n_shards) if i not in done]
         done_rows = sum(b - a for a, b in map(layout.shard_range, done))
         log.info("computing %s@%s: %d shards to do, %d already finished", name, vid, len(todo), len(done))
@@ -595,7 +636,7 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
         if winner is None or winner.fingerprint != fp:
             raise
         return Version(storage, winner)  # an identical concurrent run committed first: adopt it
-    storage.delete(f"{key}/{PENDING}")
+    # _pending.json stays: deleting it would let a late concurrent run re-claim a committed folder.
     return Version(storage, manifest)
 
 
