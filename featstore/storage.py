@@ -186,13 +186,7 @@ class Storage:
         path = self.path(key)
         with backend_errors(self.url):
             if self.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{uuid.uuid4().hex}.partial"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                os.replace(_durable_temp(path, data), path)
             else:
                 self.fs.pipe_file(path, data)
 
@@ -204,12 +198,7 @@ class Storage:
         path = self.path(key)
         with backend_errors(self.url):
             if self.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{uuid.uuid4().hex}.partial"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                tmp = _durable_temp(path, data)
                 try:
                     os.link(tmp, path)
                     return True
@@ -375,6 +364,21 @@ class BackendErrorStore(zarr.storage.WrapperStore):
     async def getsize(self, key: str) -> int:
         with backend_errors(self._url):
             return await self._store.getsize(key)
+
+
+def _durable_temp(path: str, data: bytes) -> str:
+    """Write ``data`` fsynced to a unique ``*.partial`` file beside ``path``; return its name.
+
+    Readers never see a partial object: the caller renames or links it into place, and a
+    killed writer leaves only the ``.partial`` file, which :meth:`FeatureStore.gc` removes.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
