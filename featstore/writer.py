@@ -17,7 +17,8 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ PENDING = "_pending.json"
 RECEIPTS = "_receipts"
 MIN_SHARDS = 8
 NONFINITE_KEPT = 1000  # sample ids with NaN/Inf recorded in the manifest, per output
+_AHEAD = 4  # batches a task may run ahead of its write thread
 
 
 @dataclass(frozen=True)
@@ -261,9 +263,7 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
         if bad_rows:
             s["nonfinite_samples"] = bad_rows[:NONFINITE_KEPT]
         if codec.lossy:
-            err = (codec.decode(arr).to(torch.float64) - t.detach().to("cpu", torch.float64)).abs()
-            err = err[torch.isfinite(err)]
-            s["max_abs_error"] = float(err.max()) if err.numel() else 0.0
+            s["max_abs_error"] = _codecs.max_abs_error(codec, arr, t)
         encoded[name], stats[name] = arr, s
     return encoded, stats
 
@@ -295,37 +295,75 @@ def _progress(topic: str, n: int) -> None:
         pass
 
 
+def _fetch_checked(dataset: Any, b0: int, b1: int) -> list[Any]:
+    try:
+        return _fetch(dataset, b0, b1)
+    except Exception as exc:  # noqa: BLE001
+        raise ComputeFailed(f"the dataset raised {type(exc).__name__}: {exc} reading "
+                            f"samples [{b0}, {b1}); finished shards are kept.") from exc
+
+
+def _store_batch(spec: TaskSpec, values: dict[str, torch.Tensor], b0: int, b1: int, start: int,
+                 buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
+    """Check, encode and copy one batch into its shard's buffers (runs on the write thread)."""
+    _check_batch(spec, values, b1 - b0, b0)
+    enc, st = _encode(spec, values, b0)
+    for n, arr in enc.items():
+        buffers[n][b0 - start:b1 - start] = arr
+        stats[n] = _codecs.merge_stats(stats.get(n), st[n])
+
+
 def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) -> list[dict]:
-    """The Dask task: compute and store whole shards, return their receipts as JSON dicts."""
+    """The Dask task: compute and store whole shards, return their receipts as JSON dicts.
+
+    Three stages overlap, so Model A's forward is the only work on the task's own thread: a
+    fetch thread reads batch i+1 from the dataset, the task runs A on batch i, and a write
+    thread checks and encodes batch i-1 and compresses and writes finished shards, in order.
+    At most ``_AHEAD`` batches wait for the write thread, which bounds memory to a few shards.
+    """
     net = worker_model(model, spec.model_key, spec.threads)
     arrays = _open_arrays(spec)
+    plan = []  # (shard index, batch start, batch stop, last batch of the shard)
+    for index in shards:
+        start, stop = spec.layout.shard_range(index)
+        for b0 in range(start, stop, spec.batch_size):
+            b1 = min(b0 + spec.batch_size, stop)
+            plan.append((index, b0, b1, b1 == stop))
     receipts: list[dict] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool:
-        pending = None
-        for index in shards:
-            start, stop = spec.layout.shard_range(index)
-            buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
-            stats: dict[str, dict] = {}
-            for b0 in range(start, stop, spec.batch_size):
-                b1 = min(b0 + spec.batch_size, stop)
-                try:
-                    items = _fetch(dataset, b0, b1)
-                except Exception as exc:  # noqa: BLE001
-                    raise ComputeFailed(f"the dataset raised {type(exc).__name__}: {exc} reading "
-                                        f"samples [{b0}, {b1}); finished shards are kept.") from exc
+    with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
+        waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
+        writes: deque[Future] = deque()
+        buffers: dict[str, np.ndarray] = {}
+        stats: dict[str, dict] = {}
+        nxt = fetcher.submit(_fetch_checked, dataset, plan[0][1], plan[0][2]) if plan else None
+        try:
+            for k, (index, b0, b1, last) in enumerate(plan):
+                items = nxt.result()
+                if k + 1 < len(plan):
+                    nxt = fetcher.submit(_fetch_checked, dataset, plan[k + 1][1], plan[k + 1][2])
+                start, stop = spec.layout.shard_range(index)
+                if b0 == start:
+                    buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
+                    stats = {}
                 outs, kept = _forward(spec, net, items, b0)
-                values = {**outs, **kept}
-                _check_batch(spec, values, b1 - b0, b0)
-                enc, st = _encode(spec, values, b0)
-                for n, arr in enc.items():
-                    buffers[n][b0 - start:b1 - start] = arr
-                    stats[n] = _codecs.merge_stats(stats.get(n), st[n])
-                _progress(spec.topic, b1 - b0)
-            if pending is not None:
-                receipts.append(pending.result().to_json())
-            pending = pool.submit(_write_shard, spec, arrays, index, buffers, stats)
-        if pending is not None:
-            receipts.append(pending.result().to_json())
+                _progress(spec.topic, b1 - b0)  # from the task's thread: Dask knows the worker there
+                waiting.append(pool.submit(_store_batch, spec, {**outs, **kept}, b0, b1, start, buffers, stats))
+                if last:
+                    fut = pool.submit(_write_shard, spec, arrays, index, buffers, stats)
+                    waiting.append(fut)
+                    writes.append(fut)
+                while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
+                    waiting.popleft().result()  # raises the first failure, in batch order
+                while writes and writes[0].done():
+                    receipts.append(writes.popleft().result().to_json())
+            while waiting:
+                waiting.popleft().result()
+            receipts.extend(f.result().to_json() for f in writes)
+        except BaseException:
+            for f in waiting:
+                f.cancel()
+            raise
     return receipts
 
 
