@@ -60,8 +60,9 @@ def replay_version(root: str, outputs: dict[str, torch.Tensor], n: int,
     with RssSampler(exclude=exclude) as rss:
         v = store.compute(NAME, model=Replay(), dataset=ReplayData(outputs, n), input_key=None,
                           keep=["target"], outputs={"features": "float16", "logits": "float32"},
-                          batch_size=BATCH, options=featstore.ComputeOptions(progress=False,
-                                                                             dataset_id=f"replay-{n}"))
+                          batch_size=BATCH, options=featstore.ComputeOptions(
+                              progress=False, dataset_id=f"replay-{n}",
+                              processes=True))  # a worker process of its own, so its peak RSS is measurable
     return v, rss.child_peak
 
 

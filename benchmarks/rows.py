@@ -205,6 +205,32 @@ def in_memory(ctx: Ctx, compute_s: float) -> dict[str, Any]:
     return _row(compute_s, res, nbytes, rss)
 
 
+class _MemoryStream(torch.utils.data.IterableDataset):
+    """The in-memory tensor served through DataLoader workers: the cost of the worker machinery
+    itself (fork per epoch, batches sent back through shared memory), with no storage at all."""
+
+    def __init__(self, memory: dict[str, torch.Tensor], epoch: int) -> None:
+        self.memory, self.epoch = memory, epoch
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        n = len(self.memory["target"])
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.epoch))
+        for b, i in enumerate(range(0, n, BATCH)):
+            if b % nw == wid:
+                idx = perm[i:i + BATCH]
+                yield self.memory["features"][idx], self.memory["logits"][idx], self.memory["target"][idx]
+
+
+def in_memory_workers(ctx: Ctx, workers: int = 2) -> float:
+    """Limit: 3 epochs of B from the in-memory tensor through ``workers`` DataLoader workers (s)."""
+    def batches(epoch: int):
+        return DataLoader(_MemoryStream(ctx.memory, epoch), batch_size=None, num_workers=workers)
+
+    return train(batches).seconds
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows 5-6: featstore.
 # ---------------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
             r["a_pure_sps"] = profile.n / a["forward_s"]
             r["in_memory"] = rows.in_memory(ctx, a["forward_s"])
             r["b_pure_sps"] = rows.b_pure(ctx)
+            r["in_memory_w2_s"] = rows.in_memory_workers(ctx, 2)
             _say("torch.save files")
             r["torch_save"] = rows.torch_save_files(ctx, a["folder"], a["forward_s"] + a["save_s"], a["bytes"],
                                                     profile.torchsave_subset)
