@@ -92,19 +92,26 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Stat | None, str, bool 
 
     n = res["profile"]["n"]
     add("compute: featstore writer throughput / A pure in one process", "≥ 0.90",
-        _paired(res, lambda r: n / r["fs_local_compute"]["writer_s"], lambda r: r["a_pure_sps"]),
-        "writer phase from the manifest (`timings.compute_s`), local store", lambda x: x >= 0.90)
+        _paired(res, lambda r: r["fs_local_a_ref_s"], lambda r: r["fs_local_compute"]["writer_s"]),
+        "writer phase from the manifest (`timings.compute_s`), local store, vs a pass of A in one "
+        "process measured right before it", lambda x: x >= 0.90)
     add("compute incl. Dask start-up: A pure time / featstore compute wall time", "(info)",
-        _paired(res, lambda r: r["a_pure"]["forward_s"], lambda r: r["fs_local_compute"]["compute_s"]),
+        _paired(res, lambda r: r["fs_local_a_ref_s"], lambda r: r["fs_local_compute"]["compute_s"]),
         "store.compute() wall time, LocalCluster start-up and probe included", lambda x: True)
     for w in (0, 2):
         add(f"local training, {w} workers: featstore / in-memory tensor (3 epochs)", "≤ 1.10",
-            _paired(res, lambda r, w=w: r[f"fs_local_w{w}"]["train_s"], lambda r: r["in_memory"]["train_s"]),
-            "paired per repeat", lambda x: x <= 1.10)
+            _paired(res, lambda r, w=w: r[f"fs_local_w{w}"]["train_s"], lambda r, w=w: r[f"fs_local_w{w}_ref_s"]),
+            "the in-memory run measured right before each featstore run", lambda x: x <= 1.10)
     for w in (0, 2):
         add(f"S3 training, {w} workers: featstore / in-memory tensor (3 epochs)", "≤ 1.5",
-            _paired(res, lambda r, w=w: r[f"fs_s3_w{w}"]["train_s"], lambda r: r["in_memory"]["train_s"]),
-            "paired per repeat", lambda x: x <= 1.5)
+            _paired(res, lambda r, w=w: r[f"fs_s3_w{w}"]["train_s"], lambda r, w=w: r[f"fs_s3_w{w}_ref_s"]),
+            "the in-memory run measured right before each featstore run", lambda x: x <= 1.5)
+    for where in ("local", "s3"):
+        add(f"no-overlap bound, {where}: (in-memory training + 3 read-only epochs) / in-memory training", "(info)",
+            _paired(res, lambda r, w=where: r[f"fs_{w}_w0_ref_s"] + 3 * n / r[f"fs_{w}_read_sps"],
+                    lambda r, w=where: r[f"fs_{w}_w0_ref_s"]),
+            "what the 0-worker ratio is if the reader's CPU work (decode, gather) cannot overlap B's step: "
+            "on 2 cores B's 2 torch threads already use both", lambda x: True)
     add("2-worker ceiling: in-memory tensor through 2 DataLoader workers / in-memory tensor", "(info)",
         _paired(res, lambda r: r["in_memory_w2_s"], lambda r: r["in_memory"]["train_s"]),
         "the DataLoader worker machinery alone on 2 cores (fork per epoch, shared-memory batches)",
@@ -234,6 +241,23 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         if thr == "(info)":
             met = "info"
         lines.append(f"| {name} | {thr} | {_f(s, 2)} | {met} | {how} |")
+    lines += [
+        "",
+        "How to read the misses (each backed by an info row of the same run):",
+        "",
+        "- *End to end* cannot reach 2.5x on this workload with 3 epochs: A costs about 8x B per sample, so "
+        "even the in-memory tensor (A once in one process, no Dask start-up) is the *end-to-end ceiling* "
+        "row's distance from the frozen-submodule row. featstore adds Dask start-up and writing on top.",
+        "- *Training with 0 workers*: the *no-overlap bound* rows add 3 read-only epochs to the in-memory "
+        "training time. On 2 cores, B's step already uses both cores (2 torch threads), so the reader's "
+        "decode and gather cannot hide behind it; a measured ratio near the bound means the reader's own CPU "
+        "work, not waiting on storage, is what remains.",
+        "- *Training with 2 workers*: the *2-worker ceiling* row serves the in-memory tensor itself through "
+        "2 DataLoader workers; with 2 cores, the worker processes (forked every epoch) and the shared-memory "
+        "hand-off cost more than they hide, whatever the dataset.",
+        "- *S3 byte rate*: moto serves from the same 2 cores. The *S3 bound* row is the ratio expected when "
+        "decoding cannot overlap moto's serving; the raw GET figure has no decode and leaves moto both cores.",
+    ]
     mem = res.get("memory")
     if mem:
         lines += ["", "## Memory rows", "",

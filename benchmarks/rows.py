@@ -103,6 +103,15 @@ def a_pure_and_save(ctx: Ctx) -> dict[str, Any]:
             "main_rss": rss.main_peak}
 
 
+def a_pure_only(ctx: Ctx) -> float:
+    """Seconds of Model A over the data in this process (the reference for featstore's compute)."""
+    t0 = clock()
+    for b in batches_of(ctx.data, ctx.n):
+        with torch.inference_mode():
+            ctx.model(b["input"])
+    return clock() - t0
+
+
 def b_pure(ctx: Ctx, steps: int = 60) -> float:
     """Model B's training throughput (samples/s) on in-memory, already-batched features."""
     m = ctx.memory
@@ -242,7 +251,7 @@ def fs_compute(ctx: Ctx, store: featstore.FeatureStore) -> tuple[featstore.Versi
                           batch_size=BATCH, options=featstore.ComputeOptions(progress=False))
         wall = clock() - t0
     return v, {"compute_s": wall, "writer_s": v.manifest.timings["compute_s"],
-               "main_rss": rss.main_peak, "worker_rss": rss.child_peak, "bytes": version_bytes(v),
+               "main_rss": rss.main_peak, "worker_rss": rss.child_peak or None, "bytes": version_bytes(v),
                "array_bytes": {f: version_bytes(v, f) for f in v.manifest.arrays}}
 
 

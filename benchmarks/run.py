@@ -97,10 +97,14 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                 stores.append(("s3", ctx.s3_store()))
             for where, store in stores:
                 _say(f"featstore {where}: compute")
+                # The machine is shared: each featstore figure gets its own reference measured
+                # right before it, so a ratio compares seconds apart, not minutes.
+                r[f"fs_{where}_a_ref_s"] = rows.a_pure_only(ctx)
                 v, c = rows.fs_compute(ctx, store)
                 r[f"fs_{where}_compute"] = c
                 for w in (0, 2):
                     _say(f"featstore {where}: train, {w} workers")
+                    r[f"fs_{where}_w{w}_ref_s"] = rows.in_memory(ctx, 0.0)["train_s"]
                     tr, rss = rows.fs_train(ctx, v, w)
                     r[f"fs_{where}_w{w}"] = rows._row(c["compute_s"], tr, c["bytes"], rss,
                                                       writer_rss=c["worker_rss"])
