@@ -40,7 +40,12 @@ class Codec:
         else:
             out = x.to("cpu", self.torch_dtype).contiguous().numpy()
         if self.lossy:
-            overflow = torch.isinf(decode_np(self, out)) & torch.isfinite(x.to("cpu"))
+            # Fast path: a cast only produces inf from finite values, so the usual all-finite
+            # result needs one pass over the small stored array, not two float tensors.
+            stored = decode_np(self, out)
+            if not bool(torch.isinf(stored).any()):
+                return out
+            overflow = torch.isinf(stored) & torch.isfinite(x.to("cpu"))
             if bool(overflow.any()):
                 raise NonFiniteOutput(
                     f"{int(overflow.sum())} finite values overflow {self.name} "
@@ -116,9 +121,13 @@ def zarr_codecs() -> list:
 def value_stats(values: torch.Tensor) -> dict[str, float]:
     """Sufficient statistics of a batch for the manifest (merged with :func:`merge_stats`)."""
     x = values.detach().to("cpu")
-    if not x.is_floating_point():
-        x = x.to(torch.float64)
-    x = x.to(torch.float64) if x.dtype != torch.float64 else x
+    if x.is_floating_point() and x.numel() and bool(torch.isfinite(x).all()):
+        # Fast path (the usual batch): no NaN/Inf, so no float64 copy and no masked copy; min
+        # and max are exact in the native dtype and the sum is accumulated in float64.
+        lo, hi = torch.aminmax(x)
+        return {"count": int(x.numel()), "nan": 0, "inf": 0, "min": float(lo), "max": float(hi),
+                "sum": float(x.sum(dtype=torch.float64)), "finite": int(x.numel())}
+    x = x.to(torch.float64)
     finite = torch.isfinite(x)
     nan = int(torch.isnan(x).sum())
     inf = int(x.numel() - int(finite.sum()) - nan)
@@ -132,6 +141,19 @@ def value_stats(values: torch.Tensor) -> dict[str, float]:
         "sum": float(fx.sum()),
         "finite": int(fx.numel()),
     }
+
+
+def max_abs_error(codec: Codec, stored: np.ndarray, values: torch.Tensor) -> float:
+    """Largest |decoded - original| over the finite values: the error a lossy codec introduced."""
+    x = values.detach().to("cpu")
+    dec = codec.decode(stored)
+    if x.dtype == torch.float32 and bool(torch.isfinite(x).all()):
+        # float16/bfloat16 -> float32 is exact and the difference of two float32 values close
+        # to each other is exact too (Sterbenz), so float32 gives the float64 answer here.
+        return float((dec.to(torch.float32) - x).abs().max()) if x.numel() else 0.0
+    err = (dec.to(torch.float64) - x.to(torch.float64)).abs()
+    err = err[torch.isfinite(err)]
+    return float(err.max()) if err.numel() else 0.0
 
 
 def merge_stats(a: dict | None, b: dict) -> dict:
@@ -157,4 +179,116 @@ def finalize_stats(s: dict) -> dict:
     """Add the mean and drop the running sum."""
     out = {k: v for k, v in s.items() if k not in ("sum", "finite")}
     out["mean"] = s["sum"] / s["finite"] if s["finite"] else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a whole Zarr shard object without zarr's async pipeline (the reader's fast path).
+# ---------------------------------------------------------------------------------------------
+_EMPTY = np.uint64(2**64 - 1)
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """What the reader needs to decode one shard object of an array written by featstore.
+
+    Only the exact codec chain :func:`zarr_codecs` writes inside a ``sharding_indexed`` codec
+    (little-endian bytes, zstd, crc32c; index little-endian + crc32c at the end) qualifies; any
+    other array is read through zarr.
+    """
+
+    chunk_rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+    chunks_per_shard: int
+
+
+def shard_format(array: "zarr.Array") -> ShardFormat | None:  # noqa: F821 - only inspected
+    """The :class:`ShardFormat` of ``array``, or None when it is not featstore's exact layout."""
+    try:
+        from zarr.codecs import BytesCodec, ShardingCodec
+        from zarr.codecs.sharding import ShardingCodecIndexLocation
+
+        codecs = array.metadata.codecs
+        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+            return None
+        sc = codecs[0]
+        inner, index = sc.codecs, sc.index_codecs
+        little = "little"
+        ok = (len(inner) == 3 and isinstance(inner[0], BytesCodec)
+              and str(getattr(inner[0].endian, "value", "")) == little
+              and isinstance(inner[1], ZstdCodec) and isinstance(inner[2], Crc32cCodec)
+              and len(index) == 2 and isinstance(index[0], BytesCodec)
+              and str(getattr(index[0].endian, "value", "")) == little and isinstance(index[1], Crc32cCodec)
+              and sc.index_location == ShardingCodecIndexLocation.end
+              and tuple(sc.chunk_shape[1:]) == tuple(array.shape[1:]))
+        if not ok:
+            return None
+        dtype = np.dtype(array.dtype)
+        if dtype.byteorder == ">":
+            return None
+        shard_rows = int(array.metadata.chunk_grid.chunk_shape[0])
+        if shard_rows % int(sc.chunk_shape[0]):
+            return None
+        return ShardFormat(int(sc.chunk_shape[0]), tuple(int(s) for s in array.shape[1:]), dtype.str,
+                           shard_rows // int(sc.chunk_shape[0]))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
+class ShardCorrupt(ValueError):
+    """A shard object's bytes do not decode (bad checksum, truncated, bad zstd frame)."""
+
+
+def _check_crc(data: memoryview, what: str) -> memoryview:
+    import crc32c
+
+    if len(data) < 4:
+        raise ShardCorrupt(f"{what} is truncated ({len(data)} bytes)")
+    body, tail = data[:-4], data[-4:]
+    if crc32c.crc32c(body) != int.from_bytes(tail, "little"):
+        raise ShardCorrupt(f"{what} fails its crc32c checksum")
+    return body
+
+
+def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
+                      out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``[lo, hi)`` (shard-local) of one shard object, written into ``out`` when given
+    (``hi - lo`` rows of the stored dtype: saves the reader a copy) and returned.
+
+    Decodes only the inner chunks that cover the rows, checks every crc32c, and raises
+    :class:`ShardCorrupt` on any damage (never returns fill values for a missing chunk).
+    """
+    import numcodecs
+
+    view = memoryview(data)
+    n_chunks = fmt.chunks_per_shard
+    index_bytes = 16 * n_chunks + 4
+    if len(view) < index_bytes:
+        raise ShardCorrupt(f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
+    index = np.frombuffer(_check_crc(view[-index_bytes:], "shard index"), dtype="<u8").reshape(n_chunks, 2)
+    dtype = np.dtype(fmt.dtype)
+    row_items = int(np.prod(fmt.row_shape, dtype=np.int64)) if fmt.row_shape else 1
+    zstd = numcodecs.Zstd()
+    c0, c1 = lo // fmt.chunk_rows, -(-hi // fmt.chunk_rows)
+    if out is None:
+        out = np.empty((hi - lo, *fmt.row_shape), dtype=dtype.newbyteorder("="))
+    elif out.shape != (hi - lo, *fmt.row_shape):
+        raise ValueError(f"out has shape {out.shape}, expected {(hi - lo, *fmt.row_shape)}")
+    for c in range(c0, c1):
+        off, size = index[c]
+        if off == _EMPTY or int(off) + int(size) > len(view) - index_bytes:
+            raise ShardCorrupt(f"chunk {c} of the shard is missing or out of bounds")
+        body = _check_crc(view[int(off):int(off) + int(size)], f"chunk {c}")
+        try:
+            raw = zstd.decode(body)
+        except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
+            raise ShardCorrupt(f"chunk {c} does not decompress: {exc}") from exc
+        arr = np.frombuffer(raw, dtype=dtype)
+        if arr.size != fmt.chunk_rows * row_items:
+            raise ShardCorrupt(f"chunk {c} holds {arr.size} values, expected {fmt.chunk_rows * row_items}")
+        r0 = max(lo - c * fmt.chunk_rows, 0)
+        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
+        o0 = c * fmt.chunk_rows + r0 - lo
+        out[o0:o0 + r1 - r0] = arr.reshape(fmt.chunk_rows, *fmt.row_shape)[r0:r1]
     return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 import zarr
 
+import featstore
 from featstore import ComputeOptions, VersionNotFound
 
 from .models import CountingA, TinyA, VectorData
@@ -188,3 +189,15 @@ def test_xarray_opens_a_committed_version(local_store, dask_client):
 def test_existing_cluster_by_scheduler_address(local_store, dask_client):
     v = compute(local_store, dask_client.scheduler.address, data=VectorData(40))
     assert len(v) == 40 and v.verify() == []
+
+
+def test_embedded_cluster_leaves_callers_model_alone(local_store):
+    """The CPU default runs the worker in this process: A must be copied, not frozen in place."""
+    model = TinyA().train()
+    v = local_store.compute("inproc", model=model, dataset=VectorData(40), outputs=OUTPUTS,
+                            samples_per_shard=16, options=QUIET)
+    assert model.training and all(p.requires_grad for p in model.parameters())
+    w = featstore.open_store(local_store.url + "-procs").compute(
+        "inproc", model=model, dataset=VectorData(40), outputs=OUTPUTS, samples_per_shard=16,
+        options=ComputeOptions(progress=False, processes=True))
+    assert torch.equal(v.load()["logits"], w.load()["logits"])
