@@ -9,7 +9,6 @@ opened lazily inside each worker process, so it is safe under fork and spawn.
 from __future__ import annotations
 
 import os
-import pickle
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -211,9 +210,9 @@ class FeatureDataset(IterableDataset):
         """The field's shard format when the fast path can read it (cached per process)."""
         if self._formats_pid != os.getpid():
             # A filesystem object is neither fork- nor loop-safe: reopen the storage by URL in
-            # each process (Storage pickles as its URL and options).
+            # each process.
             self._formats, self._formats_pid = {}, os.getpid()
-            self._storage = pickle.loads(pickle.dumps(self.version.storage))
+            self._storage = self.version.storage.reopen()
         if field not in self._formats:
             self._formats[field] = shard_format(self.version.array(field))
         return self._formats[field]

@@ -130,6 +130,11 @@ class Storage:
         """The storage options with credentials masked (safe to log or show)."""
         return redact(self._options)
 
+    def reopen(self) -> "Storage":
+        """A new Storage on the same URL and options, with its own filesystem object (use one
+        per process: fsspec filesystems are neither fork- nor event-loop-safe)."""
+        return Storage(self.url, self._options)
+
     def __getstate__(self) -> dict[str, Any]:
         # Reopen by URL after unpickling: a filesystem object is not fork- or loop-safe. The
         # options go along, credentials included: a worker without its own credential chain

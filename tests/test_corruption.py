@@ -108,9 +108,14 @@ def test_all_zero_shards_are_stored_and_their_loss_detected(tmp_path, dask_clien
     base = Path(v.storage.path(v.key))
     assert len(shard_objects(base)) == 2  # written although equal to the fill value
     assert torch.equal(v.load()["z"], torch.zeros(64, 4))
+    batches = list(v.dataset(batch_size=16))  # the reader's own shard decoder, too
+    assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(64))
+    assert all(torch.equal(b["z"], torch.zeros(len(b["index"]), 4)) for b in batches)
     (base / "z" / "c" / "1" / "0").unlink()
     with pytest.raises(CorruptChunk, match="missing"):
         store.open("zeros").load()  # never read back as zeros
+    with pytest.raises(CorruptChunk, match="missing"):
+        list(store.open("zeros").dataset(batch_size=16))
 
 
 def test_cli_verify_reports_every_bad_chunk(damaged, capsys):
