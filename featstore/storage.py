@@ -195,6 +195,26 @@ class Storage:
             else:
                 self.fs.pipe_file(path, data)
 
+    def sync(self, key: str) -> None:
+        """Make every object under ``key`` durable (fsync files and folders locally; an S3 PUT
+        is durable once answered). Zarr never fsyncs its chunk files, so the writer calls this
+        before the commit: a committed version survives a power loss."""
+        if not self.is_local:
+            return
+        with backend_errors(self.url):
+            for folder, _, files in os.walk(self.path(key)):
+                for name in files:
+                    fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                fd = os.open(folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
     def create(self, key: str, data: bytes) -> bool:
         """Write ``data`` only if ``key`` does not exist; return whether this call created it.
 

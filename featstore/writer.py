@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -326,6 +327,16 @@ def _store_batch(spec: TaskSpec, values: dict[str, torch.Tensor], b0: int, b1: i
         stats[n] = _codecs.merge_stats(stats.get(n), st[n])
 
 
+def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
+                         buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> ShardReceipt:
+    """Write a shard only if every one of its batches was checked and stored: the write thread
+    keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
+    holds uninitialised rows that must never get a receipt."""
+    for job in batch_jobs:
+        job.result()  # already done (same thread, earlier in order): re-raises a failure
+    return _write_shard(spec, arrays, index, buffers, stats)
+
+
 def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) -> list[dict]:
     """The Dask task: compute and store whole shards, return their receipts as JSON dicts.
 
@@ -359,11 +370,14 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
                 if b0 == start:
                     buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
                     stats = {}
+                    batch_jobs: list[Future] = []
                 outs, kept = _forward(spec, net, items, b0)
                 _progress(spec.topic, b1 - b0)  # from the task's thread: Dask knows the worker there
-                waiting.append(pool.submit(_store_batch, spec, {**outs, **kept}, b0, b1, start, buffers, stats))
+                job = pool.submit(_store_batch, spec, {**outs, **kept}, b0, b1, start, buffers, stats)
+                waiting.append(job)
+                batch_jobs.append(job)
                 if last:
-                    fut = pool.submit(_write_shard, spec, arrays, index, buffers, stats)
+                    fut = pool.submit(_write_checked_shard, batch_jobs, spec, arrays, index, buffers, stats)
                     waiting.append(fut)
                     writes.append(fut)
                 while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
@@ -411,11 +425,12 @@ def _connect(client: Any, options: ComputeOptions) -> _Cluster:
         processes = bool(gpus) if options.processes is None else options.processes
         cluster = LocalCluster(
             n_workers=n, threads_per_worker=1, processes=processes,
-            dashboard_address=":8787", silence_logs=logging.ERROR,
+            # The dashboard on loopback only: it shows task names and can run code.
+            dashboard_address="127.0.0.1:8787", silence_logs=logging.ERROR,
             resources={"GPU": 1} if gpus else None,
             memory_limit=0,
             # env= is for worker processes only (an in-process worker keeps this process's)
-            **({"env": {"OMP_NUM_THREADS": str(max(1, cores // n))}} if processes else {}),
+            **({"env": {"OMP_NUM_THREADS": str(max(1, cores // n))}, "host": "127.0.0.1"} if processes else {}),
         )
         c = Client(cluster)
         return _Cluster(c, [cluster, c], in_process=not processes)
@@ -639,7 +654,10 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
     cluster = _connect(client, options)
     try:
         dclient = cluster.client
-        print(f"featstore: Dask dashboard at {dclient.dashboard_link}", file=sys.stderr)
+        link = dclient.dashboard_link
+        if cluster.owned:  # our own dashboard listens on loopback only
+            link = re.sub(r"//[^/:]+", "//127.0.0.1", link, count=1)
+        print(f"featstore: Dask dashboard at {link}", file=sys.stderr)
         # Dask pins OMP_NUM_THREADS=1 in its workers; our own cluster gives torch its share.
         # An in-process worker keeps this process's torch threads as they are (threads=0).
         threads = (max(1, (os.cpu_count() or 1) // max(1, len(_workers(dclient))))
@@ -686,6 +704,7 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
                  "total_s": round(time.perf_counter() - t0, 3), "shards_computed": len(receipts)},
         libraries=_libraries(),
     )
+    storage.sync(key)  # the data must be durable before the commit makes it visible
     try:
         storage.create_json(f"{key}/{MANIFEST}", manifest.to_json())
     except StoreConflict:
