@@ -246,7 +246,7 @@ class FeatureDataset(IterableDataset):
             raise CorruptChunk(
                 f"version {where}, array {field!r}, shard {piece.shard} (object {field}/{chunk}) failed to "
                 f"decode: {exc}. The stored bytes are damaged; run `featstore verify` and recompute the "
-                "version.", version=self.version.id, array=field, chunk=f"{field}/{chunk}") from exc
+                "version.", version=where, array=field, chunk=f"{field}/{chunk}") from exc
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
         """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays).
