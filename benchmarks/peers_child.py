@@ -26,7 +26,11 @@ from .workload import BATCH, read_only, train
 
 
 class _Peak:
-    """Peak RSS of this process (VmRSS sampled every 20 ms) and of its children (DataLoader workers)."""
+    """Peak RSS of this process (VmRSS sampled every 20 ms) and of its children (DataLoader workers).
+
+    A twin of ``measure.RssSampler`` on purpose: this child runs in the peers' venv, which has
+    no psutil, so it reads /proc itself.
+    """
 
     def __init__(self) -> None:
         self.main = self.child = 0

@@ -118,10 +118,15 @@ def zarr_codecs() -> list:
     return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()]
 
 
-def value_stats(values: torch.Tensor) -> dict[str, float]:
-    """Sufficient statistics of a batch for the manifest (merged with :func:`merge_stats`)."""
+def value_stats(values: torch.Tensor, all_finite: bool | None = None) -> dict[str, float]:
+    """Sufficient statistics of a batch for the manifest (merged with :func:`merge_stats`).
+
+    ``all_finite``: pass it when the caller already checked, to skip a second pass.
+    """
     x = values.detach().to("cpu")
-    if x.is_floating_point() and x.numel() and bool(torch.isfinite(x).all()):
+    if all_finite is None:
+        all_finite = x.is_floating_point() and bool(torch.isfinite(x).all())
+    if x.is_floating_point() and x.numel() and all_finite:
         # Fast path (the usual batch): no NaN/Inf, so no float64 copy and no masked copy; min
         # and max are exact in the native dtype and the sum is accumulated in float64.
         lo, hi = torch.aminmax(x)

@@ -260,17 +260,18 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
         want = spec.arrays[name]
         codec = _codecs.codec_by_name(want.codec)
         bad_rows: list[int] = []
-        if want.source == "output":
+        all_finite = None
+        if want.source == "output":  # one finiteness pass serves the check and the statistics
             bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
-            bad_rows = (torch.nonzero(bad).reshape(-1) + start).tolist() if bool(bad.any()) else []
+            all_finite = not bool(bad.any())
+            bad_rows = [] if all_finite else (torch.nonzero(bad).reshape(-1) + start).tolist()
             if bad_rows and not spec.allow_nonfinite:
-                rows = bad_rows
                 raise NonFiniteOutput(
-                    f"Model A produced NaN/Inf in {name!r} for {len(rows)} samples (first: "
-                    f"{rows[:10]}); fix the model or data, or pass "
+                    f"Model A produced NaN/Inf in {name!r} for {len(bad_rows)} samples (first: "
+                    f"{bad_rows[:10]}); fix the model or data, or pass "
                     "ComputeOptions(allow_nonfinite=True) to store them.")
         arr = codec.encode(t)
-        s = _codecs.value_stats(t)
+        s = _codecs.value_stats(t, all_finite)
         if bad_rows:
             s["nonfinite_samples"] = bad_rows[:NONFINITE_KEPT]
         if codec.lossy:
