@@ -112,6 +112,7 @@ class FaultProxy:
         self.forwarded: collections.Counter = collections.Counter()  # by op, reached moto
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
         self._faulted: set = set()
+        self._owner: dict = {}  # request identity -> the one rule that faults it
         self._stop = threading.Event()
         self._server: socketserver.ThreadingTCPServer | None = None
 
@@ -148,6 +149,7 @@ class FaultProxy:
     def set_rules(self, *rules: Rule) -> None:
         with self.lock:
             self.rules = list(rules)
+            self._owner.clear()
 
     def reset_counts(self) -> None:
         with self.lock:
@@ -155,6 +157,7 @@ class FaultProxy:
                 c.clear()
             self.retries = 0
             self._faulted.clear()
+            self._owner.clear()
 
     @property
     def n_faults(self) -> int:
@@ -172,9 +175,13 @@ class FaultProxy:
             if ident in self._faulted:
                 self.retries += 1
                 self._faulted.discard(ident)
-            for rule in self.rules:
+            # One rule per request: rules never stack their failures on one request, so the
+            # consecutive failures of a request stay within the rule's ``times``.
+            owner = self._owner.get(ident)
+            for rule in (owner,) if owner is not None else self.rules:
                 kind = rule.take(op, ident)
                 if kind is not None:
+                    self._owner[ident] = rule
                     self.faults[(kind, op)] += 1
                     self._faulted.add(ident)
                     return kind
