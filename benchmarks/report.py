@@ -112,9 +112,14 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Stat | None, str, bool 
                     lambda r, w=where: r[f"fs_{w}_w0_ref_s"]),
             "what the 0-worker ratio is if the reader's CPU work (decode, gather) cannot overlap B's step: "
             "on 2 cores B's 2 torch threads already use both", lambda x: True)
+    for where in ("local", "s3"):
+        add(f"{where} training, 0 workers, one core left free: featstore / in-memory, B on 1 torch thread",
+            "(info)", _paired(res, lambda r, w=where: r[f"fs_{w}_t1_s"], lambda r, w=where: r[f"fs_{w}_t1_ref_s"]),
+            "both runs with torch.set_num_threads(1): the reader's threads (and moto) get the other core",
+            lambda x: True)
     add("2-worker ceiling: in-memory tensor through 2 DataLoader workers / in-memory tensor", "(info)",
         _paired(res, lambda r: r["in_memory_w2_s"], lambda r: r["in_memory"]["train_s"]),
-        "the DataLoader worker machinery alone on 2 cores (fork per epoch, shared-memory batches)",
+        "the DataLoader worker machinery alone on 2 cores (persistent workers, shared-memory batches)",
         lambda x: True)
     add("S3 reader byte rate / raw GET rate (4 concurrent, same objects)", "≥ 0.8",
         _paired(res, lambda r: r["fs_s3_read_bps"], lambda r: r["fs_s3_raw_bps"]),
@@ -163,6 +168,29 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Stat | None, str, bool 
             _paired(res, lambda r, o=other: r[o]["total_s"], lambda r: r["fs_local_w0"]["total_s"]),
             "featstore total = compute (Dask start-up included) + 3 epochs", lambda x, t=thr: x >= t)
     return out
+
+
+# Why a target can be missed on a 2-core machine, shown only for the targets this run missed.
+MISS_NOTES = (
+    ("end to end", "- *End to end*: the *end-to-end ceiling* rows are what any compute-once cache reaches "
+     "here (A once in one process, no Dask start-up, reading from RAM). With 3 epochs and A costing ~8x B "
+     "per sample, that ceiling itself is close to the threshold; featstore adds the Dask start-up and the "
+     "writer's encoding on the same 2 cores."),
+    ("local training, 0", "- *Local training, 0 workers*: the *no-overlap bound* adds 3 read-only epochs "
+     "to the in-memory time. On 2 cores B's 2 torch threads already use both cores, so the reader's decode "
+     "cannot hide behind B's step; the *one core left free* row shows the same reader with a core to spare."),
+    ("S3 training, 0", "- *S3 training, 0 workers*: moto serves the GETs from the same 2 cores (its CPU "
+     "seconds per epoch are in the limits table), on top of the reader's decode; the *no-overlap bound* "
+     "and the *one core left free* rows show both sides."),
+    ("local training, 2", "- *Training with 2 workers*: the *2-worker ceiling* row serves the in-memory "
+     "tensor itself through 2 persistent DataLoader workers; on 2 cores the worker processes and the "
+     "shared-memory hand-off cost more than they hide, whatever the dataset."),
+    ("S3 training, 2", "- *S3 training, 2 workers*: the *2-worker ceiling* applies, and moto's serving "
+     "competes for the same 2 cores."),
+    ("S3 reader byte rate", "- *S3 byte rate*: moto serves from the same 2 cores. The *S3 bound* row is "
+     "the ratio expected when decoding cannot overlap moto's serving; the raw GET figure has no decode and "
+     "leaves moto both cores."),
+)
 
 
 def write_report(res: dict[str, Any], out_dir: str) -> None:
@@ -218,6 +246,8 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         f"{_f(_stat([r['fs_local_raw_bps'] for r in reps]), 0, MiB)} MiB/s |",
         f"| featstore reader, local, read-only epoch | {_f(_stat([r['fs_local_read_bps'] for r in reps]), 0, MiB)} MiB/s, "
         f"{_f(_stat([r['fs_local_read_sps'] for r in reps]), 0)} samples/s |",
+        f"| CPU seconds of one read-only local epoch (the reader) | "
+        f"{_f(_stat([r.get('fs_local_read_cpu_s') for r in reps]), 3)} s |",
     ]
     if any("fs_s3_raw_bps" in r for r in reps):
         lines += [
@@ -225,6 +255,9 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
             f"{_f(_stat([r['fs_s3_raw_bps'] for r in reps]), 0, MiB)} MiB/s |",
             f"| featstore reader, S3, read-only epoch | {_f(_stat([r['fs_s3_read_bps'] for r in reps]), 0, MiB)} MiB/s, "
             f"{_f(_stat([r['fs_s3_read_sps'] for r in reps]), 0)} samples/s |",
+            f"| CPU seconds of one read-only S3 epoch: the reader / the moto server | "
+            f"{_f(_stat([r.get('fs_s3_read_cpu_s') for r in reps]), 3)} / "
+            f"{_f(_stat([r.get('fs_s3_server_cpu_s') for r in reps]), 3)} s |",
         ]
     lines.append(f"| memory copy (numpy, 256 MiB) | {_f(_stat(res['memcopy_gbps']), 1)} GB/s |")
     peers = res.get("peers", {})
@@ -241,23 +274,10 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         if thr == "(info)":
             met = "info"
         lines.append(f"| {name} | {thr} | {_f(s, 2)} | {met} | {how} |")
-    lines += [
-        "",
-        "How to read the misses (each backed by an info row of the same run):",
-        "",
-        "- *End to end* cannot reach 2.5x on this workload with 3 epochs: A costs about 8x B per sample, so "
-        "even the in-memory tensor (A once in one process, no Dask start-up) is the *end-to-end ceiling* "
-        "row's distance from the frozen-submodule row. featstore adds Dask start-up and writing on top.",
-        "- *Training with 0 workers*: the *no-overlap bound* rows add 3 read-only epochs to the in-memory "
-        "training time. On 2 cores, B's step already uses both cores (2 torch threads), so the reader's "
-        "decode and gather cannot hide behind it; a measured ratio near the bound means the reader's own CPU "
-        "work, not waiting on storage, is what remains.",
-        "- *Training with 2 workers*: the *2-worker ceiling* row serves the in-memory tensor itself through "
-        "2 DataLoader workers; with 2 cores, the worker processes (forked every epoch) and the shared-memory "
-        "hand-off cost more than they hide, whatever the dataset.",
-        "- *S3 byte rate*: moto serves from the same 2 cores. The *S3 bound* row is the ratio expected when "
-        "decoding cannot overlap moto's serving; the raw GET figure has no decode and leaves moto both cores.",
-    ]
+    missed = [name for name, thr, s, how, ok in targets(res) if ok is False and thr != "(info)"]
+    notes = [text for prefix, text in MISS_NOTES if any(m.startswith(prefix) for m in missed)]
+    if notes:
+        lines += ["", "How to read the misses (each backed by an info row of the same run):", "", *notes]
     mem = res.get("memory")
     if mem:
         lines += ["", "## Memory rows", "",

@@ -215,13 +215,14 @@ def in_memory(ctx: Ctx, compute_s: float) -> dict[str, Any]:
 
 
 class _MemoryStream(torch.utils.data.IterableDataset):
-    """The in-memory tensor served through DataLoader workers: the cost of the worker machinery
-    itself (fork per epoch, batches sent back through shared memory), with no storage at all."""
+    """The in-memory tensor served through persistent DataLoader workers: the cost of the worker
+    machinery itself (batches sent back through shared memory), with no storage at all."""
 
-    def __init__(self, memory: dict[str, torch.Tensor], epoch: int) -> None:
-        self.memory, self.epoch = memory, epoch
+    def __init__(self, memory: dict[str, torch.Tensor]) -> None:
+        self.memory, self.epoch = memory, -1
 
     def __iter__(self):
+        self.epoch += 1  # each persistent worker's copy counts the epochs it served
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         n = len(self.memory["target"])
@@ -234,10 +235,8 @@ class _MemoryStream(torch.utils.data.IterableDataset):
 
 def in_memory_workers(ctx: Ctx, workers: int = 2) -> float:
     """Limit: 3 epochs of B from the in-memory tensor through ``workers`` DataLoader workers (s)."""
-    def batches(epoch: int):
-        return DataLoader(_MemoryStream(ctx.memory, epoch), batch_size=None, num_workers=workers)
-
-    return train(batches).seconds
+    loader = DataLoader(_MemoryStream(ctx.memory), batch_size=None, num_workers=workers, persistent_workers=True)
+    return train(lambda epoch: loader).seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +267,9 @@ def _fs_batches(loader: DataLoader):
 
 
 def fs_loader(v: featstore.Version, workers: int, seed: int = 0) -> tuple[Any, DataLoader]:
+    """featstore's reader as the README recommends: persistent workers follow ``set_epoch``."""
     ds = v.dataset(batch_size=BATCH, shuffle=True, seed=seed, fields=("features", "logits", "target"))
-    return ds, DataLoader(ds, batch_size=None, num_workers=workers)
+    return ds, DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
 
 
 def fs_train(ctx: Ctx, v: featstore.Version, workers: int) -> tuple[TrainResult, RssSampler]:
@@ -284,11 +284,21 @@ def fs_train(ctx: Ctx, v: featstore.Version, workers: int) -> tuple[TrainResult,
     return res, rss
 
 
-def fs_read_rate(v: featstore.Version, workers: int = 0) -> tuple[float, int]:
-    """One epoch read and decoded, no training: (samples/s, seconds)."""
+def fs_read_rate(v: featstore.Version, workers: int = 0, server_pid: int | None = None) -> dict[str, float]:
+    """One epoch read and decoded, no training: samples/s, seconds, and the CPU seconds it
+    cost this process (the reader) and the S3 server's process (``server_pid``), which share
+    the machine's cores with Model B."""
+    import psutil
+
+    def cpu(pid: int | None) -> float:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+
     ds, loader = fs_loader(v, workers)
+    c0, s0 = cpu(None), cpu(server_pid) if server_pid else 0.0
     secs, n = read_only(_fs_batches(loader))
-    return n / secs, secs
+    c1, s1 = cpu(None), cpu(server_pid) if server_pid else 0.0
+    return {"sps": n / secs, "secs": secs, "cpu_s": c1 - c0, "server_cpu_s": s1 - s0}
 
 
 def raw_read_rate(v: featstore.Version, concurrency: int) -> tuple[float, int]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -43,8 +44,8 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", n=10_000),
-    "full": Profile("full", n=100_000, naive_subset=4096, torchsave_subset=16384, mem_n=20_000),
+    "quick": Profile("quick", n=20_000),
+    "full": Profile("full", n=200_000, naive_subset=4096, torchsave_subset=16384, mem_n=20_000),
 }
 
 
@@ -59,6 +60,16 @@ def _moto() -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError("the moto server did not start")
     return proc, line
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _say(msg: str) -> None:
@@ -108,9 +119,15 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                     tr, rss = rows.fs_train(ctx, v, w)
                     r[f"fs_{where}_w{w}"] = rows._row(c["compute_s"], tr, c["bytes"], rss,
                                                       writer_rss=c["worker_rss"])
-                sps, secs = rows.fs_read_rate(v, 0)
-                r[f"fs_{where}_read_sps"] = sps
-                r[f"fs_{where}_read_bps"] = c["bytes"] / secs
+                # A core left free: B on one torch thread, in memory and from featstore.
+                with _torch_threads(1):
+                    r[f"fs_{where}_t1_ref_s"] = rows.in_memory(ctx, 0.0)["train_s"]
+                    r[f"fs_{where}_t1_s"] = rows.fs_train(ctx, v, 0)[0].seconds
+                rr = rows.fs_read_rate(v, 0, server_pid=moto.pid if where == "s3" and moto else None)
+                r[f"fs_{where}_read_sps"] = rr["sps"]
+                r[f"fs_{where}_read_bps"] = c["bytes"] / rr["secs"]
+                r[f"fs_{where}_read_cpu_s"] = rr["cpu_s"]
+                r[f"fs_{where}_server_cpu_s"] = rr["server_cpu_s"]
                 r[f"fs_{where}_raw_bps"], _ = rows.raw_read_rate(v, concurrency=4)
                 if where == "local":
                     store.storage.delete(v.key, recursive=True)

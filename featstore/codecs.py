@@ -2,8 +2,8 @@
 
 Pure functions, no IO. Each codec stores a standard Zarr dtype, so plain ``zarr`` and ``xarray``
 can read a version (``bfloat16`` is stored as its raw 16 bits in ``uint16``, since Zarr 3.1 has
-no bfloat16). Compression (zstd) and integrity (crc32c per chunk) are added by the Zarr codec
-chain in :func:`zarr_codecs`, the same for every output.
+no bfloat16). Compression (zstd, or none where zstd saves little: see :func:`choose_compression`) and
+integrity (crc32c per chunk) are added by the Zarr codec chain in :func:`zarr_codecs`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from .errors import InvalidInput, NonFiniteOutput
 
 ZSTD_LEVEL = 3
+COMPRESSIONS = ("auto", "zstd", "none")
+# "auto" stores an array with zstd only where zstd saves at least this share of its bytes on the
+# probe batch: near-incompressible float32 (logits) decodes ~10x slower through zstd than as a
+# plain copy, and the reader's decode competes with Model B for the same cores.
+AUTO_MIN_SAVING = 0.10
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,7 @@ class Codec:
         holds at most 65504): silently storing ``inf`` would change the user's data.
         """
         x = values.detach()
-        if self.name == "bfloat16":
-            out = x.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        else:
-            out = x.to("cpu", self.torch_dtype).contiguous().numpy()
+        out = self.cast(x)
         if self.lossy:
             # Fast path: a cast only produces inf from finite values, so the usual all-finite
             # result needs one pass over the small stored array, not two float tensors.
@@ -53,6 +55,13 @@ class Codec:
                     "'float32' or 'bfloat16' instead."
                 )
         return out
+
+    def cast(self, values: torch.Tensor) -> np.ndarray:
+        """``values`` in the stored dtype, on the CPU, without :meth:`encode`'s overflow check."""
+        x = values.detach()
+        if self.name == "bfloat16":
+            return x.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        return x.to("cpu", self.torch_dtype).contiguous().numpy()
 
     def decode(self, stored: np.ndarray) -> torch.Tensor:
         """The tensor a reader gets back (float16 stays float16: cast in Model B if needed)."""
@@ -113,9 +122,39 @@ def codec_by_name(name: str) -> Codec:
     raise InvalidInput(f"unknown codec {name!r} in a manifest; upgrade featstore.")
 
 
-def zarr_codecs() -> list:
-    """The bytes-to-bytes chain for every chunk: zstd, then a crc32c checksum."""
-    return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()]
+def zarr_codecs(compression: str = "zstd") -> list:
+    """The bytes-to-bytes chain for every chunk: zstd (unless ``"none"``), then a crc32c checksum."""
+    if compression not in ("zstd", "none"):
+        raise InvalidInput(f"compression must be 'zstd' or 'none' here, got {compression!r}.")
+    return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()] if compression == "zstd" else [Crc32cCodec()]
+
+
+def check_compression(compression: str) -> str:
+    """Validate a user's compression choice (``"auto"``, ``"zstd"`` or ``"none"``)."""
+    if compression not in COMPRESSIONS:
+        raise InvalidInput(f"compression must be one of {COMPRESSIONS}, got {compression!r}.")
+    return compression
+
+
+def zstd_saving(stored: np.ndarray) -> float:
+    """The share of bytes zstd (featstore's level) saves on ``stored`` (0 for empty input)."""
+    import numcodecs
+
+    raw = np.ascontiguousarray(stored).tobytes()
+    if not raw:
+        return 0.0
+    return 1.0 - len(numcodecs.Zstd(ZSTD_LEVEL).encode(raw)) / len(raw)
+
+
+def choose_compression(policy: str, saving: float) -> str:
+    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``.
+
+    >>> choose_compression("auto", 0.42), choose_compression("auto", 0.07)
+    ('zstd', 'none')
+    """
+    if check_compression(policy) != "auto":
+        return policy
+    return "zstd" if saving >= AUTO_MIN_SAVING else "none"
 
 
 def value_stats(values: torch.Tensor, all_finite: bool | None = None) -> dict[str, float]:
@@ -198,7 +237,7 @@ class ShardFormat:
     """What the reader needs to decode one shard object of an array written by featstore.
 
     Only the exact codec chain :func:`zarr_codecs` writes inside a ``sharding_indexed`` codec
-    (little-endian bytes, zstd, crc32c; index little-endian + crc32c at the end) qualifies; any
+    (little-endian bytes, zstd or nothing, crc32c; index little-endian + crc32c at the end) qualifies; any
     other array is read through zarr.
     """
 
@@ -206,6 +245,7 @@ class ShardFormat:
     row_shape: tuple[int, ...]
     dtype: str
     chunks_per_shard: int
+    compressed: bool = True  # zstd before the crc32c; False: the chunk bytes are the values
 
 
 def shard_format(array: "zarr.Array") -> ShardFormat | None:  # noqa: F821 - only inspected
@@ -220,9 +260,10 @@ def shard_format(array: "zarr.Array") -> ShardFormat | None:  # noqa: F821 - onl
         sc = codecs[0]
         inner, index = sc.codecs, sc.index_codecs
         little = "little"
-        ok = (len(inner) == 3 and isinstance(inner[0], BytesCodec)
+        compressed = len(inner) == 3
+        ok = (len(inner) in (2, 3) and isinstance(inner[0], BytesCodec)
               and str(getattr(inner[0].endian, "value", "")) == little
-              and isinstance(inner[1], ZstdCodec) and isinstance(inner[2], Crc32cCodec)
+              and (not compressed or isinstance(inner[1], ZstdCodec)) and isinstance(inner[-1], Crc32cCodec)
               and len(index) == 2 and isinstance(index[0], BytesCodec)
               and str(getattr(index[0].endian, "value", "")) == little and isinstance(index[1], Crc32cCodec)
               and sc.index_location == ShardingCodecIndexLocation.end
@@ -236,7 +277,7 @@ def shard_format(array: "zarr.Array") -> ShardFormat | None:  # noqa: F821 - onl
         if shard_rows % int(sc.chunk_shape[0]):
             return None
         return ShardFormat(int(sc.chunk_shape[0]), tuple(int(s) for s in array.shape[1:]), dtype.str,
-                           shard_rows // int(sc.chunk_shape[0]))
+                           shard_rows // int(sc.chunk_shape[0]), compressed)
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
 
@@ -285,10 +326,15 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         if off == _EMPTY or int(off) + int(size) > len(view) - index_bytes:
             raise ShardCorrupt(f"chunk {c} of the shard is missing or out of bounds")
         body = _check_crc(view[int(off):int(off) + int(size)], f"chunk {c}")
-        try:
-            raw = zstd.decode(body)
-        except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
-            raise ShardCorrupt(f"chunk {c} does not decompress: {exc}") from exc
+        if fmt.compressed:
+            try:
+                raw = zstd.decode(body)
+            except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
+                raise ShardCorrupt(f"chunk {c} does not decompress: {exc}") from exc
+        else:
+            raw = body  # the values themselves: copied once, straight into ``out``
+        if len(raw) % dtype.itemsize:
+            raise ShardCorrupt(f"chunk {c} holds {len(raw)} bytes, not a whole number of values")
         arr = np.frombuffer(raw, dtype=dtype)
         if arr.size != fmt.chunk_rows * row_items:
             raise ShardCorrupt(f"chunk {c} holds {arr.size} values, expected {fmt.chunk_rows * row_items}")

@@ -80,7 +80,7 @@ class FeatureDataset(IterableDataset):
     """Stream one committed version into Model B's training loop.
 
     >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
-    >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     >>> for epoch in range(3):
     ...     ds.set_epoch(epoch)
     ...     for batch in loader:
@@ -103,8 +103,11 @@ class FeatureDataset(IterableDataset):
         self.fields = tuple(fields)
         self._explicit = (rank, world_size)
         self.rank, self.world_size = self._rank_world()
-        self.epoch = 0
-        self._resume: dict[str, int] | None = None
+        # The epoch and the resume point live in shared memory: with persistent_workers=True
+        # each DataLoader worker keeps its own copy of this object for the whole run, and
+        # set_epoch()/load_state_dict() in the training process must still reach it.
+        # [epoch, resume epoch (-1: none), batches seen at the resume point]
+        self._shared = torch.tensor([0, -1, 0], dtype=torch.int64).share_memory_()
         self._yielded = 0
         self._formats: dict[str, ShardFormat | None] = {}
         self._formats_pid = -1
@@ -121,11 +124,37 @@ class FeatureDataset(IterableDataset):
         return rank, world
 
     @property
+    def epoch(self) -> int:
+        """The epoch :meth:`set_epoch` selected (shared with every DataLoader worker)."""
+        return int(self._shared[0])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._shared[0] = int(value)
+
+    @property
+    def _resume(self) -> dict[str, int] | None:
+        epoch, seen = int(self._shared[1]), int(self._shared[2])
+        return None if epoch < 0 else {"epoch": epoch, "batches_seen": seen}
+
+    @_resume.setter
+    def _resume(self, value: dict[str, int] | None) -> None:
+        if value is None:
+            self._shared[1] = -1
+        else:
+            self._shared[2] = int(value["batches_seen"])
+            self._shared[1] = int(value["epoch"])
+
+    @property
     def partition(self) -> str:
         return self.options.partition or ("even" if self.world_size == 1 else "pad")
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (it changes the order); call before iterating each epoch."""
+        """Select the epoch (it changes the order); call before iterating each epoch.
+
+        Works with ``persistent_workers=True``: the workers read the epoch from shared memory
+        when the next epoch's iteration starts.
+        """
         self.epoch = int(epoch)
         self.rank, self.world_size = self._rank_world()
 
@@ -265,11 +294,22 @@ class FeatureDataset(IterableDataset):
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
         fields = self.fields
+        # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
+        # later window: no fresh pages to fault in for every window (~15% of the read cost).
+        # Unshuffled batches are views into the window, which the caller may keep.
+        spare: list[dict[str, np.ndarray]] | None = [] if self.options.shuffle else None
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
             queue: deque[tuple[int, int, dict[str, np.ndarray], list[Future]]] = deque()
             in_flight = 0
             it = iter(todo)
             specs = self.version.manifest.arrays
+
+            def buffers(total: int) -> dict[str, np.ndarray]:
+                while spare:
+                    got = spare.pop()
+                    if len(got["index"]) == total:
+                        return got
+                return {f: np.empty((total, *specs[f].shape), dtype=specs[f].dtype) for f in fields}
 
             def fill() -> None:
                 nonlocal in_flight
@@ -281,7 +321,7 @@ class FeatureDataset(IterableDataset):
                     wi, drop, window = nxt
                     total = sum(p.size for p in window)
                     # Each read decodes straight into its rows of the window: no concatenation.
-                    arrays = {f: np.empty((total, *specs[f].shape), dtype=specs[f].dtype) for f in fields}
+                    arrays = buffers(total)
                     arrays["index"] = np.concatenate(
                         [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi, dtype=np.int64) for p in window])
                     futs, off = [], 0
@@ -300,6 +340,8 @@ class FeatureDataset(IterableDataset):
                     in_flight -= len(futs) // max(1, len(fields))
                     fill()
                     yield wi, drop, arrays
+                    if spare is not None:  # the consumer has cut every batch of this window
+                        spare.append(arrays)
             finally:
                 for _, _, _, futs in queue:  # an abandoned epoch: do not read what nobody will use
                     for f in futs:

@@ -102,7 +102,7 @@ def run_demo(root: str = "./featstore-demo", n: int = 20000, epochs: int = 3, ba
 
     ds = store.dataset(f"demo/cnn-a@{version.id}", batch_size=batch_size, shuffle=True, seed=0,
                        fields=("features", "target"))
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
     torch.manual_seed(1)
     net = model_b()
     t0 = time.perf_counter()

@@ -52,12 +52,14 @@ def _digest(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """One stored array: its codec, stored dtype, per-sample shape and where it came from."""
+    """One stored array: its codec, stored dtype, per-sample shape, where it came from and its
+    chunk compression (``"zstd"`` or ``"none"``; manifests before it existed are all zstd)."""
 
     codec: str
     dtype: str
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
     source: str  # "output" (Model A) or "keep" (a dataset field)
+    compression: str = "zstd"
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,11 @@ class Manifest:
             arrays = {}
             for k, v in obj["arrays"].items():
                 spec = ArraySpec(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
-                                 str(v["source"]))
+                                 str(v["source"]), str(v.get("compression", "zstd")))
                 if codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep"):
                     raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
+                if spec.compression not in ("zstd", "none"):
+                    raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
                 if any(d < 1 for d in spec.shape):
                     raise ValueError(f"array {k!r} has shape {spec.shape}")
                 arrays[_field(k)] = spec

@@ -440,7 +440,7 @@ class FeatureStore:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).
 
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         """
         return self.open(ref).dataset(**options)
 

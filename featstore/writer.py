@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,10 @@ class ComputeOptions:
             when the machine has GPUs (one per GPU), else one worker thread in this process,
             which measured 1.4-1.9x faster compute on a 2-core CPU machine (no worker start-up,
             no pickling of A and the dataset, and a faster forward than in a worker process).
+        compression: ``"zstd"``, ``"none"`` or ``"auto"``: zstd for each array where it saves
+            at least 10% of the bytes on the probe batch (fp16 features, labels), none where it
+            does not (float32 logits are nearly incompressible, and zstd would slow every read
+            ~10x for a few percent of storage). The choice is recorded per array in the manifest.
     """
 
     dataset_id: str | None = None
@@ -75,6 +79,10 @@ class ComputeOptions:
     progress: bool = True
     n_workers: int | None = None
     processes: bool | None = None
+    compression: str = "auto"
+
+    def __post_init__(self) -> None:
+        _codecs.check_compression(self.compression)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,11 +403,26 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
     return receipts
 
 
-def probe(spec: TaskSpec, model: Any, dataset: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Run A on the first sample on a worker: the shapes and dtypes every batch must keep."""
+PROBE_ROWS = 64
+
+
+def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """Run A on the first samples (one small batch) on a worker.
+
+    Returns, per array, the per-sample shape and dtype every batch must keep and the share of
+    bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
+    """
     net = worker_model(model, spec.model_key, spec.threads)
-    outs, kept = _forward(spec, net, _fetch(dataset, 0, 1), 0)
-    return {n: (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for n, t in {**outs, **kept}.items()}
+    outs, kept = _forward(spec, net, _fetch(dataset, 0, min(n, spec.batch_size, PROBE_ROWS)), 0)
+    out = {}
+    for name, t in {**outs, **kept}.items():
+        try:
+            codec = _codecs.output_codec(spec.outputs[name]) if name in outs else _codecs.keep_codec(t.dtype)
+            saving = _codecs.zstd_saving(codec.cast(t))
+        except InvalidInput:  # an unstorable dtype: the driver reports it with the array's name
+            saving = 1.0
+        out[name] = (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,26 +498,28 @@ class _Progress:
             self.bar.close()
 
 
-def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str]], outputs: Mapping[str, str],
-                 keep: Mapping[str, Any]) -> dict[str, ArraySpec]:
+def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outputs: Mapping[str, str],
+                 keep: Mapping[str, Any], compression: str) -> dict[str, ArraySpec]:
     arrays = {}
     for name, codec_name in outputs.items():
-        shape, dtype = probed[name]
+        shape, dtype, saving = probed[name]
         if not getattr(torch, dtype).is_floating_point:
             raise OutputMismatch(f"output {name!r} is {dtype}; Model A outputs must be floating point.")
         codec = _codecs.output_codec(codec_name)
-        arrays[name] = ArraySpec(codec.name, codec.stored, shape, "output")
+        arrays[name] = ArraySpec(codec.name, codec.stored, shape, "output",
+                                 _codecs.choose_compression(compression, saving))
     for name in keep:
-        shape, dtype = probed[name]
+        shape, dtype, saving = probed[name]
         codec = _codecs.keep_codec(getattr(torch, dtype))
-        arrays[name] = ArraySpec(codec.name, codec.stored, shape, "keep")
+        arrays[name] = ArraySpec(codec.name, codec.stored, shape, "keep",
+                                 _codecs.choose_compression(compression, saving))
     return arrays
 
 
 def _prepare(storage: Storage, key: str, layout: Layout,
-             arrays: dict[str, ArraySpec]) -> tuple[Layout, set[int]]:
-    """Claim the version folder (or join the run that claimed it); return the layout to use and
-    the shards already finished.
+             arrays: dict[str, ArraySpec]) -> tuple[Layout, dict[str, ArraySpec], set[int]]:
+    """Claim the version folder (or join the run that claimed it); return the layout and arrays
+    to use and the shards already finished.
 
     Never deletes anything: a concurrent compute of the same fingerprint may be writing here or
     may just have committed. The first run creates ``_pending.json`` (create-if-absent) and so
@@ -509,7 +534,10 @@ def _prepare(storage: Storage, key: str, layout: Layout,
     claimed = pending if founder else storage.read_json(f"{key}/{PENDING}")
     if claimed is None:  # removed by a run that committed in between: that commit will be adopted
         claimed = pending
-    if claimed.get("arrays") != pending["arrays"]:
+    def sans_compression(specs: Any) -> Any:
+        return {n: {k: v for k, v in a.items() if k != "compression"} for n, a in (specs or {}).items()}
+
+    if sans_compression(claimed.get("arrays")) != sans_compression(pending["arrays"]):
         raise StoreConflict(
             f"{storage.child_url(key)} is being (or was) computed with other arrays "
             f"({sorted(claimed.get('arrays') or {})}) for the same fingerprint; wait for that run, "
@@ -519,6 +547,10 @@ def _prepare(storage: Storage, key: str, layout: Layout,
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise IncompatibleFormat(f"{storage.child_url(key)}/{PENDING} is malformed ({exc}); delete the "
                                  "uncommitted version folder and rerun.") from exc
+    # "auto" compression is decided on the probe batch; a resume adopts the founder's choice
+    # (a GPU's nondeterminism could tip a borderline array the other way).
+    arrays = {n: replace(a, compression=str(claimed["arrays"][n].get("compression", "zstd")))
+              for n, a in arrays.items()}
     if claimed_layout != layout:
         log.warning("%s: another run fixed the layout (%d samples per shard); using it instead of %d",
                     key, claimed_layout.samples_per_shard, layout.samples_per_shard)
@@ -543,7 +575,7 @@ def _prepare(storage: Storage, key: str, layout: Layout,
             group.create_array(
                 name, shape=shape, dtype=a.dtype,
                 chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
-                compressors=_codecs.zarr_codecs(), fill_value=0,
+                compressors=_codecs.zarr_codecs(a.compression), fill_value=0,
                 config={"write_empty_chunks": True},
                 dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
                 attributes={"featstore": {"codec": a.codec, "source": a.source}},
@@ -558,7 +590,7 @@ def _prepare(storage: Storage, key: str, layout: Layout,
         r = ShardReceipt.from_json(obj)
         if (r.start, r.stop) == layout.shard_range(r.index) and set(r.digests) == set(arrays):
             done.add(r.index)
-    return layout, done
+    return layout, arrays, done
 
 
 def _json_roundtrip(obj: Any) -> Any:
@@ -637,7 +669,8 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
         "input_key": describe_key(input_key),
         "keep": {k: describe_key(v) for k, v in keep_map.items()},
         "outputs": outputs,
-        "codecs": {"chunk": f"zstd(level={_codecs.ZSTD_LEVEL})+crc32c", "schema": 1},
+        # Compression never changes the values, but it changes the stored bytes (and digests).
+        "codecs": {"chunk": f"{options.compression}(zstd level {_codecs.ZSTD_LEVEL})+crc32c", "schema": 1},
         "autocast": options.autocast,
     }
     fp = fingerprint(parts)
@@ -670,14 +703,14 @@ def compute(store: FeatureStore, name: str, *, model: Any, dataset: Any, input_k
                         batch_size, options.allow_nonfinite, options.autocast,
                         threads, topic)
         resources = {"GPU": 1} if _has_gpu_resource(dclient) else None
-        probed = _result(dclient.submit(probe, base, model_f, data_f, key=f"featstore-probe-{vid}",
+        probed = _result(dclient.submit(probe, base, model_f, data_f, n, key=f"featstore-probe-{vid}",
                                         resources=resources, pure=False))
-        arrays = _spec_arrays(probed, outputs, keep_map)
+        arrays = _spec_arrays(probed, outputs, keep_map, options.compression)
         row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
         layout = choose_layout(n, row_bytes, samples_per_shard, options.chunk_rows, options.target_shard_bytes)
-        layout, done = _prepare(storage, key, layout, arrays)  # may adopt a concurrent run's layout
+        layout, arrays, done = _prepare(storage, key, layout, arrays)  # may adopt a concurrent run's layout
         spec = TaskSpec(**{**base.__dict__, "arrays": arrays, "layout": layout,
-                           "dtypes": {k: d for k, (_, d) in probed.items()}})
+                           "dtypes": {k: d for k, (_, d, _) in probed.items()}})
         todo = [i for i in range(layout.n_shards) if i not in done]
         done_rows = sum(b - a for a, b in map(layout.shard_range, done))
         log.info("computing %s@%s: %d shards to do, %d already finished", name, vid, len(todo), len(done))

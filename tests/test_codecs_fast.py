@@ -57,12 +57,12 @@ def test_float16_overflow_still_raises_and_inf_input_does_not():
     assert np.isinf(codec.encode(torch.tensor([1.0, float("inf")]))[1])
 
 
-def _sharded(tmp_path, shape, dtype, chunk_rows=16, shard_rows=48):
+def _sharded(tmp_path, shape, dtype, chunk_rows=16, shard_rows=48, compression="zstd"):
     import zarr
 
     g = zarr.open_group(str(tmp_path / "g"), mode="w")
     a = g.create_array("x", shape=shape, dtype=dtype, chunks=(chunk_rows, *shape[1:]),
-                       shards=(shard_rows, *shape[1:]), compressors=C.zarr_codecs(), fill_value=0,
+                       shards=(shard_rows, *shape[1:]), compressors=C.zarr_codecs(compression), fill_value=0,
                        config={"write_empty_chunks": True})
     rng = np.random.default_rng(0)
     data = (rng.standard_normal(shape) * 10).astype(dtype)
@@ -75,12 +75,13 @@ def _shard_bytes(root, shard, ndim):
         (root / "c" / str(shard)).read_bytes()
 
 
+@pytest.mark.parametrize("compression", ["zstd", "none"])
 @pytest.mark.parametrize("shape,dtype", [((130, 5), "float16"), ((130,), "int64"), ((130, 3, 2), "float32"),
                                          ((130, 4), "uint16")])
-def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype):
-    a, data, root = _sharded(tmp_path, shape, dtype)
+def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype, compression):
+    a, data, root = _sharded(tmp_path, shape, dtype, compression=compression)
     fmt = C.shard_format(a)
-    assert fmt is not None and fmt.chunks_per_shard == 3
+    assert fmt is not None and fmt.chunks_per_shard == 3 and fmt.compressed == (compression == "zstd")
     rng = np.random.default_rng(1)
     for shard in range(3):
         raw = _shard_bytes(root, shard, len(shape))
@@ -96,8 +97,9 @@ def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype):
         np.testing.assert_array_equal(out, data[48 * shard:48 * shard + rows])
 
 
-def test_decode_shard_rows_detects_damage(tmp_path):
-    a, _, root = _sharded(tmp_path, (96, 5), "float32")
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_decode_shard_rows_detects_damage(tmp_path, compression):
+    a, _, root = _sharded(tmp_path, (96, 5), "float32", compression=compression)
     fmt = C.shard_format(a)
     raw = bytearray(_shard_bytes(root, 0, 2))
     for pos in (3, len(raw) // 2, len(raw) - 10):  # a chunk body, the middle, the index
@@ -115,3 +117,16 @@ def test_shard_format_refuses_other_layouts(tmp_path):
     g = zarr.open_group(str(tmp_path / "o"), mode="w")
     plain = g.create_array("p", shape=(10, 2), dtype="float32", chunks=(5, 2))
     assert C.shard_format(plain) is None
+
+
+def test_auto_compression_keeps_zstd_only_where_it_pays():
+    rng = np.random.default_rng(0)
+    relu = np.maximum(rng.standard_normal((64, 512)), 0).astype(np.float16)  # half zeros
+    logits = rng.standard_normal((64, 1000)).astype(np.float32)  # random mantissas
+    labels = rng.integers(0, 10, 64)
+    assert C.zstd_saving(relu) > 0.3 and C.zstd_saving(logits) < C.AUTO_MIN_SAVING
+    assert [C.choose_compression("auto", C.zstd_saving(x)) for x in (relu, logits, labels)] == \
+        ["zstd", "none", "zstd"]
+    assert C.choose_compression("zstd", 0.0) == "zstd" and C.choose_compression("none", 0.9) == "none"
+    with pytest.raises(C.InvalidInput, match="compression must be one of"):
+        C.choose_compression("lz4", 0.5)

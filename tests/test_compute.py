@@ -69,6 +69,35 @@ def test_plain_zarr_reads_a_committed_version(store, dask_client):
     assert group["logits"].shards == (64, 5)
 
 
+@pytest.mark.parametrize("compression", ["auto", "zstd", "none"])
+def test_compression_choice_is_recorded_and_reads_back_exactly(store, dask_client, compression):
+    from featstore import codecs
+
+    data, model = VectorData(200), TinyA()
+    v = compute(store, dask_client, data=data, model=model, batch_size=64,
+                options=ComputeOptions(progress=False, compression=compression))
+    with torch.inference_mode():
+        ref = model.eval()(data.x)
+    first = {"features": ref["features"][:64].half().numpy(), "logits": ref["logits"][:64].numpy(),
+             "target": data.y[:64].numpy()}
+    for name, spec in v.manifest.arrays.items():
+        want = compression if compression != "auto" else codecs.choose_compression(
+            "auto", codecs.zstd_saving(first[name]))
+        assert spec.compression == want, name
+        chain = [c.__class__.__name__ for c in v.array(name).metadata.codecs[0].codecs]
+        assert chain == (["BytesCodec", "ZstdCodec", "Crc32cCodec"] if want == "zstd"
+                         else ["BytesCodec", "Crc32cCodec"])
+    assert v.manifest.arrays["target"].compression == ("none" if compression == "none" else "zstd")
+    got = v.load()
+    assert torch.equal(got["logits"], ref["logits"]) and torch.equal(got["target"], data.y)
+    batches = list(v.dataset(batch_size=50, seed=2))
+    order = torch.cat([b["index"] for b in batches]).argsort()
+    assert torch.equal(torch.cat([b["logits"] for b in batches])[order], ref["logits"])
+    assert v.verify() == []
+    with pytest.raises(featstore.InvalidInput, match="compression must be one of"):
+        ComputeOptions(compression="lz4")
+
+
 def test_single_tensor_output_and_tuple_items(local_store, dask_client):
     class Pairs(torch.utils.data.Dataset):
         def __len__(self):

@@ -123,6 +123,31 @@ def test_state_dict_resumes_mid_epoch(versions, workers):
     assert [b["index"].tolist() for b in rest] == [b["index"].tolist() for b in full[k:]]
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_follow_set_epoch_and_resume(versions, context):
+    v = versions["local"]
+    fresh = [epoch(_at(v.dataset(batch_size=20, seed=4), e), 2) for e in range(3)]
+    ds = v.dataset(batch_size=20, seed=4)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context, timeout=120)
+    seen = []
+    for e in range(3):
+        ds.set_epoch(e)
+        seen.append([b["index"].tolist() for b in loader])
+    # the same workers, yet every epoch is that epoch's order (not epoch 0's again)
+    assert seen == [[b["index"].tolist() for b in f] for f in fresh]
+    assert seen[0] != seen[1] and all(sorted(sum(s, [])) == list(range(N)) for s in seen)
+    # a resume point set after the workers started reaches them too
+    ds.load_state_dict(v.dataset(batch_size=20, seed=4).state_dict(batches_seen=5) | {"epoch": 1})
+    ds.set_epoch(1)
+    assert [b["index"].tolist() for b in loader] == seen[1][5:]
+
+
+def _at(ds, e):
+    ds.set_epoch(e)
+    return ds
+
+
 def test_state_dict_counts_batches_in_process(versions):
     v = versions["local"]
     ds = v.dataset(batch_size=30, seed=1)
