@@ -112,6 +112,28 @@ def a_pure_only(ctx: Ctx) -> float:
     return clock() - t0
 
 
+def a_in_dask_over_main(ctx: Ctx, n: int = 5000) -> float:
+    """Model A's loop (tuned allocator) inside a task of an in-process Dask worker, as a share
+    of the same loop in this thread: what running under Dask costs before any writing."""
+    from distributed import Client, LocalCluster
+
+    from featstore import allocator
+
+    sub = Ctx.__new__(Ctx)
+    sub.n, sub.data, sub.model = min(n, ctx.n), ctx.data, ctx.model
+
+    def loop() -> float:
+        with allocator.tuned():
+            return a_pure_only(sub)
+
+    main = loop()
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as lc, \
+            Client(lc) as client:
+        client.submit(loop, pure=False).result()  # warm-up
+        in_dask = client.submit(loop, pure=False).result()
+    return main / in_dask
+
+
 def b_pure(ctx: Ctx, steps: int = 60) -> float:
     """Model B's training throughput (samples/s) on in-memory, already-batched features."""
     m = ctx.memory

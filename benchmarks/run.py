@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from featstore import allocator
+
 from . import memory, rows
 from .measure import memcopy_gbps
 from .peers import run_peers
@@ -96,6 +98,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
             r["in_memory"] = rows.in_memory(ctx, a["forward_s"])
             r["b_pure_sps"] = rows.b_pure(ctx)
             r["in_memory_w2_s"] = rows.in_memory_workers(ctx, 2)
+            r["a_dask_over_main"] = rows.a_in_dask_over_main(ctx)
             _say("torch.save files")
             r["torch_save"] = rows.torch_save_files(ctx, a["folder"], a["forward_s"] + a["save_s"], a["bytes"],
                                                     profile.torchsave_subset)
@@ -111,6 +114,8 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                 # The machine is shared: each featstore figure gets its own reference measured
                 # right before it, so a ratio compares seconds apart, not minutes.
                 r[f"fs_{where}_a_ref_s"] = rows.a_pure_only(ctx)
+                with allocator.tuned():  # like for like: the malloc settings featstore's compute uses
+                    r[f"fs_{where}_a_ref_tuned_s"] = rows.a_pure_only(ctx)
                 v, c = rows.fs_compute(ctx, store)
                 r[f"fs_{where}_compute"] = c
                 for w in (0, 2):

@@ -230,3 +230,20 @@ def test_embedded_cluster_leaves_callers_model_alone(local_store):
         "inproc", model=model, dataset=VectorData(40), outputs=OUTPUTS, samples_per_shard=16,
         options=ComputeOptions(progress=False, processes=True))
     assert torch.equal(v.load()["logits"], w.load()["logits"])
+
+
+def test_allocator_setting_is_scoped_and_changes_no_value(local_store, dask_client):
+    from featstore import allocator
+
+    with allocator.tuned() as outer:
+        with allocator.tuned() as inner:  # concurrent tasks share one setting
+            assert outer and inner and allocator._depth == 2
+        assert allocator._depth == 1
+    assert allocator._depth == 0
+    with allocator.tuned(enabled=False) as active:
+        assert active is False and allocator._depth == 0
+    data = VectorData(150)
+    a = compute(local_store, dask_client, name="tiny/tuned", data=data)
+    b = compute(featstore.open_store(local_store.storage.url + "-plain"), dask_client, name="tiny/tuned",
+                data=data, options=ComputeOptions(progress=False, tune_allocator=False))
+    assert a.id == b.id and [s.digests for s in a.manifest.shards] == [s.digests for s in b.manifest.shards]
