@@ -113,8 +113,8 @@ def a_pure_only(ctx: Ctx) -> float:
 
 
 def a_in_dask_over_main(ctx: Ctx, n: int = 5000) -> float:
-    """Model A's loop (tuned allocator) inside a task of an in-process Dask worker, as a share
-    of the same loop in this thread: what running under Dask costs before any writing."""
+    """Model A's throughput (tuned allocator) inside a task of an in-process Dask worker over
+    the same loop's in this thread: what running under Dask costs before any writing."""
     from distributed import Client, LocalCluster
 
     from featstore import allocator

@@ -8,8 +8,10 @@ even smaller blocks come from per-thread heaps that glibc deletes as soon as the
 (the demo CNN: ~3,300 samples/s by default, ~8,500 with the settings below, in a thread).
 
 :func:`tuned` keeps freed blocks in the heap for reuse while a shard task runs (large mmap
-threshold, no trimming, a large top pad so thread heaps survive), then puts the documented
-defaults back and returns the free memory to the OS with ``malloc_trim``. It is process-wide
+threshold, no trimming, a large top pad so thread heaps survive), then leaves the settings of
+a warmed-up process (see :data:`AFTER`) and returns the free memory to the OS with
+``malloc_trim``. A process whose allocator the user set up (``MALLOC_*_``, ``GLIBC_TUNABLES``,
+an ``LD_PRELOAD``ed jemalloc or tcmalloc) is left alone. It is process-wide
 (the embedded Dask worker is a thread of the caller's process), reference-counted across
 concurrent tasks, and does nothing off glibc (macOS, musl) or when
 ``ComputeOptions(tune_allocator=False)``. Nothing else changes: same values, same fingerprint.
@@ -19,21 +21,31 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-#: glibc's documented defaults (mallopt(3)), put back when the last tuned task ends.
-DEFAULTS = {_M_MMAP_THRESHOLD: 128 * 1024, _M_TRIM_THRESHOLD: 128 * 1024, _M_TOP_PAD: 128 * 1024}
 TUNED = {_M_MMAP_THRESHOLD: 1 << 30, _M_TRIM_THRESHOLD: (1 << 31) - 1, _M_TOP_PAD: 64 << 20}
+#: Put back when the last tuned task ends. Any mallopt() switches glibc's dynamic mmap threshold
+#: off for good, so its cold defaults (128 KiB) would stay fixed and make every later block over
+#: 128 KiB a fresh mmap: Model B's training in the same process measured 2x slower that way.
+#: These are the values the dynamic scheme reaches in a warmed-up process (threshold at its
+#: 32 MiB cap, trim threshold twice that), which is where a process that ran A ends up anyway.
+AFTER = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 64 << 20, _M_TOP_PAD: 128 * 1024}
+#: A process whose allocator the user configured is left alone. (``MALLOC_TRIM_THRESHOLD_`` is
+#: not one of these: Dask sets it in every cluster's parent and worker processes; it is kept as
+#: the trim threshold after the tasks instead.)
+USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                 "LD_PRELOAD")
 
 _lock = threading.Lock()
 _depth = 0
 
 
 def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or any(os.environ.get(k) for k in USER_SETTINGS):
         return None
     try:
         libc = ctypes.CDLL(None)
@@ -47,6 +59,13 @@ def _glibc() -> ctypes.CDLL | None:
 
 def _apply(libc: ctypes.CDLL, settings: dict[int, int]) -> bool:
     return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
+
+
+def _trim_from_env() -> dict[int, int]:
+    try:
+        return {_M_TRIM_THRESHOLD: int(os.environ["MALLOC_TRIM_THRESHOLD_"])}
+    except (KeyError, ValueError):
+        return {}
 
 
 @contextlib.contextmanager
@@ -70,5 +89,5 @@ def tuned(enabled: bool = True) -> Iterator[bool]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _apply(libc, DEFAULTS)
+                _apply(libc, {**AFTER, **_trim_from_env()})
                 libc.malloc_trim(0)

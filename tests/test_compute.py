@@ -242,6 +242,21 @@ def test_allocator_setting_is_scoped_and_changes_no_value(local_store, dask_clie
     assert allocator._depth == 0
     with allocator.tuned(enabled=False) as active:
         assert active is False and allocator._depth == 0
+    # Afterwards a 4 MiB block still comes from the heap, as in a warmed-up process: not a fresh
+    # mmap per allocation (what fixed cold defaults would leave behind).
+    import ctypes
+
+    import numpy as np
+
+    class Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Info
+    before = libc.mallinfo2().hblks
+    block = np.ones(4 << 20, dtype=np.uint8)
+    assert libc.mallinfo2().hblks == before and block.sum() == 4 << 20
     data = VectorData(150)
     a = compute(local_store, dask_client, name="tiny/tuned", data=data)
     b = compute(featstore.open_store(local_store.storage.url + "-plain"), dask_client, name="tiny/tuned",
