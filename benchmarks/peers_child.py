@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 import traceback
 import types
@@ -22,56 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .procfs import RssSampler, dir_bytes
 from .workload import BATCH, read_only, train
-
-
-class _Peak:
-    """Peak RSS of this process (VmRSS sampled every 20 ms) and of its children (DataLoader workers).
-
-    A twin of ``measure.RssSampler`` on purpose: this child runs in the peers' venv, which has
-    no psutil, so it reads /proc itself.
-    """
-
-    def __init__(self) -> None:
-        self.main = self.child = 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def _rss(pid: int | str) -> int:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def _children(self) -> list[str]:
-        try:
-            with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-                return f.read().split()
-        except OSError:
-            return []
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.02):
-            self.main = max(self.main, self._rss(os.getpid()))
-            for c in self._children():
-                self.child = max(self.child, self._rss(c))
-
-    def __enter__(self) -> "_Peak":
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
 def _stub_torchvision() -> None:
@@ -179,11 +130,11 @@ def _train_row(make: Any) -> dict[str, Any]:
     """3 epochs of B from one loader; a failure is recorded as its error text, not a row."""
     try:
         loader = make()
-        with _Peak() as pk:
+        with RssSampler() as pk:
             res = train(lambda e: _batches(loader))
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {"train_s": res.seconds, "acc": res.accuracy, "main_rss": pk.main, "worker_rss": pk.child or None}
+    return {"train_s": res.seconds, "acc": res.accuracy, "main_rss": pk.main_peak, "worker_rss": pk.child_peak or None}
 
 
 def run_peer(peer: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +145,7 @@ def run_peer(peer: str, spec: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
         local = os.path.join(work, "data")
-        r: dict[str, Any] = {"store_s": write(local), "bytes": _dir_bytes(local)}
+        r: dict[str, Any] = {"store_s": write(local), "bytes": dir_bytes(local)}
         for workers in spec["workers"]:
             r[f"local_w{workers}"] = _train_row(lambda w=workers, d=local: make_loader(d, w, "", None))
         secs, n = read_only(_batches(make_loader(local, 0, "", None)))

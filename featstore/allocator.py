@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -42,10 +43,18 @@ USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", 
 
 _lock = threading.Lock()
 _depth = 0
+_active = False
 
 
 def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or any(os.environ.get(k) for k in USER_SETTINGS):
+    if any(os.environ.get(k) for k in USER_SETTINGS):
+        return None
+    return _libc()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None)
@@ -75,16 +84,17 @@ def tuned(enabled: bool = True) -> Iterator[bool]:
     >>> with tuned() as active:
     ...     pass  # run Model A's forward here
     """
-    global _depth
+    global _depth, _active
     libc = _glibc() if enabled else None
     if libc is None:
         yield False
         return
     with _lock:
-        active = _apply(libc, TUNED) if _depth == 0 else True
+        if _depth == 0:
+            _active = _apply(libc, TUNED)
         _depth += 1
     try:
-        yield active
+        yield _active
     finally:
         with _lock:
             _depth -= 1
