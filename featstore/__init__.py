@@ -8,8 +8,7 @@ stream them into Model B's training loop.
 >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .errors import (ComputeFailed, CorruptChunk, EmptyDataset, FeatstoreError, IncompatibleFormat,
                      InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput, OutputMismatch,

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .codecs import ShardCorrupt, ShardFormat, decode_shard_rows, shard_format
 from .errors import CorruptChunk, InvalidInput
+from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, shard_format
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
-from .store import Version
+from .versions import Version
 
 
 @dataclass(frozen=True)
@@ -256,36 +256,17 @@ class FeatureDataset(IterableDataset):
         """
         start = piece.shard * self.version.manifest.layout.samples_per_shard
         fmt = self._shard_format(field)
-        storage = self._storage
         if fmt is None:
             out[...] = self.version.read_rows(field, start + piece.lo, start + piece.hi)
             return
-        arr = self.version.array(field)
-        chunk = arr.metadata.encode_chunk_key((piece.shard, *(0,) * len(fmt.row_shape)))
-        where = f"{self.version.name}@{self.version.id}"
-        data = storage.read_bytes(f"{self.version.key}/{field}/{chunk}")
+        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        data = self._storage.read_bytes(f"{self.version.key}/{ref.chunk}")
         if not data:
-            raise CorruptChunk(
-                f"chunk object {field}/{chunk!r} of version {where} is {'missing' if data is None else 'empty'}; "
-                "the stored data is damaged. Run `featstore verify` to list every bad chunk, then delete "
-                "and recompute the version.", version=where, array=field, chunk=f"{field}/{chunk}")
-        try:
-            decode_shard_rows(data, fmt, piece.lo, piece.hi, out)
-        except ShardCorrupt as exc:
-            raise CorruptChunk(
-                f"version {where}, array {field!r}, shard {piece.shard} (object {field}/{chunk}) failed to "
-                f"decode: {exc}. The stored bytes are damaged; run `featstore verify` and recompute the "
-                "version.", version=where, array=field, chunk=f"{field}/{chunk}") from exc
+            raise CorruptChunk.damaged(ref.version, field, ref.chunk, "is missing" if data is None else "is empty")
+        decode_shard_rows(data, fmt, piece.lo, piece.hi, out, ref)
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-        """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays).
-
-        Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
-        ``prefetch`` threads issue them. The next window's reads are always in flight while
-        the current one is consumed (a window is only usable once whole: it is permuted
-        together), so S3 latency hides behind Model B instead of adding up window by window.
-        """
-        spp = self.version.manifest.layout.samples_per_shard
+        """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""
         todo: list[tuple[int, int, tuple[Piece, ...]]] = []
         pos = 0
         for wi, window in enumerate(plan.windows):
@@ -293,59 +274,8 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
-        fields = self.fields
-        # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
-        # later window: no fresh pages to fault in for every window (~15% of the read cost).
-        # Unshuffled batches are views into the window, which the caller may keep.
-        spare: list[dict[str, np.ndarray]] | None = [] if self.options.shuffle else None
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
-            queue: deque[tuple[int, int, dict[str, np.ndarray], list[Future]]] = deque()
-            in_flight = 0
-            it = iter(todo)
-            specs = self.version.manifest.arrays
-
-            def buffers(total: int) -> dict[str, np.ndarray]:
-                while spare:
-                    got = spare.pop()
-                    if len(got["index"]) == total:
-                        return got
-                return {f: np.empty((total, *specs[f].shape), dtype=specs[f].dtype) for f in fields}
-
-            def fill() -> None:
-                nonlocal in_flight
-                # Keep ``prefetch`` pieces in flight, and the next two windows at least.
-                while in_flight < self.options.prefetch or len(queue) < 2:
-                    nxt = next(it, None)
-                    if nxt is None:
-                        return
-                    wi, drop, window = nxt
-                    total = sum(p.size for p in window)
-                    # Each read decodes straight into its rows of the window: no concatenation.
-                    arrays = buffers(total)
-                    arrays["index"] = np.concatenate(
-                        [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi, dtype=np.int64) for p in window])
-                    futs, off = [], 0
-                    for p in window:
-                        futs += [pool.submit(self._read_field, p, f, arrays[f][off:off + p.size]) for f in fields]
-                        off += p.size
-                    queue.append((wi, drop, arrays, futs))
-                    in_flight += len(window)
-
-            try:
-                fill()
-                while queue:
-                    wi, drop, arrays, futs = queue.popleft()
-                    for f in futs:
-                        f.result()
-                    in_flight -= len(futs) // max(1, len(fields))
-                    fill()
-                    yield wi, drop, arrays
-                    if spare is not None:  # the consumer has cut every batch of this window
-                        spare.append(arrays)
-            finally:
-                for _, _, _, futs in queue:  # an abandoned epoch: do not read what nobody will use
-                    for f in futs:
-                        f.cancel()
+            yield from _WindowReader(self, pool, todo)
 
     def _batches(self, plan: ConsumerPlan, cid: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
         """Cut windows into batches: each batch is one numpy gather of its rows from the window
@@ -385,3 +315,68 @@ class FeatureDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"
                 f"{self.world_size}, {self.options})")
+
+
+class _WindowReader:
+    """Keeps shuffle windows in flight and yields each once all its reads are done.
+
+    Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
+    ``prefetch`` pool threads issue them. The next window's reads are always in flight while
+    the current one is consumed (a window is only usable once whole: it is permuted together),
+    so S3 latency hides behind Model B instead of adding up window by window. Every read decodes
+    straight into its rows of the window's buffers: no concatenation.
+    """
+
+    def __init__(self, ds: FeatureDataset, pool: ThreadPoolExecutor,
+                 todo: list[tuple[int, int, tuple[Piece, ...]]]) -> None:
+        self.ds, self.pool, self.todo = ds, pool, iter(todo)
+        self.specs = ds.version.manifest.arrays
+        self.spp = ds.version.manifest.layout.samples_per_shard
+        self.queue: deque[tuple[int, int, dict[str, np.ndarray], list[Future]]] = deque()
+        self.in_flight = 0  # pieces submitted and not yet consumed
+        # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
+        # later window: no fresh pages to fault in for every window (~15% of the read cost).
+        # Unshuffled batches are views into the window, which the caller may keep.
+        self.spare: list[dict[str, np.ndarray]] | None = [] if ds.options.shuffle else None
+
+    def __iter__(self) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+        try:
+            self._fill()
+            while self.queue:
+                wi, drop, arrays, futs = self.queue.popleft()
+                for f in futs:
+                    f.result()
+                self.in_flight -= len(futs) // max(1, len(self.ds.fields))
+                self._fill()
+                yield wi, drop, arrays
+                if self.spare is not None:  # the consumer has cut every batch of this window
+                    self.spare.append(arrays)
+        finally:
+            for _, _, _, futs in self.queue:  # an abandoned epoch: do not read what nobody will use
+                for f in futs:
+                    f.cancel()
+
+    def _buffers(self, total: int) -> dict[str, np.ndarray]:
+        while self.spare:
+            got = self.spare.pop()
+            if len(got["index"]) == total:
+                return got
+        return {f: np.empty((total, *self.specs[f].shape), dtype=self.specs[f].dtype) for f in self.ds.fields}
+
+    def _fill(self) -> None:
+        """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
+        while self.in_flight < self.ds.options.prefetch or len(self.queue) < 2:
+            nxt = next(self.todo, None)
+            if nxt is None:
+                return
+            wi, drop, window = nxt
+            arrays = self._buffers(sum(p.size for p in window))
+            arrays["index"] = np.concatenate(
+                [np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64) for p in window])
+            futs, off = [], 0
+            for p in window:
+                futs += [self.pool.submit(self.ds._read_field, p, f, arrays[f][off:off + p.size])
+                         for f in self.ds.fields]
+                off += p.size
+            self.queue.append((wi, drop, arrays, futs))
+            self.in_flight += len(window)

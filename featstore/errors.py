@@ -60,11 +60,26 @@ class IncompatibleFormat(FeatstoreError, ValueError):
 
 # -- the data or the run is broken ----------------------------------------------------------
 class CorruptChunk(FeatstoreError, IOError):
-    """A stored chunk is missing, truncated or fails its checksum."""
+    """A stored chunk is missing, truncated or fails its checksum.
+
+    ``version`` is ``name@id``, ``array`` the field and ``chunk`` the object's key inside the
+    version (``features/c/3/0``), so a caller can report or delete exactly what is damaged.
+    """
 
     def __init__(self, message: str, *, version: str = "", array: str = "", chunk: str = "") -> None:
         super().__init__(message)
         self.version, self.array, self.chunk = version, array, chunk
+
+    @classmethod
+    def damaged(cls, version: str, array: str, chunk: str, what: str) -> "CorruptChunk":
+        """The one message for damaged stored data: what is wrong, where, and what to do.
+
+        >>> str(CorruptChunk.damaged("a@0123456789abcdef", "x", "x/c/0", "is missing"))[:46]
+        "version a@0123456789abcdef, array 'x', object"
+        """
+        return cls(f"version {version}, array {array!r}, object {chunk!r} {what}. The stored data is "
+                   "damaged: run `featstore verify` to list every bad object, then delete and "
+                   "recompute the version.", version=version, array=array, chunk=chunk)
 
     def __reduce__(self):  # keep the fields across process boundaries (DataLoader workers, Dask)
         return (_rebuild_corrupt, (self.args[0], self.version, self.array, self.chunk))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInput
-from .storage import canonical_json
+from .manifest import canonical_json
 
 DATASET_SAMPLES = 16
 

@@ -1,23 +1,51 @@
-"""The manifest: what a committed version holds, as validated, canonical JSON.
+"""Every object featstore stores besides array data, as validated, canonical JSON: pure.
 
-Writing a version's manifest (create-if-absent) is its commit: a version without one is
-invisible to readers. Nothing here is ever unpickled; unknown or newer schemas are refused.
+The manifest (what a committed version holds; writing it create-if-absent is the commit),
+shard receipts (resume markers), tags (the only mutable pointers) and the pending claim of a
+version being computed. Nothing here is ever unpickled; unknown or newer schemas are refused
+with :class:`IncompatibleFormat` saying what to do.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .codecs import codec_by_name
 from .errors import FeatstoreError, IncompatibleFormat
+from .names import check_field, check_name, check_version_id, is_version_id
 
 SCHEMA = "featstore.manifest"
 SCHEMA_VERSION = 1
 RECEIPT_SCHEMA = "featstore.receipt"
 TAG_SCHEMA = "featstore.tag"
-#: Version of the receipt and tag objects (written by this featstore; read if not newer).
+PENDING_SCHEMA = "featstore.pending"
+#: Version of the receipt, tag and pending objects (written by this featstore; read if not newer).
 OBJECT_VERSION = 1
 _HEX = frozenset("0123456789abcdef")
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no NaN): what fingerprints and stored objects use."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def load_json(data: bytes | str, where: str) -> dict[str, Any]:
+    """Parse one stored JSON object (never a pickle); anything else is :class:`IncompatibleFormat`.
+
+    >>> load_json(b'{"a": 1}', "x.json")
+    {'a': 1}
+    """
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
+        raise IncompatibleFormat(f"{where} is not valid JSON ({exc}); the object is damaged. "
+                                 "Delete the version and recompute it.") from exc
+    if not isinstance(obj, dict):
+        raise IncompatibleFormat(f"{where} does not hold a JSON object; the object is damaged or not "
+                                 "featstore's. Delete it (or its version) and recompute.")
+    return obj
 
 
 def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bool = True) -> None:
@@ -97,8 +125,6 @@ def _int(value: Any) -> int:
 
 
 def _field(name: Any) -> str:
-    from .names import check_field  # names imports only errors: no cycle
-
     return check_field(name)
 
 
@@ -154,9 +180,6 @@ class Manifest:
         Names and array names are checked like user input (they become store paths), codecs
         and dtypes must be ones this featstore knows, and the shards must tile the layout.
         """
-        from .codecs import codec_by_name
-        from .names import check_name, check_version_id
-
         check_schema(obj, SCHEMA, SCHEMA_VERSION, where)
         try:
             layout = Layout(**{k: _int(obj["layout"][k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")})
@@ -196,3 +219,50 @@ class Manifest:
             raise IncompatibleFormat(f"{where}: its shards do not tile the layout or miss arrays; "
                                      "the manifest is damaged. Delete the version and recompute.")
         return m
+
+
+def tag_json(vid: str) -> dict[str, Any]:
+    """The stored object of a tag pointing at version ``vid``."""
+    return {"schema": TAG_SCHEMA, "schema_version": OBJECT_VERSION, "version": check_version_id(vid)}
+
+
+def tag_target(obj: Any, where: str, tag: str) -> str:
+    """The version id a stored tag object points at, validated."""
+    check_schema(obj, TAG_SCHEMA, OBJECT_VERSION, where)
+    vid = obj.get("version")
+    if not isinstance(vid, str) or not is_version_id(vid):
+        raise IncompatibleFormat(f"{where} does not point at a version id ({vid!r}); the tag is "
+                                 f"damaged: move it with store.tag(version, {tag!r}) or remove it.")
+    return vid
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The claim of a version folder being computed: the layout and arrays its first run fixed.
+
+    Later runs of the same fingerprint (a resume, or a concurrent run) adopt them. Claims
+    written before the schema existed (no ``schema`` field) are read as version 1.
+    """
+
+    layout: Layout
+    arrays: dict[str, dict[str, Any]]  # ArraySpec fields as JSON (lists, not tuples)
+
+    @classmethod
+    def of(cls, layout: Layout, arrays: dict[str, ArraySpec]) -> "Pending":
+        """The claim a run makes for ``layout`` and ``arrays``."""
+        return cls(layout, json.loads(json.dumps({n: asdict(a) for n, a in arrays.items()})))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": PENDING_SCHEMA, "schema_version": OBJECT_VERSION,
+                "layout": asdict(self.layout), "arrays": self.arrays}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "Pending":
+        check_schema(obj, PENDING_SCHEMA, OBJECT_VERSION, where, required=False)
+        try:
+            layout = Layout(**{k: int(obj["layout"][k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")})
+            arrays = {str(k): dict(v) for k, v in obj["arrays"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete the "
+                                     "uncommitted version folder and rerun.") from exc
+        return cls(layout, arrays)

@@ -16,9 +16,9 @@ becomes :class:`StoreUnavailable`, in featstore's own calls and in Zarr's chunk 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import posixpath
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -27,9 +27,13 @@ import fsspec
 import zarr.abc.store
 import zarr.storage
 
-from .errors import FeatstoreError, IncompatibleFormat, StoreConflict, StoreUnavailable
+from .errors import FeatstoreError, StoreConflict, StoreUnavailable
+from .manifest import canonical_json, load_json
 
 _WRITE_ID = "_write_id"
+#: Serialises the exists-check and the write of :meth:`Storage.create` on backends without a
+#: conditional put (fsspec's memory filesystem, ...): atomic among this process's threads only.
+_CREATE_LOCK = threading.Lock()
 
 #: botocore attempts per S3 request (the first one included) when the user sets no policy.
 #: s3fs retries SlowDown and connection errors again around botocore (5 times), but not 500
@@ -234,7 +238,10 @@ class Storage:
             try:
                 if "s3" in _protocols(self.fs) or "s3a" in _protocols(self.fs):
                     self.fs.pipe_file(path, data, mode="create")
-                else:  # backends without a conditional put: exists-check, documented as racy
+                    return True
+                # Backends without a conditional put: an exists-check and a write under a lock,
+                # atomic among this process's threads, racy across processes (documented).
+                with _CREATE_LOCK:
                     if self.fs.exists(path):
                         return False
                     self.fs.pipe_file(path, data)
@@ -261,19 +268,7 @@ class Storage:
     def read_json(self, key: str) -> dict[str, Any] | None:
         """Parse a JSON object (never a pickle); ``None`` if absent."""
         data = self.read_bytes(key)
-        if data is None:
-            return None
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
-            raise IncompatibleFormat(
-                f"{self.child_url(key)} is not valid JSON ({exc}); the object is damaged. "
-                "Delete the version and recompute it."
-            ) from exc
-        if not isinstance(obj, dict):
-            raise IncompatibleFormat(f"{self.child_url(key)} does not hold a JSON object; the object "
-                                     "is damaged or not featstore's. Delete it (or its version) and recompute.")
-        return obj
+        return None if data is None else load_json(data, self.child_url(key))
 
     def write_json(self, key: str, obj: dict[str, Any]) -> None:
         """Write a JSON object (overwrite allowed: used for tags and receipts)."""
@@ -410,7 +405,3 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
-
-def canonical_json(obj: Any) -> bytes:
-    """Deterministic JSON bytes (sorted keys, no NaN): what fingerprints and manifests use."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from featstore import NonFiniteOutput
+from featstore import CorruptChunk, InvalidInput, NonFiniteOutput
 from featstore import codecs as C
+from featstore import format as F
+from featstore import stats as S
 
 
 def _slow_stats(x: torch.Tensor) -> dict:
@@ -20,7 +22,7 @@ def _slow_stats(x: torch.Tensor) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_value_stats_fast_path_matches_float64(dtype):
     x = (torch.randn(64, 33, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
-    got, want = C.value_stats(x), _slow_stats(x)
+    got, want = S.value_stats(x), _slow_stats(x)
     assert (got["count"], got["nan"], got["inf"]) == (want["count"], 0, 0)
     assert got["min"] == want["min"] and got["max"] == want["max"]
     assert got["sum"] == pytest.approx(want["sum"], rel=1e-12, abs=1e-9)
@@ -28,7 +30,7 @@ def test_value_stats_fast_path_matches_float64(dtype):
 
 def test_value_stats_with_nonfinite_uses_general_path():
     x = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
-    s = C.value_stats(x)
+    s = S.value_stats(x)
     assert (s["nan"], s["inf"], s["min"], s["max"], s["finite"]) == (1, 1, -2.0, 1.0, 2)
 
 
@@ -38,7 +40,7 @@ def test_max_abs_error_matches_float64(name):
     x = torch.randn(128, 40, generator=torch.Generator().manual_seed(1)) * torch.logspace(-6, 4, 40)
     stored = codec.encode(x)
     want = float((codec.decode(stored).to(torch.float64) - x.to(torch.float64)).abs().max())
-    assert C.max_abs_error(codec, stored, x) == want
+    assert S.max_abs_error(codec, stored, x) == want
 
 
 def test_max_abs_error_ignores_nonfinite():
@@ -46,7 +48,7 @@ def test_max_abs_error_ignores_nonfinite():
     x = torch.tensor([[1.1, float("nan")], [float("inf"), 2.2]])
     stored = codec.encode(x)
     a, b = float(np.float32(1.1)), float(np.float32(2.2))
-    assert C.max_abs_error(codec, stored, x) == pytest.approx(
+    assert S.max_abs_error(codec, stored, x) == pytest.approx(
         max(abs(float(np.float16(a)) - a), abs(float(np.float16(b)) - b)), rel=1e-9)
 
 
@@ -62,7 +64,7 @@ def _sharded(tmp_path, shape, dtype, chunk_rows=16, shard_rows=48, compression="
 
     g = zarr.open_group(str(tmp_path / "g"), mode="w")
     a = g.create_array("x", shape=shape, dtype=dtype, chunks=(chunk_rows, *shape[1:]),
-                       shards=(shard_rows, *shape[1:]), compressors=C.zarr_codecs(compression), fill_value=0,
+                       shards=(shard_rows, *shape[1:]), compressors=F.zarr_codecs(compression), fill_value=0,
                        config={"write_empty_chunks": True})
     rng = np.random.default_rng(0)
     data = (rng.standard_normal(shape) * 10).astype(dtype)
@@ -80,7 +82,7 @@ def _shard_bytes(root, shard, ndim):
                                          ((130, 4), "uint16")])
 def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype, compression):
     a, data, root = _sharded(tmp_path, shape, dtype, compression=compression)
-    fmt = C.shard_format(a)
+    fmt = F.shard_format(a)
     assert fmt is not None and fmt.chunks_per_shard == 3 and fmt.compressed == (compression == "zstd")
     rng = np.random.default_rng(1)
     for shard in range(3):
@@ -89,26 +91,26 @@ def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype, compression):
         for _ in range(10):
             lo = int(rng.integers(0, rows))
             hi = int(rng.integers(lo + 1, rows + 1))
-            got = C.decode_shard_rows(raw, fmt, lo, hi)
+            got = F.decode_shard_rows(raw, fmt, lo, hi)
             np.testing.assert_array_equal(got, data[48 * shard + lo:48 * shard + hi])
             assert got.flags.writeable
         out = np.empty((rows, *shape[1:]), dtype=dtype)
-        C.decode_shard_rows(raw, fmt, 0, rows, out)
+        F.decode_shard_rows(raw, fmt, 0, rows, out)
         np.testing.assert_array_equal(out, data[48 * shard:48 * shard + rows])
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_decode_shard_rows_detects_damage(tmp_path, compression):
     a, _, root = _sharded(tmp_path, (96, 5), "float32", compression=compression)
-    fmt = C.shard_format(a)
+    fmt = F.shard_format(a)
     raw = bytearray(_shard_bytes(root, 0, 2))
     for pos in (3, len(raw) // 2, len(raw) - 10):  # a chunk body, the middle, the index
         bad = bytearray(raw)
         bad[pos] ^= 0x40
-        with pytest.raises(C.ShardCorrupt):
-            C.decode_shard_rows(bytes(bad), fmt, 0, 48)
-    with pytest.raises(C.ShardCorrupt):
-        C.decode_shard_rows(bytes(raw[:20]), fmt, 0, 48)
+        with pytest.raises(CorruptChunk):
+            F.decode_shard_rows(bytes(bad), fmt, 0, 48)
+    with pytest.raises(CorruptChunk):
+        F.decode_shard_rows(bytes(raw[:20]), fmt, 0, 48)
 
 
 def test_shard_format_refuses_other_layouts(tmp_path):
@@ -116,7 +118,7 @@ def test_shard_format_refuses_other_layouts(tmp_path):
 
     g = zarr.open_group(str(tmp_path / "o"), mode="w")
     plain = g.create_array("p", shape=(10, 2), dtype="float32", chunks=(5, 2))
-    assert C.shard_format(plain) is None
+    assert F.shard_format(plain) is None
 
 
 def test_auto_compression_keeps_zstd_only_where_it_pays():
@@ -124,9 +126,9 @@ def test_auto_compression_keeps_zstd_only_where_it_pays():
     relu = np.maximum(rng.standard_normal((64, 512)), 0).astype(np.float16)  # half zeros
     logits = rng.standard_normal((64, 1000)).astype(np.float32)  # random mantissas
     labels = rng.integers(0, 10, 64)
-    assert C.zstd_saving(relu) > 0.3 and C.zstd_saving(logits) < C.AUTO_MIN_SAVING
-    assert [C.choose_compression("auto", C.zstd_saving(x)) for x in (relu, logits, labels)] == \
+    assert F.zstd_saving(relu) > 0.3 and F.zstd_saving(logits) < F.AUTO_MIN_SAVING
+    assert [F.choose_compression("auto", F.zstd_saving(x)) for x in (relu, logits, labels)] == \
         ["zstd", "none", "zstd"]
-    assert C.choose_compression("zstd", 0.0) == "zstd" and C.choose_compression("none", 0.9) == "none"
-    with pytest.raises(C.InvalidInput, match="compression must be one of"):
-        C.choose_compression("lz4", 0.5)
+    assert F.choose_compression("zstd", 0.0) == "zstd" and F.choose_compression("none", 0.9) == "none"
+    with pytest.raises(InvalidInput, match="compression must be one of"):
+        F.choose_compression("lz4", 0.5)

@@ -19,7 +19,7 @@ import pytest
 
 import featstore
 from featstore import ComputeOptions
-from featstore.writer import PROBE_ROWS
+from featstore.tasks import PROBE_ROWS
 
 from .models import TinyA, VectorData
 

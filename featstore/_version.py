@@ -1,0 +1,4 @@
+"""featstore's release number, in a module of its own so that any layer can read it without
+importing the package root."""
+
+__version__ = "0.1.0"

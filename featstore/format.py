@@ -1,0 +1,382 @@
+"""Everything featstore writes into Zarr, and everything it accepts back: one module.
+
+- **Arrays.** One Zarr v3 array per stored field, all sharing axis 0 (the sample). Axis 0 is
+  cut into shards of ``Layout.samples_per_shard`` rows (one object each, which one task writes
+  whole) and inner chunks of ``Layout.chunk_rows`` rows; every chunk carries a crc32c, after
+  zstd where zstd pays (:func:`choose_compression`). Missing chunks are never read as the fill
+  value (:class:`StrictStore`), and an all-fill shard is still stored (``write_empty_chunks``).
+- **Keys.** Shard ``s`` of field ``f`` is the object ``f/c/<s>/0/...`` (:func:`chunk_key`).
+- **Digests.** A shard's digest is the sha256 of its stored values (:func:`shard_digest`).
+- **The fast decoder.** :func:`decode_shard_rows` reads rows straight out of one shard object's
+  bytes, without zarr's event loop (the reader's hot path); :func:`shard_format` says whether an
+  array has exactly the layout it understands.
+- **Validation.** :func:`check_array_metadata` refuses any ``zarr.json`` featstore would not
+  write, before a single chunk is decoded (a planted one could name any codec).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.storage
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from .errors import CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict
+from .manifest import ArraySpec, Layout, load_json
+
+ZSTD_LEVEL = 3
+COMPRESSIONS = ("auto", "zstd", "none")
+#: "auto" stores an array with zstd only where zstd saves at least this share of its bytes on the
+#: probe batch: near-incompressible float32 (logits) decodes ~10x slower through zstd than as a
+#: plain copy, and the reader's decode competes with Model B for the same cores.
+AUTO_MIN_SAVING = 0.10
+#: Batch keys the reader adds itself; no stored array may take them.
+RESERVED_FIELDS = ("index",)
+ZARR_FORMAT = 3
+ALLOWED_CODECS = frozenset({"sharding_indexed", "bytes", "zstd", "crc32c"})
+
+
+# -- compression policy ------------------------------------------------------------------------
+def zarr_codecs(compression: str = "zstd") -> list:
+    """The bytes-to-bytes chain for every chunk: zstd (unless ``"none"``), then a crc32c checksum."""
+    if compression not in ("zstd", "none"):
+        raise InvalidInput(f"compression must be 'zstd' or 'none' here, got {compression!r}.")
+    return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()] if compression == "zstd" else [Crc32cCodec()]
+
+
+def check_compression(compression: str) -> str:
+    """Validate a user's compression choice (``"auto"``, ``"zstd"`` or ``"none"``)."""
+    if compression not in COMPRESSIONS:
+        raise InvalidInput(f"compression must be one of {COMPRESSIONS}, got {compression!r}.")
+    return compression
+
+
+def zstd_saving(stored: np.ndarray) -> float:
+    """The share of bytes zstd (featstore's level) saves on ``stored`` (0 for empty input)."""
+    import numcodecs
+
+    raw = np.ascontiguousarray(stored).tobytes()
+    if not raw:
+        return 0.0
+    return 1.0 - len(numcodecs.Zstd(ZSTD_LEVEL).encode(raw)) / len(raw)
+
+
+def choose_compression(policy: str, saving: float) -> str:
+    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``.
+
+    >>> choose_compression("auto", 0.42), choose_compression("auto", 0.07)
+    ('zstd', 'none')
+    """
+    if check_compression(policy) != "auto":
+        return policy
+    return "zstd" if saving >= AUTO_MIN_SAVING else "none"
+
+
+def chunk_label(compression: str) -> str:
+    """How the chunk chain is named in the fingerprint (it changes the stored bytes)."""
+    return f"{compression}(zstd level {ZSTD_LEVEL})+crc32c"
+
+
+# -- keys and digests --------------------------------------------------------------------------
+def chunk_key(field: str, shard: int, ndim: int) -> str:
+    """The key, inside a version, of shard ``shard`` of ``field`` (``ndim`` per-sample dims).
+
+    >>> chunk_key("features", 3, 1)
+    'features/c/3/0'
+    """
+    return "/".join([field, "c", str(shard), *["0"] * ndim])
+
+
+def shard_digest(values: np.ndarray) -> str:
+    """sha256 of a shard's stored values (what receipts record and ``verify`` recomputes)."""
+    return hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest()
+
+
+# -- writing -----------------------------------------------------------------------------------
+def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[str, ArraySpec],
+                  where: str) -> None:
+    """Create the version's group and arrays, or check that an earlier or concurrent run of
+    the same claim created them identically (a :class:`StoreConflict` otherwise)."""
+    try:
+        group = zarr.open_group(store, mode="a")
+    except zarr.errors.ContainsGroupError:  # a concurrent run created it between look and create
+        group = zarr.open_group(store, mode="r+")
+    for name, a in arrays.items():
+        shape = (layout.n_samples, *a.shape)
+        try:
+            existing = group[name]
+        except KeyError:
+            existing = None
+        if existing is not None:
+            if existing.shape == shape and existing.shards == (layout.samples_per_shard, *a.shape):
+                continue  # created by the founder or an earlier run: identical metadata
+            raise StoreConflict(f"array {name!r} under {where} has another layout than its claim; if "
+                                "no compute of it is running, delete that uncommitted version folder and rerun.")
+        try:
+            group.create_array(
+                name, shape=shape, dtype=a.dtype,
+                chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
+                compressors=zarr_codecs(a.compression), fill_value=0,
+                config={"write_empty_chunks": True},
+                dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
+                attributes={"featstore": {"codec": a.codec, "source": a.source}},
+            )
+        except zarr.errors.ContainsArrayError:
+            pass  # a concurrent run created it a moment ago, from the same claim
+
+
+def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.Array]:
+    """The version's arrays, ready for whole-shard writes."""
+    # write_empty_chunks is a runtime setting, lost on reopen: without it an all-fill-value shard
+    # is never stored, and a committed version must hold every shard object.
+    return {n: zarr.open_array(store, path=n, mode="r+").with_config({"write_empty_chunks": True})
+            for n in fields}
+
+
+# -- reading through zarr ----------------------------------------------------------------------
+class StrictStore(zarr.storage.WrapperStore):
+    """Refuses to read a missing or empty chunk object as the fill value (zarr#486)."""
+
+    def __init__(self, store: Any, where: str) -> None:
+        super().__init__(store)
+        self._where = where
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        buf = await self._store.get(key, prototype, byte_range)
+        if "/c/" in key and (buf is None or len(buf) == 0):
+            raise CorruptChunk.damaged(self._where, key.split("/c/")[0], key,
+                                       "is missing" if buf is None else "is empty")
+        return buf
+
+    def _with_store(self, store: Any) -> "StrictStore":
+        return type(self)(store, self._where)
+
+
+def open_array(store: zarr.abc.store.Store, field: str, spec: ArraySpec, layout: Layout, where: str,
+               raw_metadata: Any) -> zarr.Array:
+    """Open one stored array for reading, its metadata checked before any chunk is decoded.
+
+    ``raw_metadata()`` returns the raw ``zarr.json`` bytes (or None): read only when zarr
+    itself cannot parse them, to say "newer format" rather than "damaged" where that is true.
+    """
+    strict = StrictStore(store, where)
+    meta_key = f"{field}/zarr.json"
+    try:
+        arr = zarr.open_array(strict, path=field, mode="r")
+    except FeatstoreError:
+        raise
+    except FileNotFoundError as exc:
+        raise CorruptChunk(f"array {field!r} of version {where} is missing its zarr.json; delete and "
+                           "recompute the version.", version=where, array=field, chunk=meta_key) from exc
+    except Exception as exc:  # noqa: BLE001 - zarr raises many types on bad metadata
+        raw = raw_metadata()
+        try:
+            meta = None if raw is None else load_json(raw, meta_key)
+        except IncompatibleFormat:
+            meta = None
+        check_array_metadata(meta, spec, layout, version=where, array=field)
+        raise CorruptChunk(f"{meta_key} of version {where} cannot be opened ({type(exc).__name__}: "
+                           f"{exc}); delete and recompute the version.",
+                           version=where, array=field, chunk=meta_key) from exc
+    # Validate what zarr parsed (the very metadata it will use) before any chunk is decoded.
+    check_array_metadata(arr.metadata.to_dict(), spec, layout, version=where, array=field)
+    return arr
+
+
+# -- metadata validation -----------------------------------------------------------------------
+def _plain(obj: Any) -> Any:
+    """Parsed metadata as plain JSON types (zarr's ``to_dict`` gives tuples and objects)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _codec_names(codecs: Any) -> list[str]:
+    names: list[str] = []
+    for c in codecs if isinstance(codecs, list) else [codecs]:
+        name = c.get("name") if isinstance(c, dict) else c
+        names.append(str(name))
+        conf = c.get("configuration") if isinstance(c, dict) else None
+        if isinstance(conf, dict):
+            for inner in ("codecs", "index_codecs"):
+                if inner in conf:
+                    names += _codec_names(conf[inner])
+    return names
+
+
+def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version: str, array: str) -> None:
+    """Raise unless ``meta`` (a parsed ``zarr.json``) is what featstore wrote for ``spec``.
+
+    A newer ``zarr_format`` is :class:`IncompatibleFormat` (upgrade featstore and zarr); any
+    other mismatch is :class:`CorruptChunk` naming the version and the array.
+    """
+    where = f"{array}/zarr.json of version {version}"
+    meta = _plain(meta)
+    if not isinstance(meta, dict):
+        raise CorruptChunk(f"{where} is not a JSON object; delete and recompute the version.",
+                           version=version, array=array, chunk=f"{array}/zarr.json")
+    fmt = meta.get("zarr_format")
+    if isinstance(fmt, int) and fmt > ZARR_FORMAT:
+        raise IncompatibleFormat(f"{where} is Zarr format {fmt}, newer than this featstore reads "
+                                 f"({ZARR_FORMAT}); upgrade featstore and zarr (pip install -U featstore zarr).")
+    want_shape = [layout.n_samples, *spec.shape]
+    want_grid = [layout.samples_per_shard, *spec.shape]
+    grid = meta.get("chunk_grid") if isinstance(meta.get("chunk_grid"), dict) else {}
+    problems = []
+    if fmt != ZARR_FORMAT or meta.get("node_type") != "array":
+        problems.append(f"zarr_format={fmt!r}, node_type={meta.get('node_type')!r}")
+    if meta.get("data_type") != spec.dtype:
+        problems.append(f"data_type {meta.get('data_type')!r} but the manifest says {spec.dtype!r}")
+    if meta.get("shape") != want_shape:
+        problems.append(f"shape {meta.get('shape')!r} but the manifest says {want_shape}")
+    if grid.get("name") != "regular" or (grid.get("configuration") or {}).get("chunk_shape") != want_grid:
+        problems.append(f"chunk grid {grid!r} is not shards of {want_grid}")
+    top = meta.get("codecs")
+    if not (isinstance(top, list) and len(top) == 1 and isinstance(top[0], dict)
+            and top[0].get("name") == "sharding_indexed"):
+        problems.append("the codec chain is not one sharding codec (featstore writes whole shards)")
+    names = _codec_names(meta.get("codecs", []))
+    if not names or not set(names) <= ALLOWED_CODECS:
+        problems.append(f"codecs {names} (featstore writes only {sorted(ALLOWED_CODECS)})")
+    if meta.get("storage_transformers") not in (None, []):
+        problems.append("storage transformers are set")
+    if problems:
+        raise CorruptChunk(f"{where} is not what featstore wrote: {'; '.join(problems)}. Refusing to "
+                           "decode its chunks; delete and recompute the version.",
+                           version=version, array=array, chunk=f"{array}/zarr.json")
+
+
+# -- the reader's fast path: whole shard objects decoded without zarr -------------------------
+_EMPTY = np.uint64(2**64 - 1)
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """What the reader needs to decode one shard object of an array written by featstore.
+
+    Only the exact codec chain :func:`zarr_codecs` writes inside a ``sharding_indexed`` codec
+    (little-endian bytes, zstd or nothing, crc32c; index little-endian + crc32c at the end) qualifies; any
+    other array is read through zarr.
+    """
+
+    chunk_rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+    chunks_per_shard: int
+    compressed: bool = True  # zstd before the crc32c; False: the chunk bytes are the values
+
+
+def shard_format(array: zarr.Array) -> ShardFormat | None:
+    """The :class:`ShardFormat` of ``array``, or None when it is not featstore's exact layout."""
+    try:
+        from zarr.codecs import BytesCodec, ShardingCodec
+        from zarr.codecs.sharding import ShardingCodecIndexLocation
+
+        codecs = array.metadata.codecs
+        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+            return None
+        sc = codecs[0]
+        inner, index = sc.codecs, sc.index_codecs
+        little = "little"
+        compressed = len(inner) == 3
+        ok = (len(inner) in (2, 3) and isinstance(inner[0], BytesCodec)
+              and str(getattr(inner[0].endian, "value", "")) == little
+              and (not compressed or isinstance(inner[1], ZstdCodec)) and isinstance(inner[-1], Crc32cCodec)
+              and len(index) == 2 and isinstance(index[0], BytesCodec)
+              and str(getattr(index[0].endian, "value", "")) == little and isinstance(index[1], Crc32cCodec)
+              and sc.index_location == ShardingCodecIndexLocation.end
+              and tuple(sc.chunk_shape[1:]) == tuple(array.shape[1:]))
+        if not ok:
+            return None
+        dtype = np.dtype(array.dtype)
+        if dtype.byteorder == ">":
+            return None
+        shard_rows = int(array.metadata.chunk_grid.chunk_shape[0])
+        if shard_rows % int(sc.chunk_shape[0]):
+            return None
+        return ShardFormat(int(sc.chunk_shape[0]), tuple(int(s) for s in array.shape[1:]), dtype.str,
+                           shard_rows // int(sc.chunk_shape[0]), compressed)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where a shard object lives, for the error that names it: ``name@id``, field, object key."""
+
+    version: str = "?"
+    array: str = "?"
+    chunk: str = "?"
+
+
+def _damaged(ref: ChunkRef, what: str) -> CorruptChunk:
+    return CorruptChunk.damaged(ref.version, ref.array, ref.chunk, f"failed to decode: {what}")
+
+
+def _check_crc(data: memoryview, what: str, ref: ChunkRef) -> memoryview:
+    import crc32c
+
+    if len(data) < 4:
+        raise _damaged(ref, f"{what} is truncated ({len(data)} bytes)")
+    body, tail = data[:-4], data[-4:]
+    if crc32c.crc32c(body) != int.from_bytes(tail, "little"):
+        raise _damaged(ref, f"{what} fails its crc32c checksum")
+    return body
+
+
+def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
+                      out: np.ndarray | None = None, ref: ChunkRef = ChunkRef()) -> np.ndarray:
+    """Rows ``[lo, hi)`` (shard-local) of one shard object, written into ``out`` when given
+    (``hi - lo`` rows of the stored dtype: saves the reader a copy) and returned.
+
+    Decodes only the inner chunks that cover the rows, checks every crc32c, and raises
+    :class:`CorruptChunk` naming ``ref`` on any damage (never returns fill values for a missing
+    chunk).
+    """
+    import numcodecs
+
+    view = memoryview(data)
+    n_chunks = fmt.chunks_per_shard
+    index_bytes = 16 * n_chunks + 4
+    if len(view) < index_bytes:
+        raise _damaged(ref, f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
+    index = np.frombuffer(_check_crc(view[-index_bytes:], "shard index", ref), dtype="<u8").reshape(n_chunks, 2)
+    dtype = np.dtype(fmt.dtype)
+    row_items = int(np.prod(fmt.row_shape, dtype=np.int64)) if fmt.row_shape else 1
+    zstd = numcodecs.Zstd()
+    c0, c1 = lo // fmt.chunk_rows, -(-hi // fmt.chunk_rows)
+    if out is None:
+        out = np.empty((hi - lo, *fmt.row_shape), dtype=dtype.newbyteorder("="))
+    elif out.shape != (hi - lo, *fmt.row_shape):
+        raise ValueError(f"out has shape {out.shape}, expected {(hi - lo, *fmt.row_shape)}")
+    for c in range(c0, c1):
+        off, size = index[c]
+        if off == _EMPTY or int(off) + int(size) > len(view) - index_bytes:
+            raise _damaged(ref, f"chunk {c} of the shard is missing or out of bounds")
+        body = _check_crc(view[int(off):int(off) + int(size)], f"chunk {c}", ref)
+        if fmt.compressed:
+            try:
+                raw = zstd.decode(body)
+            except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
+                raise _damaged(ref, f"chunk {c} does not decompress: {exc}") from exc
+        else:
+            raw = body  # the values themselves: copied once, straight into ``out``
+        if len(raw) % dtype.itemsize:
+            raise _damaged(ref, f"chunk {c} holds {len(raw)} bytes, not a whole number of values")
+        arr = np.frombuffer(raw, dtype=dtype)
+        if arr.size != fmt.chunk_rows * row_items:
+            raise _damaged(ref, f"chunk {c} holds {arr.size} values, expected {fmt.chunk_rows * row_items}")
+        r0 = max(lo - c * fmt.chunk_rows, 0)
+        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
+        o0 = c * fmt.chunk_rows + r0 - lo
+        out[o0:o0 + r1 - r0] = arr.reshape(fmt.chunk_rows, *fmt.row_shape)[r0:r1]
+    return out
