@@ -18,6 +18,17 @@ def receipts(store) -> set[int]:
     return {int(k.rsplit("/", 1)[1].split(".")[0]) for k in store.storage.find("") if "/_receipts/" in k}
 
 
+def quiescent(client, timeout: float = 120.0) -> None:
+    """Wait until the cluster runs no task. A failed compute raises as soon as one task fails;
+    the other tasks already running finish their current shards (Dask cannot stop a running
+    task), so the receipts on storage settle only once they are done."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(client.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_dataset_error_in_one_task_keeps_finished_shards(local_store, dask_client):
     assert BAD not in sample_positions(N)  # the driver's fingerprint sampling does not hit it
     kw = dict(model=TinyA(), keep=["target"], outputs={"features": "float32", "logits": "float32"},
@@ -27,6 +38,7 @@ def test_dataset_error_in_one_task_keeps_finished_shards(local_store, dask_clien
     msg = str(err.value)
     assert "cannot decode item 200" in msg and "[192, 208)" in msg and "featstore-shards-" in msg
     assert local_store.versions("fail/set") == []
+    quiescent(dask_client)
     kept = receipts(local_store)
     assert BAD // SPP not in kept and kept  # the broken shard is not marked finished; others are
     v = local_store.compute("fail/set", dataset=VectorData(N), **kw)  # the data fixed, same content
@@ -38,6 +50,7 @@ def test_nan_in_one_task_reports_the_sample_and_keeps_finished_shards(local_stor
     with pytest.raises(NonFiniteOutput, match=r"first: \[150\].*featstore-shards-"):
         local_store.compute("nan/set", model=NaNAt(150), dataset=IdData(N), outputs={"out": "float32"},
                             batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
+    quiescent(dask_client)
     kept = receipts(local_store)
     assert 150 // SPP not in kept and kept
     v = local_store.compute("nan/set", model=NaNAt(150), dataset=IdData(N), outputs={"out": "float32"},
