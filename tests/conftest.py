@@ -4,14 +4,46 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 
 import pytest
 
-# S3 tests use the standard credential chain (environment), never storage_options secrets.
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing-key")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret")
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# -- the environment the suite runs in --------------------------------------------------------
+# The suite must pass the same on any machine, whatever the shell that starts it exports. These
+# variables change what featstore or the parts under it do, so they are cleared or pinned here,
+# at conftest import (before torch, botocore or Dask are imported by any test module), in
+# os.environ: every child process (Dask worker processes, DataLoader workers, the subprocesses
+# some tests start) inherits the same environment.
+
+#: Cleared. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE: featstore's S3 retry policy applies only when the
+#: user sets none, and the fault tests count attempts (tests that need a user's setting set it
+#: themselves). MALLOC_* / GLIBC_TUNABLES / LD_PRELOAD: featstore.allocator leaves a process whose
+#: allocator the user configured alone, and a preloaded jemalloc/tcmalloc changes what glibc's
+#: mallinfo2 reports. A profile, session token, endpoint, CA bundle or proxy would send the S3
+#: tests' requests somewhere other than the loopback moto server, or sign them differently.
+CLEARED = ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "GLIBC_TUNABLES", "LD_PRELOAD", "AWS_PROFILE",
+           "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL",
+           "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
+           "https_proxy", "all_proxy", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+#: Pinned. OMP_NUM_THREADS=1: the cores are shared by the test process, two Dask worker processes
+#: and DataLoader workers; unpinned, each would start one OpenMP thread per core (and torch in
+#: this process reads it once, at import). No value depends on it: the test models compute
+#: exactly (tests/models.py). S3 tests use the standard credential chain (environment), never
+#: storage_options secrets, and never a config file of the user's.
+PINNED = {"OMP_NUM_THREADS": "1", "AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+          "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+          "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true",
+          "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+#: What this process inherited of those. glibc read MALLOC_*, GLIBC_TUNABLES and LD_PRELOAD when
+#: this process started, so clearing them changes its children only: a test that inspects the
+#: allocator of a process runs a fresh child (see test_compute).
+INHERITED = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k in CLEARED or k in PINNED}
+for _name in [k for k in os.environ if k.startswith("MALLOC_")] + list(CLEARED):
+    os.environ.pop(_name, None)
+os.environ.update(PINNED)
+if "torch" in sys.modules:  # imported before this file (a plugin): pin its threads directly
+    sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,14 @@
-"""Small deterministic Model A's and datasets for the tests (importable by Dask workers)."""
+"""Small deterministic Model A's and datasets for the tests (importable by Dask workers).
+
+Floats are not bit-reproducible across processes, thread counts, batch shapes or CPUs: a sum of
+products is rounded differently when a kernel splits it differently. The tests compare A's
+outputs computed inside Dask workers with references computed elsewhere (the test process, a
+killed and resumed run, another machine's CI), so :class:`TinyA` and :class:`VectorData` compute
+*exactly*: inputs and weights are dyadic rationals on a coarse grid (multiples of 2**-6, bounded),
+so every product and every partial sum is exactly representable in float32 and the result is the
+same in any summation order (:func:`check_exact` proves the bound). Models without that property
+are compared with a stated tolerance (:func:`assert_close_across_processes`).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,46 @@ import os
 import torch
 from torch import nn
 
+#: Inputs and weights are multiples of 2**-GRID_BITS; inputs are clipped to [-X_MAX, X_MAX].
+GRID_BITS, X_MAX = 6, 3.0
+
+
+def on_grid(t: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
+    """``t`` rounded to the nearest multiple of ``2**-bits``."""
+    return torch.round(t * 2.0**bits) / 2.0**bits
+
+
+def check_exact(layers: list[nn.Linear], x_max: float, bits: int = GRID_BITS) -> None:
+    """Assert that a stack of on-grid Linear(+ReLU) layers on on-grid inputs bounded by ``x_max``
+    computes every partial sum exactly in float32 (24-bit significand)."""
+    bound, step = x_max, 2.0**-bits  # |activation| bound and the grid its values lie on
+    for lin in layers:
+        w = lin.weight.detach().abs()
+        bound = float((w.sum(dim=1) * bound + lin.bias.detach().abs()).max())
+        step *= 2.0**-bits
+        assert bound / step < 2**24, "partial sums would round: choose a coarser grid"
+
+
+def assert_close_across_processes(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """A's outputs computed in another process (a Dask worker: other thread count, other batch
+    shape, maybe another CPU kernel) equal ``ref`` up to float32 rounding, not bit for bit:
+    featstore stores exactly what A produced, but A itself is not bit-reproducible."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
 
 class TinyA(nn.Module):
-    """A deterministic linear+ReLU model returning two outputs."""
+    """A deterministic linear+ReLU model returning two outputs, exact on :class:`VectorData`."""
 
     def __init__(self, d_in: int = 12, d_feat: int = 8, d_logits: int = 5, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.f = nn.Linear(d_in, d_feat)
         self.h = nn.Linear(d_feat, d_logits)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(on_grid(p))
+        check_exact([self.f, self.h], X_MAX)
 
     def forward(self, x):
         f = torch.relu(self.f(x))
@@ -23,11 +64,12 @@ class TinyA(nn.Module):
 
 
 class VectorData(torch.utils.data.Dataset):
-    """Items ``{"input": float32[d], "target": int64}``, item i fixed by (seed, i)."""
+    """Items ``{"input": float32[d], "target": int64}``, item i fixed by (seed, i); inputs on
+    the exact grid of :class:`TinyA`."""
 
     def __init__(self, n: int, d: int = 12, seed: int = 0, log: str | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, d, generator=g)
+        self.x = on_grid(torch.randn(n, d, generator=g).clamp(-X_MAX, X_MAX))
         self.y = torch.randint(0, 5, (n,), generator=g)
         self.log = log
 
@@ -129,3 +171,29 @@ class FailsAt(VectorData):
         if i == self.bad:
             raise ValueError(f"cannot decode item {i}")
         return super().__getitem__(i)
+
+
+class _OnGridLinear(nn.Module):
+    """``Linear(12, 4)`` with on-grid weights (seed 0): exact on :class:`VectorData`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(on_grid(p))
+
+
+class ReluLin(_OnGridLinear):
+    """Same weights as :class:`DoubleLin`, other code."""
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class DoubleLin(_OnGridLinear):
+    """Same weights as :class:`ReluLin`, other code."""
+
+    def forward(self, x):
+        return self.lin(x) * 2
