@@ -12,7 +12,7 @@ from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .errors import (ComputeFailed, CorruptChunk, EmptyDataset, FeatstoreError, IncompatibleFormat,
                      InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput, OutputMismatch,
-                     StoreConflict, StoreUnavailable, VersionNotFound)
+                     StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable, VersionNotFound)
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
@@ -20,5 +20,5 @@ __all__ = [
     "ComputeFailed", "ComputeOptions", "CorruptChunk", "EmptyDataset", "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
-    "StoreUnavailable", "Version", "VersionNotFound", "open_store", "__version__",
+    "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version", "VersionNotFound", "open_store", "__version__",
 ]

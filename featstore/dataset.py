@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, shard_format
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
-from .versions import Version
+from .versions import Version, deleted_while_reading
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,9 @@ class FeatureDataset(IterableDataset):
         # The epoch and the resume point live in shared memory: with persistent_workers=True
         # each DataLoader worker keeps its own copy of this object for the whole run, and
         # set_epoch()/load_state_dict() in the training process must still reach it.
-        # [epoch, resume epoch (-1: none), batches seen at the resume point]
-        self._shared = torch.tensor([0, -1, 0], dtype=torch.int64).share_memory_()
+        # [epoch, resume epoch (-1: none), batches seen at the resume point, DataLoader workers
+        # of the last iteration + 1, workers the resume point was saved with + 1 (0: unknown)]
+        self._shared = torch.tensor([0, -1, 0, 0, 0], dtype=torch.int64).share_memory_()
         self._yielded = 0
         self._formats: dict[str, ShardFormat | None] = {}
         self._formats_pid = -1
@@ -177,21 +178,28 @@ class FeatureDataset(IterableDataset):
                    for w in range(max(1, num_workers)))
 
     # -- resume -------------------------------------------------------------------------
-    def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
+    def state_dict(self, batches_seen: int | None = None, num_workers: int | None = None) -> dict[str, Any]:
         """Where this rank is in the epoch, to resume with :meth:`load_state_dict`.
 
         ``batches_seen`` is the number of batches the training loop consumed this epoch; without
         it, the batches this process yielded are used (right for ``num_workers=0``).
+        ``num_workers`` is the DataLoader's; without it, the number the workers of the last
+        iteration recorded (None before any iteration: then the resume cannot check it).
         """
+        seen_workers = int(self._shared[3]) - 1
         return {
             "version": self.version.id, "name": self.version.name, "epoch": self.epoch,
             "batches_seen": self._yielded if batches_seen is None else int(batches_seen),
             "options": asdict(self.options), "world_size": self.world_size, "rank": self.rank,
+            "num_workers": num_workers if num_workers is not None else (seen_workers if seen_workers >= 0 else None),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume mid-epoch: the next iteration skips the batches already seen (without reading
-        them). Batch size, seed, world size and DataLoader workers must match the saved run."""
+        them). Batch size, seed, world size and DataLoader workers must match the saved run:
+        the order of an epoch is split across ranks and workers, so another split cannot tell
+        which samples were seen. A mismatch raises :class:`InvalidInput` (world size here, the
+        number of workers when the next iteration starts)."""
         if state["version"] != self.version.id:
             raise InvalidInput(f"the state is for version {state['version']}, this dataset reads "
                                f"{self.version.id}; open the pinned version with store.open("
@@ -201,7 +209,22 @@ class FeatureDataset(IterableDataset):
                 self.options.batch_size, self.options.seed, self.options.shuffle, self.world_size):
             raise InvalidInput("batch_size, seed, shuffle and world_size must match the saved state.")
         self.epoch = int(state["epoch"])
+        workers = state.get("num_workers")  # absent from states saved before it was recorded
+        self._shared[4] = 0 if workers is None else int(workers) + 1
         self._resume = {"epoch": self.epoch, "batches_seen": int(state["batches_seen"])}
+
+    def _check_workers(self, num_workers: int) -> None:
+        """Refuse to resume with another number of DataLoader workers than the state's."""
+        self._shared[3] = num_workers + 1
+        saved = int(self._shared[4]) - 1
+        if saved < 0 or not self._resume or self._resume["epoch"] != self.epoch:
+            return
+        if max(1, saved) != max(1, num_workers):
+            raise InvalidInput(
+                f"the resume point was saved with {saved} DataLoader workers per rank and this loader "
+                f"has {num_workers}: the epoch is split across workers differently, so the samples "
+                f"already seen cannot be skipped. Resume with num_workers={saved}, or start the epoch "
+                "over without load_state_dict().")
 
     def _role_and_skip(self, worker: int, num_workers: int) -> tuple[int, int]:
         """Which consumer this worker plays, and how many of its batches to skip.
@@ -223,6 +246,7 @@ class FeatureDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
+        self._check_workers(num_workers)
         role, skipped = self._role_and_skip(worker, num_workers)
         plan = self.plan(role, num_workers)
         if info is None:
@@ -262,6 +286,8 @@ class FeatureDataset(IterableDataset):
         ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
         data = self._storage.read_bytes(f"{self.version.key}/{ref.chunk}")
         if not data:
+            if data is None and self.version.was_deleted():
+                raise deleted_while_reading(self.version.ref)
             raise CorruptChunk.damaged(ref.version, field, ref.chunk, "is missing" if data is None else "is empty")
         decode_shard_rows(data, fmt, piece.lo, piece.hi, out, ref)
 

@@ -7,6 +7,8 @@ and what to do next. This module imports nothing from featstore.
 
 from __future__ import annotations
 
+import re
+
 
 class FeatstoreError(Exception):
     """Base class of every error featstore raises."""
@@ -54,6 +56,16 @@ class StoreUnavailable(FeatstoreError, ConnectionError):
     """The store URL cannot be reached, or there are no (valid) credentials for it."""
 
 
+class StorePermissionDenied(StoreUnavailable, PermissionError):
+    """The store refuses the access: file modes or a read-only mount of a local store, the
+    credentials or bucket policy of a remote one. The message names the path and the cause."""
+
+
+class StoreFull(FeatstoreError, OSError):
+    """The store's disk or quota is full. Nothing is committed; finished shards are kept, so
+    freeing space and rerunning ``compute`` resumes."""
+
+
 class IncompatibleFormat(FeatstoreError, ValueError):
     """Stored metadata is malformed or was written by a newer featstore."""
 
@@ -68,6 +80,12 @@ class CorruptChunk(FeatstoreError, IOError):
 
     def __init__(self, message: str, *, version: str = "", array: str = "", chunk: str = "") -> None:
         super().__init__(message)
+        if not (version or array or chunk):
+            # Rebuilt from its message alone: DataLoader re-raises a worker's error as
+            # ``type(message)``; the message of :meth:`damaged` holds the fields.
+            found = _DAMAGED.search(str(message))
+            if found:
+                version, array, chunk = found.group("version", "array", "chunk")
         self.version, self.array, self.chunk = version, array, chunk
 
     @classmethod
@@ -83,6 +101,9 @@ class CorruptChunk(FeatstoreError, IOError):
 
     def __reduce__(self):  # keep the fields across process boundaries (DataLoader workers, Dask)
         return (_rebuild_corrupt, (self.args[0], self.version, self.array, self.chunk))
+
+
+_DAMAGED = re.compile(r"version (?P<version>\S+), array '(?P<array>[^']*)', object '(?P<chunk>[^']*)'")
 
 
 def _rebuild_corrupt(message: str, version: str, array: str, chunk: str) -> CorruptChunk:

@@ -1,14 +1,21 @@
-"""Digests of Model A's weights, the dataset's identity and the compute config.
+"""Digests of Model A's weights and code, the dataset's identity and the compute config.
 
-Same fingerprint => same stored outputs => nothing is recomputed. The weights digest reads the
-``state_dict`` bytes (parameters and buffers), not the source code, so editing a comment does
-not invalidate a version while changing one weight does.
+Same fingerprint => same stored outputs => nothing is recomputed. Model A is identified by two
+digests: its weights (the ``state_dict`` bytes: parameters and buffers) and its code
+(:func:`code_digest`: the classes of its module tree, the source of the ones that are yours,
+and their plain settings), so changing one weight or what ``forward`` returns makes a new
+version, while editing a comment or reformatting does not. What neither digest can see (code
+outside those classes, global state) is named in the README; ``ComputeOptions(model_id=...)``
+replaces both digests with the user's own name for A.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
+import textwrap
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -106,17 +113,96 @@ def fingerprint(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(dict(parts))).hexdigest()
 
 
-def model_digest(model: torch.nn.Module | Callable[[], torch.nn.Module], model_id: str | None) -> str:
-    """Digest for a module, or for a factory (built once here unless ``model_id`` is given)."""
+def model_digest(model: torch.nn.Module | Callable[[], torch.nn.Module], model_id: str | None) -> dict[str, Any]:
+    """``{"model": weights digest, "model_code": code digest}`` for a module, or for a factory
+    (built once here unless ``model_id`` is given; then the id is all there is)."""
     if model_id is not None:
-        return "id:" + str(model_id)
+        return {"model": "id:" + str(model_id), "model_code": None}
     if isinstance(model, torch.nn.Module):
-        return weights_digest(model)
-    if callable(model):
+        built = model
+    elif callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise InvalidInput("the model factory must return a torch.nn.Module.")
-        return weights_digest(built)
-    raise InvalidInput(
-        f"model must be a torch.nn.Module or a zero-argument factory, got {type(model).__name__}."
-    )
+    else:
+        raise InvalidInput(
+            f"model must be a torch.nn.Module or a zero-argument factory, got {type(model).__name__}.")
+    return {"model": weights_digest(built), "model_code": code_digest(built)}
+
+
+#: Classes from these packages are identified by name, not read: their code is the library's
+#: (upgrading torch does not invalidate every version; the manifest records its version).
+LIBRARY_PACKAGES = frozenset({"torch", "builtins"})
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """A code object's bytecode, constants (nested code objects too) and names."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    for c in code.co_consts:
+        parts.append(_code_bytes(c) if isinstance(c, types.CodeType) else repr(c).encode())
+    return b"\0".join(parts)
+
+
+def class_code(cls: type) -> str:
+    """What identifies ``cls``'s code: the syntax tree of its source (so comments and formatting
+    do not count), or, where Python cannot see the source (a class made by ``exec``), the
+    bytecode of its methods (which changes with the Python version).
+
+    >>> class_code(torch.nn.Module).startswith("source:")
+    True
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        return "source:" + hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    except (OSError, TypeError, SyntaxError):
+        h = hashlib.sha256()
+        for name, member in sorted(vars(cls).items()):
+            fn = getattr(member, "__func__", member)
+            fns = [fn.fget, fn.fset] if isinstance(fn, property) else [fn]
+            for f in fns:
+                code = getattr(f, "__code__", None)
+                if code is not None:
+                    h.update(name.encode() + b"\0" + _code_bytes(code))
+        return "bytecode:" + h.hexdigest()
+
+
+def _setting(value: Any) -> bytes | None:
+    """The bytes of a module attribute that is a plain setting (``stride``, ``eps``, a
+    ``self.scale = 2.0``, an unregistered tensor), or None for anything else."""
+    if isinstance(value, _PLAIN):
+        return repr(value).encode()
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+        return repr(tuple(value)).encode()
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{tuple(value.shape)}".encode() + _tensor_bytes(value)
+    return None
+
+
+def code_digest(model: torch.nn.Module) -> str:
+    """sha256 over Model A's module tree: each submodule's path and class (module and qualified
+    name), the code of each of your classes in its MRO (:func:`class_code`; torch's own classes
+    by name only), and its plain settings (:func:`_setting`).
+
+    It cannot see code the forward calls outside those classes (module-level functions, other
+    libraries), global state, or hooks: name A with ``ComputeOptions(model_id=...)`` then.
+
+    >>> code_digest(torch.nn.Conv2d(3, 4, 3)) == code_digest(torch.nn.Conv2d(3, 4, 3, stride=2))
+    False
+    """
+    h = hashlib.sha256()
+    seen: dict[type, str] = {}
+    for path, module in model.named_modules():
+        cls = type(module)
+        h.update(f"{path}\0{cls.__module__}.{cls.__qualname__}\0".encode())
+        for base in cls.__mro__:
+            if base.__module__.split(".")[0] in LIBRARY_PACKAGES:
+                continue
+            if base not in seen:
+                seen[base] = class_code(base)
+            h.update(f"{base.__module__}.{base.__qualname__}={seen[base]}\0".encode())
+        for name, value in sorted(vars(module).items()):
+            setting = None if name.startswith("_") or name == "training" else _setting(value)
+            if setting is not None:
+                h.update(name.encode() + b"=" + hashlib.sha256(setting).digest())
+    return h.hexdigest()

@@ -21,6 +21,7 @@ SCHEMA_VERSION = 1
 RECEIPT_SCHEMA = "featstore.receipt"
 TAG_SCHEMA = "featstore.tag"
 PENDING_SCHEMA = "featstore.pending"
+GC_MARK_SCHEMA = "featstore.gc-mark"
 #: Version of the receipt, tag and pending objects (written by this featstore; read if not newer).
 OBJECT_VERSION = 1
 _HEX = frozenset("0123456789abcdef")
@@ -219,6 +220,11 @@ class Manifest:
             raise IncompatibleFormat(f"{where}: its shards do not tile the layout or miss arrays; "
                                      "the manifest is damaged. Delete the version and recompute.")
         return m
+
+
+def gc_mark_json() -> dict[str, Any]:
+    """The mark ``gc`` leaves in a version folder while deleting it (only its presence counts)."""
+    return {"schema": GC_MARK_SCHEMA, "schema_version": OBJECT_VERSION}
 
 
 def tag_json(vid: str) -> dict[str, Any]:

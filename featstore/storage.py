@@ -16,6 +16,7 @@ becomes :class:`StoreUnavailable`, in featstore's own calls and in Zarr's chunk 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import threading
@@ -27,7 +28,7 @@ import fsspec
 import zarr.abc.store
 import zarr.storage
 
-from .errors import FeatstoreError, StoreConflict, StoreUnavailable
+from .errors import FeatstoreError, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable
 from .manifest import canonical_json, load_json
 
 _WRITE_ID = "_write_id"
@@ -80,30 +81,57 @@ def _strip(url: str) -> str:
     return url.rstrip("/") if len(url) > 1 else url
 
 
+#: errno values that mean "the disk or quota is full" and "this access is not allowed".
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _is_local_url(url: str) -> bool:
+    return fsspec.core.split_protocol(url)[0] in (None, "file", "local")
+
+
 @contextlib.contextmanager
-def backend_errors(url: str) -> Iterator[None]:
-    """Map the backend's connection and credential errors onto :class:`StoreUnavailable`."""
+def backend_errors(url: str, where: str | None = None) -> Iterator[None]:
+    """Map backend errors onto the featstore tree, naming the path (``where``, or the file the
+    error names) and the cause: a full disk is :class:`StoreFull`, a refused access
+    :class:`StorePermissionDenied`, a connection or credential problem :class:`StoreUnavailable`."""
     try:
         yield
     except FeatstoreError:
         raise
     except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
         raise
-    except PermissionError as exc:
-        raise StoreUnavailable(
-            f"access to {url} was denied ({type(exc).__name__}: {exc}). Check the credentials "
-            "(environment, profile or role) and the bucket policy."
-        ) from exc
     except Exception as exc:  # noqa: BLE001 - botocore and aiohttp raise many unrelated types
-        name = type(exc).__name__
-        if ("Credential" in name or "Connect" in name or "Timeout" in name or "HTTPClientError" in name
-                or isinstance(exc, (OSError, TimeoutError))):
-            raise StoreUnavailable(
-                f"cannot reach the store at {url} ({name}: {exc}). Check the URL, the endpoint "
-                "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
-                "see the README section 'Credentials'."
-            ) from exc
-        raise
+        mapped = _mapped(exc, url, where)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def _mapped(exc: Exception, url: str, where: str | None) -> FeatstoreError | None:
+    """The featstore error for a backend error, or None to let it through unchanged."""
+    name, code = type(exc).__name__, getattr(exc, "errno", None)
+    target = getattr(exc, "filename", None) or where or url
+    cause = getattr(exc, "strerror", None) or str(exc) or name
+    if code in _FULL:
+        return StoreFull(f"the store at {url} is full: writing {target} failed ({cause}). Free some space "
+                         "(or raise the quota, or use another store), then rerun compute: nothing was "
+                         "committed and the finished shards are kept.")
+    if code in _DENIED or isinstance(exc, PermissionError):
+        fix = ("Check the owner and mode of that folder, and that its file system is not mounted "
+               "read-only." if _is_local_url(url) else "Check the credentials (environment, profile or "
+               "role) and the bucket policy.")
+        return StorePermissionDenied(f"permission denied at {target} ({name}: {cause}). {fix}")
+    if _is_local_url(url) and isinstance(exc, OSError):
+        return StoreUnavailable(f"the local store at {url} failed at {target} ({name}: {exc}). Check the "
+                                "disk and the path.")
+    if ("Credential" in name or "Connect" in name or "Timeout" in name or "HTTPClientError" in name
+            or isinstance(exc, (OSError, TimeoutError))):
+        return StoreUnavailable(
+            f"cannot reach the store at {url} ({name}: {exc}). Check the URL, the endpoint "
+            "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
+            "see the README section 'Credentials'.")
+    return None
 
 
 class Storage:
@@ -180,7 +208,7 @@ class Storage:
     def read_bytes(self, key: str) -> bytes | None:
         """The object's bytes, or ``None`` if it does not exist."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             # s3fs answers "not found" from a cached listing of the parent folder (its size
             # lookup before a GET): a manifest another process just committed would read as
             # absent. Drop the cached listings on the way first (local, no request).
@@ -193,7 +221,7 @@ class Storage:
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write (or overwrite) an object; atomic for readers (temp + rename locally)."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             if self.is_local:
                 os.replace(_durable_temp(path, data), path)
             else:
@@ -205,7 +233,7 @@ class Storage:
         before the commit: a committed version survives a power loss."""
         if not self.is_local:
             return
-        with backend_errors(self.url):
+        with backend_errors(self.url, self.path(key)):
             for folder, _, files in os.walk(self.path(key)):
                 for name in files:
                     fd = os.open(os.path.join(folder, name), os.O_RDONLY)
@@ -225,7 +253,7 @@ class Storage:
         Atomic against concurrent writers: ``os.link`` locally, ``If-None-Match: *`` on S3.
         """
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             if self.is_local:
                 tmp = _durable_temp(path, data)
                 try:
@@ -278,7 +306,7 @@ class Storage:
     def list_dirs(self, key: str) -> list[str]:
         """Names of the entries directly under ``key`` (empty if it does not exist)."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             try:
                 self.fs.invalidate_cache(path)
                 entries = self.fs.ls(path, detail=False)
@@ -289,7 +317,7 @@ class Storage:
     def find(self, key: str) -> list[str]:
         """Every object under ``key``, as keys relative to the root."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             self.fs.invalidate_cache(path)
             try:
                 found = self.fs.find(path)
@@ -301,7 +329,7 @@ class Storage:
     def find_modified(self, key: str) -> dict[str, float]:
         """``{key: modification time (epoch seconds)}`` for every object under ``key``."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             self.fs.invalidate_cache(path)
             try:
                 found = self.fs.find(path, detail=True)
@@ -323,7 +351,7 @@ class Storage:
     def delete(self, key: str, *, recursive: bool = False) -> None:
         """Delete an object (or everything under ``key`` with ``recursive=True``)."""
         path = self.path(key)
-        with backend_errors(self.url):
+        with backend_errors(self.url, path):
             try:
                 self.fs.rm(path, recursive=recursive)
             except FileNotFoundError:
@@ -333,32 +361,36 @@ class Storage:
     # -- zarr ---------------------------------------------------------------------------
     def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
         """A Zarr v3 store rooted at ``key`` (LocalStore locally, FsspecStore elsewhere)."""
-        if self.is_local:
-            path = self.path(key)
-            if not read_only:
-                os.makedirs(path, exist_ok=True)
-            return zarr.storage.LocalStore(path, read_only=read_only)
-        with backend_errors(self.url):
-            store = zarr.storage.FsspecStore.from_url(
-                self.child_url(key), storage_options=self._options or None, read_only=read_only
-            )
-        return BackendErrorStore(store, self.url)
+        path = self.path(key)
+        with backend_errors(self.url, path):
+            if self.is_local:
+                if not read_only:
+                    os.makedirs(path, exist_ok=True)
+                store = zarr.storage.LocalStore(path, read_only=read_only)
+            else:
+                store = zarr.storage.FsspecStore.from_url(
+                    self.child_url(key), storage_options=self._options or None, read_only=read_only)
+        return BackendErrorStore(store, self.url, path)
 
 
 class BackendErrorStore(zarr.storage.WrapperStore):
     """Zarr store wrapper: a backend fault that outlasted the retries becomes
-    :class:`StoreUnavailable` (with the fix in its message) instead of a bare ``OSError`` that
-    callers could mistake for corrupt data. Missing keys keep zarr's own meaning."""
+    :class:`StoreUnavailable`, a full disk :class:`StoreFull`, a refused write
+    :class:`StorePermissionDenied` (each naming the object and the cause) instead of a bare
+    ``OSError`` that callers could mistake for corrupt data. Missing keys keep zarr's own meaning."""
 
-    def __init__(self, store: Any, url: str) -> None:
+    def __init__(self, store: Any, url: str, root: str = "") -> None:
         super().__init__(store)
-        self._url = url
+        self._url, self._root = url, root
 
     def _with_store(self, store: Any) -> "BackendErrorStore":
-        return type(self)(store, self._url)
+        return type(self)(store, self._url, self._root)
+
+    def _at(self, key: str) -> str:
+        return posixpath.join(self._root, key) if self._root else key
 
     async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.get(key, prototype, byte_range)
 
     async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
@@ -366,23 +398,23 @@ class BackendErrorStore(zarr.storage.WrapperStore):
             return await self._store.get_partial_values(prototype, key_ranges)
 
     async def set(self, key: str, value: Any) -> None:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.set(key, value)
 
     async def set_if_not_exists(self, key: str, value: Any) -> None:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.set_if_not_exists(key, value)
 
     async def exists(self, key: str) -> bool:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.exists(key)
 
     async def delete(self, key: str) -> None:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.delete(key)
 
     async def getsize(self, key: str) -> int:
-        with backend_errors(self._url):
+        with backend_errors(self._url, self._at(key)):
             return await self._store.getsize(key)
 
 

@@ -29,7 +29,7 @@ from .format import open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
-from .versions import version_key, write_receipt
+from .versions import read_receipts, version_key, write_receipt
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
@@ -65,14 +65,16 @@ def as_outputs(out: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
                                  "return a dict with those keys or name one output.")
         return {names[0]: out}
     if isinstance(out, Mapping):
-        got = set(out)
-        if got != set(names):
-            raise OutputMismatch(f"Model A returned keys {sorted(map(str, got))}, expected "
-                                 f"{sorted(names)}; change `outputs` to match.")
-        bad = [k for k, v in out.items() if not isinstance(v, torch.Tensor)]
+        # ``outputs`` may name a subset of what A returns (store the logits, not the features);
+        # a name A does not return is an error.
+        unknown = sorted(set(names) - set(out))
+        if unknown:
+            raise OutputMismatch(f"outputs names {unknown}, which Model A does not return (it returns "
+                                 f"{sorted(map(str, out))}); name a subset of those in `outputs`.")
+        bad = [k for k in names if not isinstance(out[k], torch.Tensor)]
         if bad:
             raise OutputMismatch(f"Model A's outputs {bad} are not tensors.")
-        return dict(out)
+        return {k: out[k] for k in names}
     raise OutputMismatch(f"Model A returned a {type(out).__name__}; return a tensor or a dict of tensors.")
 
 
@@ -214,7 +216,12 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
 
 
 def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
-    return open_for_write(spec.storage.zarr_store(spec.key, read_only=False), spec.arrays)
+    try:
+        return open_for_write(spec.storage.zarr_store(spec.key, read_only=False), spec.arrays)
+    except FileNotFoundError as exc:  # zarr's "array not found": the claim's arrays are gone
+        raise ComputeFailed(f"the arrays of {spec.storage.child_url(spec.key)} were deleted while it was "
+                            "computed (by store.gc or another process); nothing was committed. Rerun "
+                            "compute: the shards still stored are kept.") from exc
 
 
 def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
@@ -275,9 +282,27 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
     thread checks and encodes batch i-1 and compresses and writes finished shards, in order.
     At most ``_AHEAD`` batches wait for the write thread, which bounds memory to a few shards.
     """
+    # Dask reruns a task whose worker died (a killed process, a lost node): the shards that
+    # worker finished have receipts already, and only the others are computed again.
+    reused = finished_shards(spec, shards)
+    todo = [i for i in shards if i not in reused]
+    if not todo:
+        return [{**r.to_json(), REUSED: True} for r in reused.values()]
     net = worker_model(model, spec.model_key, spec.threads)
     with tuned_allocator(spec.tune_allocator and worker_device().type == "cpu"):
-        return _run_shards(spec, net, dataset, shards)
+        computed = _run_shards(spec, net, dataset, todo)
+    return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
+
+
+#: Marks a receipt a task found on storage instead of computing it (never stored).
+REUSED = "reused"
+
+
+def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardReceipt]:
+    """The receipts already on storage for ``shards`` that match this run's layout and arrays."""
+    found = read_receipts(spec.storage, spec.key, shards)
+    return {i: r for i, r in found.items()
+            if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)}
 
 
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int]) -> list[dict]:

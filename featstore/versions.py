@@ -32,7 +32,8 @@ from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
 from .format import chunk_key, create_arrays, open_array, shard_digest
-from .manifest import ArraySpec, Layout, Manifest, Pending, ShardReceipt, canonical_json, tag_json, tag_target
+from .manifest import (ArraySpec, Layout, Manifest, Pending, ShardReceipt, canonical_json, gc_mark_json, tag_json,
+                       tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .storage import Storage
 
@@ -40,6 +41,8 @@ log = logging.getLogger("featstore")
 
 MANIFEST = "manifest.json"
 PENDING = "_pending.json"
+#: Written by ``gc`` while it deletes an uncommitted version folder (see :meth:`Catalog.gc`).
+GC_MARK = "_gc.json"
 RECEIPTS = "_receipts"
 
 
@@ -83,6 +86,12 @@ def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = N
             r = ShardReceipt.from_json(obj, storage.child_url(key))
             out[r.index] = r
     return out
+
+
+def deleted_while_reading(ref: str) -> VersionNotFound:
+    """The error for data that vanished because its version was deleted mid-read."""
+    return VersionNotFound(f"version {ref} was deleted (store.delete) while it was being read; its data "
+                           "is gone. Open another version (store.versions(name)) and start the epoch again.")
 
 
 # -- one committed version ---------------------------------------------------------------------
@@ -166,11 +175,15 @@ class Version:
         return self._read(field, slice(start, stop), start)
 
     def _read(self, field: str, selection: Any, first_row: int) -> np.ndarray:
-        arr = self.array(field)
         try:
+            arr = self.array(field)
             if isinstance(selection, slice):
                 return arr[selection]
             return arr.oindex[selection]
+        except CorruptChunk as exc:
+            if self.was_deleted():
+                raise deleted_while_reading(self.ref) from exc
+            raise
         except FeatstoreError:
             raise
         except (ConnectionError, TimeoutError, PermissionError) as exc:
@@ -179,6 +192,11 @@ class Version:
             shard = self._bad_shard(field, selection, first_row)
             raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard),
                                        f"failed to decode ({type(exc).__name__}: {exc})") from exc
+
+    def was_deleted(self) -> bool:
+        """Whether this version's manifest is gone (``store.delete`` removes it before the data).
+        Asked on error paths only, through a storage of this process's own."""
+        return not self.storage.reopen().exists(f"{self.key}/{MANIFEST}")
 
     def _bad_shard(self, field: str, selection: Any, first_row: int) -> int:
         """On a failed multi-shard read, find the shard that fails on its own (error path only)."""
@@ -384,6 +402,9 @@ class Catalog:
         m = self.read_manifest(name, vid) if vid is not None else None
         if m is not None:
             return self._version(m)
+        if vid is not None and not is_version_id(sel):  # a tag left behind by a deleted version
+            raise VersionNotFound(f"tag {sel!r} points at version {vid}, which was deleted; move it "
+                                  f"(store.tag) or remove it (store.untag({name!r}, {sel!r})).")
         raise VersionNotFound(
             f"{name!r} has no committed version or tag {sel!r}; versions: "
             f"{[v.id for v in self.versions(name)]}, tags: {sorted(self.tags(name))}."
@@ -391,9 +412,21 @@ class Catalog:
 
     # -- tags, delete, gc -----------------------------------------------------------------
     def tag(self, version: Version | str, tag: str) -> None:
-        """Point ``tag`` at a committed version (moving it if it pointed elsewhere)."""
+        """Point ``tag`` at a committed version (moving it if it pointed elsewhere).
+
+        A tag never outlives its version: the tag is written, then the manifest is checked
+        again; :meth:`delete` removes the manifest, then sweeps the tags again. Whichever runs
+        second sees the other's step, so a tag written during a delete is removed by one of them
+        (this call then raises :class:`VersionNotFound` saying the version was deleted).
+        """
         v = self.open(version)
-        self.storage.write_json(tag_key(v.name, tag), tag_json(v.id))
+        key = tag_key(v.name, tag)
+        self.storage.write_json(key, tag_json(v.id))
+        if self.read_manifest(v.name, v.id) is None:
+            if self._tag(v.name, tag) == v.id:
+                self.storage.delete(key)
+            raise VersionNotFound(f"version {v.ref} was deleted while it was being tagged {tag!r}; "
+                                  "tag another version.")
 
     def untag(self, name: str, tag: str) -> None:
         """Remove a tag (the version stays)."""
@@ -403,13 +436,18 @@ class Catalog:
 
     def delete(self, version: Version | str) -> None:
         """Delete a committed version: its tags first, then its manifest (it becomes invisible
-        at once), then its data."""
+        at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data.
+        A reader still streaming it gets :class:`VersionNotFound` saying it was deleted."""
         v = self.open(version)
+        self._untag_all(v)
+        self.storage.delete(f"{v.key}/{MANIFEST}")
+        self._untag_all(v)
+        self.storage.delete(v.key, recursive=True)
+
+    def _untag_all(self, v: Version) -> None:
         for tag, vid in self.tags(v.name).items():
             if vid == v.id:
                 self.storage.delete(tag_key(v.name, tag))
-        self.storage.delete(f"{v.key}/{MANIFEST}")
-        self.storage.delete(v.key, recursive=True)
 
     def gc(self, older_than: float = 3600.0, dry_run: bool = False) -> list[str]:
         """Delete what no committed version needs, and return the keys deleted.
@@ -418,6 +456,13 @@ class Catalog:
         whose newest object is older than ``older_than`` seconds (younger ones may belong to a
         compute still running, or waiting to be resumed), and temporary ``*.partial`` objects
         left by a killed writer. Committed versions and tags are never touched.
+
+        A compute still running in a folder gc deletes (``older_than=0``, or a run that paused
+        longer than ``older_than``) never commits missing data: gc marks the folder
+        (``_gc.json``) and checks it is still uncommitted before deleting; the commit checks
+        every object after writing its manifest, and withdraws it if a mark or a hole is there
+        (the compute then raises :class:`ComputeFailed`; rerunning it recomputes what was
+        deleted). See :meth:`commit`.
 
         >>> store.gc(older_than=24 * 3600)
         ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
@@ -431,16 +476,38 @@ class Catalog:
                 by_version.setdefault(f"{name}/_versions/{rest.split('/', 1)[0]}", {})[key] = mtime
             elif key.endswith(".partial") and now - mtime > older_than:
                 deleted.append(key)
-        for vkey, members in by_version.items():
-            if f"{vkey}/{MANIFEST}" not in members:
-                if now - max(members.values()) > older_than:
-                    deleted.extend(sorted(members))
-            else:
-                deleted.extend(k for k, t in members.items() if ".partial" in k and now - t > older_than)
         if not dry_run:
             for key in deleted:
                 self.storage.delete(key)
+        for vkey, members in by_version.items():
+            if f"{vkey}/{MANIFEST}" in members:
+                old = sorted(k for k, t in members.items() if ".partial" in k and now - t > older_than)
+            elif now - max(members.values()) > older_than:
+                old = sorted(members)
+            else:
+                continue
+            if dry_run or self._gc_folder(vkey, old):
+                deleted.extend(old)
         return deleted
+
+    def _gc_folder(self, vkey: str, keys: list[str]) -> bool:
+        """Delete ``keys`` of one version folder unless it got committed meanwhile.
+
+        The mark comes first, the look at the manifest second (the commit does the reverse):
+        a commit that raced with this either saw the mark or is seen here.
+        """
+        if all(".partial" in k for k in keys):  # leftovers beside a committed version: no race
+            for key in keys:
+                self.storage.delete(key)
+            return True
+        self.storage.write_json(f"{vkey}/{GC_MARK}", gc_mark_json())
+        if self.storage.exists(f"{vkey}/{MANIFEST}"):
+            self.storage.delete(f"{vkey}/{GC_MARK}")
+            return False
+        for key in keys:
+            self.storage.delete(key)
+        self.storage.delete(f"{vkey}/{GC_MARK}")
+        return True
 
     # -- the lifecycle of a version being computed ----------------------------------------
     def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> Claim:
@@ -475,7 +542,9 @@ class Catalog:
                       self.storage.child_url(key))
         done = {i for i, r in read_receipts(self.storage, key).items()
                 if (r.start, r.stop) == claimed.layout.shard_range(i) and set(r.digests) == set(adopted)}
-        return Claim(claimed.layout, adopted, frozenset(done))
+        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done.
+        holes = _shards_with_holes(key, adopted, done, set(self.storage.find(key)))
+        return Claim(claimed.layout, adopted, frozenset(done - holes))
 
     def _pending(self, key: str, mine: Pending, where: str) -> Pending:
         """Create the claim, or read the one another run created first."""
@@ -500,9 +569,18 @@ class Catalog:
     def commit(self, manifest: Manifest) -> Version:
         """Make the version visible: its data durable first, then the manifest, created
         if absent. An identical concurrent run that committed first is adopted; a different
-        manifest under the same id is a :class:`StoreConflict`."""
+        manifest under the same id is a :class:`StoreConflict`.
+
+        Never commits missing data: every object the manifest names is checked on storage
+        before the manifest is written, and again after it, together with the mark a running
+        ``gc`` leaves (it marks, then looks for a manifest; this writes the manifest, then looks
+        for a mark: one of the two sees the other). A hole or a mark withdraws the manifest and
+        raises :class:`ComputeFailed`; the receipts of damaged shards are removed, so a rerun
+        recomputes exactly those.
+        """
         key = version_key(manifest.name, manifest.id)
         self.storage.sync(key)  # the data must be durable before the commit makes it visible
+        self._check_stored(manifest)
         try:
             self.storage.create_json(f"{key}/{MANIFEST}", manifest.to_json())
         except StoreConflict:
@@ -510,5 +588,40 @@ class Catalog:
             if winner is None or winner.fingerprint != manifest.fingerprint:
                 raise
             return self._version(winner)  # an identical concurrent run committed first: adopt it
+        if self.storage.exists(f"{key}/{GC_MARK}"):
+            self.storage.delete(f"{key}/{MANIFEST}")
+            raise ComputeFailed(f"store.gc was deleting {manifest.name}@{manifest.id} while it was computed; "
+                                "nothing was committed. Rerun compute: what gc deleted is recomputed.")
+        try:
+            self._check_stored(manifest)
+        except ComputeFailed:
+            self.storage.delete(f"{key}/{MANIFEST}")
+            raise
         # _pending.json stays: deleting it would let a late concurrent run re-claim a committed folder.
         return self._version(manifest)
+
+    def _check_stored(self, manifest: Manifest) -> None:
+        """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage."""
+        key = version_key(manifest.name, manifest.id)
+        have = set(self.storage.find(key))
+        meta = [f"{key}/zarr.json", *(f"{key}/{a}/zarr.json" for a in manifest.arrays)]
+        shards = {r.index for r in manifest.shards}
+        holes = _shards_with_holes(key, manifest.arrays, shards, have)
+        missing = [k for k in meta if k not in have] + [
+            f"{key}/{chunk_key(a, i, len(spec.shape))}" for i in sorted(holes) for a, spec in manifest.arrays.items()
+            if f"{key}/{chunk_key(a, i, len(spec.shape))}" not in have]
+        if not missing:
+            return
+        for i in holes:  # those shards must be computed again
+            self.storage.delete(receipt_key(key, i))
+        shown = ", ".join(k[len(key) + 1:] for k in missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise ComputeFailed(
+            f"{len(missing)} objects of {manifest.name}@{manifest.id} were deleted while it was computed "
+            f"({shown}), by store.gc or another process; nothing was committed. Rerun compute: the "
+            "shards still stored are kept, the others are recomputed.")
+
+
+def _shards_with_holes(vkey: str, arrays: Mapping[str, ArraySpec], shards: Iterable[int], have: set[str]) -> set[int]:
+    """The shards among ``shards`` that lack an object of some array in the listing ``have``."""
+    return {i for i in shards for a, spec in arrays.items()
+            if f"{vkey}/{chunk_key(a, i, len(spec.shape))}" not in have}

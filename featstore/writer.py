@@ -31,7 +31,7 @@ from .format import RESERVED_FIELDS, check_compression, choose_compression, chun
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
 from .names import check_field, check_name
 from .stats import summarize
-from .tasks import TaskSpec, probe, release_models, run_shards, select
+from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
 from .versions import Catalog, Claim, Version
 
 log = logging.getLogger("featstore")
@@ -145,7 +145,7 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
 def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
     """Everything that decides the stored bytes (see the README section on fingerprints)."""
     return {
-        "model": model_digest(model, options.model_id),
+        **model_digest(model, options.model_id),  # "model" (weights) and "model_code"
         "dataset": dataset_digest(dataset, options.dataset_id),
         "input_key": describe_key(req.input_key),
         "keep": {k: describe_key(v) for k, v in req.keep.items()},
@@ -274,7 +274,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         shards=tuple(ShardReceipt(r.index, r.start, r.stop, r.digests) for r in receipts),
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
-                 "shards_computed": len(run.receipts)},
+                 "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
         libraries=_libraries(),
     )
     return catalog.commit(manifest)
@@ -285,6 +285,7 @@ class _RunResult:
     claim: Claim
     receipts: list[ShardReceipt]
     timings: dict[str, float]
+    reused: int = 0  # receipts a rerun task found finished (its first worker died)
 
 
 def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, client: Any,
@@ -313,12 +314,12 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         done_rows = sum(b - a for a, b in map(claim.layout.shard_range, claim.done))
         log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(claim.done))
         t_compute = time.perf_counter()
-        receipts = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options)
+        receipts, reused = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options)
     finally:
         cluster.close()
         release_models(run_key)
     timings = {"setup_s": round(t_compute - t_setup, 3), "compute_s": round(time.perf_counter() - t_compute, 3)}
-    return _RunResult(claim, receipts, timings)
+    return _RunResult(claim, receipts, timings, reused)
 
 
 def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
@@ -342,14 +343,15 @@ def _result(future: Any) -> Any:
 
 
 def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[int], done_rows: int,
-               resources: dict | None, options: ComputeOptions) -> list[ShardReceipt]:
-    """Submit the shard tasks (a few long ones per worker) and gather their receipts."""
+               resources: dict | None, options: ComputeOptions) -> tuple[list[ShardReceipt], int]:
+    """Submit the shard tasks (a few long ones per worker) and gather their receipts; also
+    return how many of them a rerun task found already finished (its worker died)."""
     from distributed import as_completed
 
     from distributed import span
 
     if not todo:
-        return []
+        return [], 0
     client = cluster.client
     n_workers = max(1, len(workers(client)))
     # Few, long tasks: the write of a task's last shard cannot overlap the next forward.
@@ -364,10 +366,12 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo
                 key = f"featstore-shards-{spec.vid}-{g[0]:06d}-{g[-1]:06d}"
                 futures.append(client.submit(run_shards, spec, model_f, data_f, g, key=key,
                                              resources=resources, pure=False, retries=0))
-            receipts = []
+            receipts, reused = [], 0
             for fut in as_completed(futures):
-                receipts.extend(ShardReceipt.from_json(r) for r in _result(fut))
-        return receipts
+                for r in _result(fut):
+                    receipts.append(ShardReceipt.from_json(r))
+                    reused += bool(r.get(REUSED))
+        return receipts, reused
     except BaseException:
         for f in futures:
             f.cancel()

@@ -80,8 +80,9 @@ def test_model_exception_names_the_samples(local_store, dask_client):
 
 
 def test_outputs_must_match_model_keys(local_store, dask_client):
-    with pytest.raises(OutputMismatch, match="expected"):
-        run(local_store, dask_client, TinyA(), VectorData(16), outputs={"features": "float32"})
+    with pytest.raises(OutputMismatch, match=r"\['emb'\], which Model A does not return \(it returns "
+                                             r"\['features', 'logits'\]\)"):
+        run(local_store, dask_client, TinyA(), VectorData(16), outputs={"features": "float32", "emb": "float32"})
     with pytest.raises(featstore.InvalidInput, match="unknown output codec"):
         run(local_store, dask_client, TinyA(), VectorData(16), outputs={"features": "int3"})
     with pytest.raises(featstore.InvalidInput, match="reserved"):
