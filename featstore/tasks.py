@@ -218,10 +218,13 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tupl
 def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
     try:
         return open_for_write(spec.storage.zarr_store(spec.key, read_only=False), spec.arrays)
-    except FileNotFoundError as exc:  # zarr's "array not found": the claim's arrays are gone
-        raise ComputeFailed(f"the arrays of {spec.storage.child_url(spec.key)} were deleted while it was "
-                            "computed (by store.gc or another process); nothing was committed. Rerun "
-                            "compute: the shards still stored are kept.") from exc
+    except FileNotFoundError:  # zarr's "array not found": the claim's arrays are gone
+        pass
+    # Raised outside the except block, without zarr's error as its context: that one does not
+    # survive the pickling that takes a task's error to the driver.
+    raise ComputeFailed(f"the arrays of {spec.storage.child_url(spec.key)} were deleted while it was "
+                        "computed (by store.gc or another process); nothing was committed. Rerun "
+                        "compute: the shards still stored are kept.")
 
 
 def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,

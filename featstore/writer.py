@@ -298,8 +298,8 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
     try:
         print(f"featstore: Dask dashboard at {cluster.dashboard_link}", file=sys.stderr)
         dclient = cluster.client
-        model_f = dclient.scatter(model, broadcast=True, hash=False)
-        data_f = dclient.scatter(dataset, broadcast=True, hash=False)
+        inputs = [model, dataset, *(dclient.scatter(x, broadcast=True, hash=False) for x in (model, dataset))]
+        model_f, data_f = inputs[2:]
         resources = task_resources(dclient)
         base = TaskSpec(catalog.storage, req.name, vid, run_key, req.input_key, req.keep, req.outputs, {},
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
@@ -314,7 +314,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         done_rows = sum(b - a for a, b in map(claim.layout.shard_range, claim.done))
         log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(claim.done))
         t_compute = time.perf_counter()
-        receipts, reused = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options)
+        receipts, reused = _run_tasks(cluster, spec, inputs, todo, done_rows, resources, options)
     finally:
         cluster.close()
         release_models(run_key)
@@ -342,14 +342,22 @@ def _result(future: Any) -> Any:
         raise ComputeFailed(f"compute task {future.key} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[int], done_rows: int,
+#: Rounds of resubmission after Dask lost the scattered Model A or dataset with a dead worker.
+LOST_DATA_ROUNDS = 3
+
+
+def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], done_rows: int,
                resources: dict | None, options: ComputeOptions) -> tuple[list[ShardReceipt], int]:
     """Submit the shard tasks (a few long ones per worker) and gather their receipts; also
-    return how many of them a rerun task found already finished (its worker died)."""
-    from distributed import as_completed
+    return how many of them a rerun task found already finished (its worker died).
 
-    from distributed import span
-
+    ``inputs`` is ``[model, dataset, model future, dataset future]``. A worker that dies takes
+    its tasks with it (Dask reruns them elsewhere) and, when it held the only copy (Dask's
+    memory manager keeps one copy of scattered data), the scattered Model A or dataset: the
+    tasks that needed it are cancelled. Those are scattered again and their shard groups
+    resubmitted, up to :data:`LOST_DATA_ROUNDS` times; shards already finished are never
+    recomputed (each task skips shards that have a receipt).
+    """
     if not todo:
         return [], 0
     client = cluster.client
@@ -359,24 +367,46 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo
     groups = [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
     bar = _Progress(spec.layout.n_samples, done_rows, spec.name, options.progress)
     client.subscribe_topic(spec.topic, bar)
-    futures = []
+    receipts: list[ShardReceipt] = []
+    reused = 0
     try:
-        with span(f"featstore-compute-{spec.name}"):
-            for g in groups:
-                key = f"featstore-shards-{spec.vid}-{g[0]:06d}-{g[-1]:06d}"
-                futures.append(client.submit(run_shards, spec, model_f, data_f, g, key=key,
-                                             resources=resources, pure=False, retries=0))
-            receipts, reused = [], 0
-            for fut in as_completed(futures):
-                for r in _result(fut):
-                    receipts.append(ShardReceipt.from_json(r))
-                    reused += bool(r.get(REUSED))
-        return receipts, reused
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
+        for round_ in range(LOST_DATA_ROUNDS + 1):
+            if round_:
+                log.warning("%s: a Dask worker died with Model A or the dataset; resubmitting %d "
+                            "shard tasks (finished shards are kept)", spec.name, len(groups))
+                inputs[2:] = [client.scatter(x, broadcast=True, hash=False) for x in inputs[:2]]
+            got, groups = _gather_round(client, spec, inputs[2], inputs[3], groups, resources, round_)
+            receipts += [ShardReceipt.from_json(r) for r in got]
+            reused += sum(bool(r.get(REUSED)) for r in got)
+            if not groups:
+                return receipts, reused
+        return receipts, reused  # unreachable: the last round raises instead of returning groups
     finally:
         time.sleep(0.05)  # let the last progress events arrive
         client.unsubscribe_topic(spec.topic)
         bar.close()
+
+
+def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups: list[list[int]],
+                  resources: dict | None, round_: int) -> tuple[list[dict], list[list[int]]]:
+    """Run ``groups`` once; return the receipts (JSON) and the groups whose inputs were lost."""
+    from distributed import as_completed, span
+
+    futures = {}
+    try:
+        with span(f"featstore-compute-{spec.name}"):
+            for g in groups:
+                key = f"featstore-shards-{spec.vid}-{g[0]:06d}-{g[-1]:06d}" + (f"-retry{round_}" if round_ else "")
+                futures[client.submit(run_shards, spec, model_f, data_f, g, key=key, resources=resources,
+                                      pure=False, retries=0)] = g
+            got, lost = [], []
+            for fut in as_completed(futures):
+                if fut.cancelled() and round_ < LOST_DATA_ROUNDS:  # its scattered inputs died with a worker
+                    lost.append(futures[fut])
+                    continue
+                got += _result(fut)
+        return got, lost
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
