@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from featstore.cli import main as cli
 from .models import TinyA, VectorData
 
 FLIPS = 120  # random single-bit flips per run (FEATSTORE_FLIPS overrides for a longer local run)
+LOADER_FLIPS = 60  # through 2 DataLoader workers: 60 on local disk, 20 on S3
 
 
 @pytest.fixture(scope="module")
@@ -44,36 +46,105 @@ def shard_objects(base: Path) -> list[Path]:
     return sorted(p for p in base.glob("*/c/**/*") if p.is_file())
 
 
-def test_every_single_bit_flip_is_detected(damaged):
-    import os
+def flip(f: Path, rng: random.Random) -> tuple[bytes, int, int]:
+    """Flip one random bit of ``f``; return the original bytes, the byte and the bit."""
+    data = bytearray(f.read_bytes())
+    pos, bit = rng.randrange(len(data)), rng.randrange(8)
+    data[pos] ^= 1 << bit
+    original = f.read_bytes()
+    f.write_bytes(bytes(data))
+    return original, pos, bit
 
+
+def read_error(action, *args) -> Exception | None:
+    """The exception ``action(*args)`` raises, or None: a flip that reads back without one is a miss."""
+    try:
+        action(*args)
+    except Exception as exc:  # noqa: BLE001 - the test classifies it
+        return exc
+    return None
+
+
+def test_every_single_bit_flip_is_detected(damaged):
     store, v, base = damaged
     files = shard_objects(base)
     assert len(files) == 3 * 4  # 3 arrays x 4 shards, one object each
     rng = random.Random(1234)
     flips = int(os.environ.get("FEATSTORE_FLIPS", FLIPS))
-    detected = 0
+    wrong: list[str] = []  # flips read back silently, or with another error, or naming another object
+    hit: set[str] = set()
     for i in range(flips):
         f = rng.choice(files)
-        data = bytearray(f.read_bytes())
-        pos, bit = rng.randrange(len(data)), rng.randrange(8)
-        data[pos] ^= 1 << bit
-        f.write_bytes(bytes(data))
+        original, pos, bit = flip(f, rng)
         rel = f.relative_to(base).as_posix()
         field, shard = rel.split("/")[0], int(rel.split("/")[2])
         fresh = store.open(f"c/set@{v.id}")  # no cached decoded data
-        with pytest.raises(CorruptChunk) as err:
-            fresh.read_rows(field, shard * 64, shard * 64 + 64)
-        assert err.value.array == field and err.value.chunk == rel and v.id in err.value.version
-        assert rel in str(err.value) and "featstore verify" in str(err.value)
+        err = read_error(fresh.read_rows, field, shard * 64, shard * 64 + 64)
+        if not (isinstance(err, CorruptChunk) and err.array == field and err.chunk == rel and v.id in err.version
+                and rel in str(err) and "featstore verify" in str(err)):
+            wrong.append(f"{rel} byte {pos} bit {bit}: {err!r}")
         if i % 20 == 0:  # the whole-version check names exactly that object
             problems = fresh.verify()
-            assert len(problems) == 1 and problems[0].startswith(rel)
-        data[pos] ^= 1 << bit
-        f.write_bytes(bytes(data))
-        detected += 1
-    assert detected == flips
+            if not (len(problems) == 1 and problems[0].startswith(rel)):
+                wrong.append(f"verify after {rel} byte {pos} bit {bit}: {problems}")
+        hit.add(rel)
+        f.write_bytes(original)
+    assert wrong == []
+    assert len(hit) == len(files) or flips < 60  # every object was damaged at least once
     assert store.open(f"c/set@{v.id}").verify() == []  # restored: clean again
+
+
+def _flips_through_loader(version, objects: dict[str, callable], flips: int, seed: int) -> list[str]:
+    """Flip bits in stored shard objects and read a whole epoch through ``store.dataset`` with 2
+    persistent DataLoader workers (the reader's own shard decoder, in worker processes) after
+    each; return the flips that were not a CorruptChunk naming the object."""
+    ds = version.dataset(batch_size=32, seed=0)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, timeout=60)
+    clean = sorted(torch.cat([b["index"] for b in loader]).tolist())
+    assert clean == list(range(len(version)))
+    rng = random.Random(seed)
+    wrong = []
+    for _ in range(flips):
+        rel = rng.choice(sorted(objects))
+        get, put = objects[rel]
+        original = get()
+        data = bytearray(original)
+        pos, bit = rng.randrange(len(data)), rng.randrange(8)
+        data[pos] ^= 1 << bit
+        put(bytes(data))
+        err = read_error(list, loader)
+        # The error crosses the worker boundary: DataLoader rebuilds it from its message, and
+        # CorruptChunk takes its fields back from there.
+        if not (isinstance(err, CorruptChunk) and err.chunk == rel and rel in str(err) and version.id in err.version):
+            wrong.append(f"{rel} byte {pos} bit {bit}: {err!r}")
+        put(original)
+    assert sorted(torch.cat([b["index"] for b in loader]).tolist()) == clean  # restored: reads again
+    return wrong
+
+
+def test_bit_flips_through_dataloader_workers_local(damaged):
+    store, v, base = damaged
+    objects = {f.relative_to(base).as_posix(): (f.read_bytes, f.write_bytes) for f in shard_objects(base)}
+    flips = int(os.environ.get("FEATSTORE_FLIPS", LOADER_FLIPS))
+    assert _flips_through_loader(store.open(f"c/set@{v.id}"), objects, flips, seed=99) == []
+
+
+def test_bit_flips_through_dataloader_workers_s3(s3_url, pristine):
+    url, opts = s3_url
+    root, vid = pristine
+    store = featstore.open_store(url, storage_options=opts)
+    for path in Path(root).rglob("*"):  # the pristine version, uploaded as is
+        if path.is_file():
+            store.storage.write_bytes(path.relative_to(root).as_posix(), path.read_bytes())
+    v = store.open(f"c/set@{vid}")
+    objects = {}
+    for key in store.storage.find(v.key):
+        rel = key[len(v.key) + 1:]
+        if "/c/" in rel:
+            objects[rel] = (lambda k=key: store.storage.read_bytes(k), lambda b, k=key: store.storage.write_bytes(k, b))
+    assert len(objects) == 12
+    flips = int(os.environ.get("FEATSTORE_FLIPS", LOADER_FLIPS)) // 3
+    assert _flips_through_loader(v, objects, flips, seed=7) == []
 
 
 @pytest.mark.parametrize("damage", ["missing", "empty", "truncated"])

@@ -73,16 +73,25 @@ def test_planted_pickles_are_never_loaded(copy):
         (vdir / extra).parent.mkdir(parents=True, exist_ok=True)
         (vdir / extra).write_bytes(payload)
     read_everything(store, vid)
-    # In place of the real objects: refused with a typed error, still never unpickled.
+    # In place of the real objects, one at a time (the others intact, so each case reaches the
+    # object it plants): refused with a typed error naming that object, never unpickled.
     cases = [("_tags/best.json", IncompatibleFormat, lambda: store.open(f"{NAME}@best")),
              ("features/zarr.json", CorruptChunk, lambda: store.open(f"{NAME}@{vid}").load()),
              ("features/c/1/0", CorruptChunk, lambda: store.open(f"{NAME}@{vid}").load()),
+             ("features/c/1/0", CorruptChunk, lambda: list(store.open(f"{NAME}@{vid}").dataset(batch_size=32))),
              ("manifest.json", IncompatibleFormat, lambda: store.open(NAME))]
-    for rel, err, action in cases:
+    for rel, err_type, action in cases:
         target = (vdir.parents[1] / rel) if rel.startswith("_tags") else vdir / rel
+        good = target.read_bytes()
         target.write_bytes(payload)
-        with pytest.raises(err):
+        with pytest.raises(err_type) as err:
             action()
+        if err_type is CorruptChunk:
+            assert err.value.chunk == rel, (rel, str(err.value))
+        else:
+            assert rel.split("/")[-1] in str(err.value), (rel, str(err.value))
+        target.write_bytes(good)
+        read_everything(store, vid)  # restored: every object reads again
     assert not marker.exists()
 
 
