@@ -72,35 +72,47 @@ def read_all_through_loader(version, workers: int) -> dict[str, np.ndarray]:
     return {k: torch.cat([b[k] for b in batches]).numpy()[order] for k in batches[0]}
 
 
+KINDS = ("503", "500", "reset", "timeout")
+OPS = ("PUT", "GET", "LIST", "HEAD")
+
+
 @pytest.mark.timeout(300)
 def test_compute_and_read_survive_transient_faults(faulty, proxy, reference, dask_client):
     url, opts, s3, bucket = faulty
     ref_version, ref = reference
     # Every fault kind meets every request type: the first four distinct PUTs, GETs, LISTs and
     # HEADs get 503, 500, reset and stall in turn; then 3% of requests fail 1-2 times in a row;
-    # one chunk PUT and one chunk GET fail 3 times in a row. The driver, the Dask workers and
-    # the DataLoader workers all go through the proxy.
-    kinds = ("503", "500", "reset", "timeout")
+    # one chunk PUT and one chunk GET fail 3 times in a row. The driver and the Dask workers go
+    # through the proxy.
     proxy.set_rules(Rule("500", ops=("PUT",), path=r"/c/", times=3, min_times=3, first=1, rate=0),
                     Rule("503", ops=("GET",), path=r"/c/", times=3, min_times=3, first=1, rate=0),
-                    *(Rule(kinds, ops=(op,), times=2, rate=0.02, first=4, seed=i)
-                      for i, op in enumerate(("PUT", "GET", "LIST", "HEAD"))))
+                    *(Rule(KINDS, ops=(op,), times=2, rate=0.02, first=4, seed=i) for i, op in enumerate(OPS)))
     store = featstore.open_store(url, storage_options=opts)
     v = store.compute("flt/set", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
                       batch_size=32, samples_per_shard=SPP, client=dask_client, options=QUIET)
-    compute_faults, compute_retries = proxy.n_faults, proxy.retries_seen
+    store.tag(v, "best")
+    store.untag("flt/set", "best")  # an existence check: HEAD requests
+    compute = (proxy.n_faults, proxy.retries_seen, sum(proxy.requests.values()))
     got = {k: t.numpy() for k, t in store.open("flt/set").load().items()}
+    # The DataLoader workers' own reads, faulted afresh (every chunk object was read above, and
+    # a request identity is faulted by its rule once): the first 6 chunk GETs of the workers
+    # fail 1-2 times, then 20% of them.
+    proxy.set_rules(Rule(KINDS, ops=("GET",), path=r"/c/", times=2, first=6, rate=0.2, seed=11))
+    before = proxy.n_faults
     got_loader = read_all_through_loader(store.open("flt/set"), workers=2)
-    print(f"\n[faults] compute: {compute_faults} faults, {compute_retries} retries; compute+reads: "
-          f"{proxy.n_faults} faults {sorted(proxy.faults.items())}, {proxy.retries_seen} retries, "
-          f"{sum(proxy.requests.values())} requests, max attempts of one request "
-          f"{max(proxy.attempts.values())}")
-    assert {(k, op) for k in kinds for op in ("PUT", "GET", "LIST")} <= set(proxy.faults)
+    loader_faults = proxy.n_faults - before
+    print(f"\n[faults] compute+tag: {compute[0]} faults, {compute[1]} retries, {compute[2]} requests; "
+          f"DataLoader workers' reads: {loader_faults} faults; total {proxy.n_faults} faults "
+          f"{sorted(proxy.faults.items())}, {proxy.retries_seen} retries, {sum(proxy.requests.values())} requests")
+    assert {(k, op) for k in KINDS for op in OPS} <= set(proxy.faults)  # HEAD included
+    assert compute[0] >= 4 * len(OPS) + 3 + 3  # the first four of each type, and the two triples
+    assert compute[1] == compute[0]  # every fault was retried (and then the request succeeded)
+    assert loader_faults >= 6 and proxy.retries_seen == proxy.n_faults
     assert v.id == ref_version.id
     assert [s.digests for s in v.manifest.shards] == [s.digests for s in ref_version.manifest.shards]
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k])
-        np.testing.assert_array_equal(got_loader[k], ref[k])
+        np.testing.assert_array_equal(got_loader[k], ref[k])  # the workers' batches equal load()
     proxy.set_rules()
     assert v.verify() == []
     assert len(manifests(s3, bucket)) == 1
@@ -165,3 +177,67 @@ def test_persistent_failure_is_store_unavailable_and_commits_nothing(faulty, pro
     print(f"\n[persistent] manifest PUT attempts={commit_attempts}; chunk GET attempts per request="
           f"{per_request}, faults={proxy.n_faults}")
     assert per_request == S3_MAX_ATTEMPTS
+
+
+#: s3fs's own retries of throttling and connection errors, around botocore's (s3fs's default).
+S3FS_RETRIES = 5
+
+
+def with_retries(opts: dict, attempts: int) -> dict:
+    """``opts`` with the user's own botocore retry policy."""
+    return {**opts, "config_kwargs": {**opts["config_kwargs"],
+                                      "retries": {"mode": "standard", "total_max_attempts": attempts}}}
+
+
+def _read_attempts(proxy, url: str, opts: dict, rule: Rule) -> tuple[BaseException, int]:
+    """Read one object with ``rule`` in force: (the error raised, attempts of that request)."""
+    storage = Storage(url, {**opts, "skip_instance_cache": True})
+    storage.write_bytes("x/obj", b"payload")
+    proxy.reset_counts()
+    proxy.set_rules(rule)
+    try:
+        storage.read_bytes("x/obj")
+    except BaseException as exc:  # noqa: BLE001 - returned for the test to check
+        error = exc
+    else:
+        error = AssertionError("the read succeeded through a persistent fault")
+    proxy.set_rules()
+    return error, max(n for k, n in proxy.attempts.items() if k[1].endswith("/x/obj"))
+
+
+@pytest.mark.timeout(120)
+def test_persistent_503_and_reset_end_in_store_unavailable_within_the_budget(faulty, proxy):
+    """The documented budget (README, docs/reliability.md): a persistent 503 or connection
+    reset fails after at most s3fs's retries x botocore's attempts per request, as
+    StoreUnavailable. The 503 case runs with the user's own botocore budget of 2 attempts
+    (featstore's default 5 makes it 25 attempts, ~36 s: measured, not run in CI); the arithmetic
+    is the same."""
+    url, opts, _, _ = faulty
+    user = with_retries(opts, 2)
+    error, attempts = _read_attempts(proxy, url, user, Rule("503", ops=("GET",), path=r"/x/obj", times=None))
+    print(f"\n[persistent] 503 with 2 botocore attempts: {attempts} attempts, {type(error).__name__}")
+    assert isinstance(error, StoreUnavailable) and "cannot reach the store" in str(error)
+    assert attempts == S3FS_RETRIES * 2  # the user's budget, times s3fs's own retries: bounded
+    error, attempts = _read_attempts(proxy, url, opts, Rule("reset", ops=("GET",), path=r"/x/obj", times=None))
+    print(f"[persistent] reset with featstore's policy: {attempts} attempts, {type(error).__name__}")
+    assert isinstance(error, StoreUnavailable)
+    assert S3_MAX_ATTEMPTS <= attempts <= S3FS_RETRIES * S3_MAX_ATTEMPTS
+
+
+@pytest.mark.timeout(120)
+def test_users_own_retry_settings_win(faulty, proxy, monkeypatch):
+    """featstore fills in its retry policy only where the user set none: config_kwargs retries,
+    or AWS_MAX_ATTEMPTS / AWS_RETRY_MODE in the environment, win (counted on a persistent 500,
+    which s3fs does not retry around botocore)."""
+    url, opts, _, _ = faulty
+    rule = Rule("500", ops=("GET",), path=r"/x/obj", times=None)
+    _, attempts = _read_attempts(proxy, url, opts, rule)
+    assert attempts == S3_MAX_ATTEMPTS  # featstore's policy
+    mine = with_retries(opts, 3)
+    _, attempts = _read_attempts(proxy, url, mine, rule)
+    assert attempts == 3  # config_kwargs
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
+    assert "retries" not in Storage(url, opts)._options["config_kwargs"]
+    _, attempts = _read_attempts(proxy, url, opts, rule)
+    assert attempts == 2  # the environment
