@@ -160,3 +160,35 @@ def test_every_error_is_a_featstore_error():
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, FeatstoreError)
     assert issubclass(VersionNotFound, KeyError) and str(VersionNotFound("msg")) == "msg"
+
+
+#: Every error class and the builtin it also is (the README's error table).
+BUILTIN_BASES = {
+    "FeatstoreError": Exception, "InvalidInput": ValueError, "InvalidName": ValueError,
+    "EmptyDataset": ValueError, "MissingInputKey": ValueError, "OutputMismatch": ValueError,
+    "NonFiniteOutput": ValueError, "VersionNotFound": KeyError, "StoreConflict": FileExistsError,
+    "StoreUnavailable": ConnectionError, "StorePermissionDenied": PermissionError, "StoreFull": OSError,
+    "IncompatibleFormat": ValueError, "CorruptChunk": OSError, "ComputeFailed": RuntimeError,
+}
+
+
+def test_every_error_class_has_its_documented_builtin_base():
+    import inspect
+    import pickle
+    from pathlib import Path
+
+    from featstore import errors
+
+    classes = {n: c for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, Exception)
+               and c.__module__ == errors.__name__}
+    assert set(classes) == set(BUILTIN_BASES)  # a new error class gets its documented base here
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name, cls in classes.items():
+        assert issubclass(cls, BUILTIN_BASES[name]) and issubclass(cls, errors.FeatstoreError), name
+        assert getattr(featstore, name) is cls  # and it is public
+        err = cls("what happened; what to do")
+        assert str(err) == "what happened; what to do"  # KeyError would quote it
+        back = pickle.loads(pickle.dumps(err))  # crosses Dask and DataLoader workers
+        assert type(back) is cls and str(back) == str(err)
+        if name != "FeatstoreError":
+            assert f"| `{name}` | `{BUILTIN_BASES[name].__name__}` |" in readme, name

@@ -3,7 +3,6 @@ reprs, error messages, manifests, zarr attributes or any object featstore writes
 
 from __future__ import annotations
 
-import logging
 import pickle
 import uuid
 
@@ -14,51 +13,38 @@ import featstore
 from featstore import ComputeOptions, FeatstoreError
 from featstore.storage import Storage
 
+from . import worker_logs
 from .models import TinyA, VectorData
 
 SECRET = f"SENTINEL-SECRET-{uuid.uuid4().hex}"
 TOKEN = f"SENTINEL-TOKEN-{uuid.uuid4().hex}"
 
 
-class Records(logging.Handler):
-    """Keeps (logger name, formatted message) of every record."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[str, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.records.append((record.name, self.format(record)))
-        except Exception:  # noqa: BLE001 - a record that cannot format is not a leak
-            pass
-
-
 @pytest.fixture
 def all_logs():
     """Every logger at DEBUG (featstore, s3fs, botocore, aiobotocore, fsspec, distributed...)."""
-    handler = Records()
-    root = logging.getLogger()
-    old = root.level
-    root.setLevel(logging.DEBUG)
-    root.addHandler(handler)
-    touched = {}
-    for name in ("featstore", "s3fs", "fsspec", "botocore", "aiobotocore", "distributed", "zarr", "urllib3"):
-        lg = logging.getLogger(name)
-        touched[name] = (lg.level, lg.propagate, lg.disabled)
-        lg.setLevel(logging.DEBUG)
-        lg.propagate, lg.disabled = True, False
-    yield handler
-    root.removeHandler(handler)
-    root.setLevel(old)
-    for name, (level, prop, dis) in touched.items():
-        lg = logging.getLogger(name)
-        lg.setLevel(level)
-        lg.propagate, lg.disabled = prop, dis
+    worker_logs.start()
+    yield worker_logs._state["handler"]
+    worker_logs.stop()
+
+
+@pytest.fixture
+def dask_worker_logs(dask_client):
+    """The same capture inside every Dask worker process (where the chunk and receipt PUTs
+    happen); yields a function returning their records, by worker."""
+    dask_client.run(worker_logs.start)
+    collected: dict[str, list] = {}
+
+    def collect() -> dict[str, list]:
+        collected.update(dask_client.run(worker_logs.stop))
+        return collected
+
+    yield collect
+    dask_client.run(worker_logs.stop)
 
 
 @pytest.mark.timeout(180)
-def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs):
+def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_worker_logs):
     bucket = f"sec-{uuid.uuid4().hex[:12]}"
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     s3.create_bucket(Bucket=bucket)
@@ -83,13 +69,18 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs):
             action()
         seen += [str(err.value), repr(err.value)]
 
-    records = all_logs.records
+    in_workers = dask_worker_logs()
+    worker_records = [r for recs in in_workers.values() for r in recs]
+    worker_names = {n.split(".")[0] for n, _ in worker_records}
+    assert len(in_workers) == 2 and {"botocore", "s3fs", "distributed"} <= worker_names  # really captured
+    records = all_logs.records + worker_records
     names = {n.split(".")[0] for n, _ in records}
     assert {"botocore", "s3fs", "featstore"} <= names  # the capture really saw these loggers
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
     stored = [s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys]
     token_loggers = sorted({n for n, m in records if TOKEN in m})
-    print(f"\n[secrets] {len(records)} DEBUG records from {sorted(names)}, {len(keys)} stored objects, "
+    print(f"\n[secrets] {len(records)} DEBUG records ({len(worker_records)} from the Dask worker processes) "
+          f"from {sorted(names)}, {len(keys)} stored objects, "
           f"{len(seen)} reprs/messages checked; session token logged by {token_loggers}")
     assert not any(SECRET in m for _, m in records)  # the secret key: nowhere, at any level
     # botocore's signer logs the canonical request at DEBUG, x-amz-security-token included: a
