@@ -45,7 +45,8 @@ class ComputeOptions:
 
     Attributes:
         dataset_id: names the dataset's exact contents; replaces the sampled content digest.
-        model_id: names Model A's exact weights; needed to avoid building a factory locally.
+        model_id: names Model A exactly (weights and code); replaces both digests in the
+            fingerprint, and spares building a factory locally to digest it.
         allow_nonfinite: store NaN/Inf instead of raising :class:`NonFiniteOutput`.
         autocast: ``"float16"``/``"bfloat16"`` to run A under ``torch.autocast`` (part of the
             fingerprint, since it changes the outputs).
