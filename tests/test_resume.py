@@ -66,6 +66,7 @@ def receipts_of(store) -> set[int]:
             if "/_receipts/" in k and k.endswith(".json")}
 
 
+@pytest.mark.timeout(900)  # a hang guard: 10 or 5 kill/resume cycles take minutes on a loaded 2-core machine
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_sigkill_at_random_points_then_resume(backend, tmp_path, dask_client, clean_digests, request):
     clean_id, clean_shards, clean_values = clean_digests
