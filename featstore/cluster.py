@@ -4,6 +4,9 @@ The embedded default is one worker per GPU (worker processes advertising a ``GPU
 or, on a machine without GPUs, one worker thread inside the calling process (measured
 1.4-1.9x faster compute on 2 cores than a worker process: no start-up, no pickling of Model A
 and the dataset). The dashboard listens on loopback only: it shows task names and can run code.
+The embedded scheduler preloads :mod:`featstore.dashboard` (the featstore page and its plugin),
+by name, so this module never imports it; a failed task's Dask traceback stays off the console
+(:mod:`featstore.logs`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .events import PAGE, PLUGIN
+from .logs import quiet_task_failures
+
+#: The scheduler preload that adds featstore's dashboard page (``dask scheduler --preload ...``).
+DASHBOARD_PRELOAD = "featstore.dashboard"
 
 
 @dataclass
@@ -30,6 +39,22 @@ class Cluster:
         """The dashboard's URL; our own dashboard listens on loopback, so say 127.0.0.1."""
         link = self.client.dashboard_link
         return re.sub(r"//[^/:]+", "//127.0.0.1", link, count=1) if self.owned else link
+
+    def page_link(self) -> str | None:
+        """The featstore page's URL, or None when the scheduler lacks featstore's preload."""
+        return self.dashboard_base + PAGE if _has_plugin(self.client) else None
+
+    @property
+    def dashboard_base(self) -> str:
+        """The dashboard's root URL (without ``/status``)."""
+        return self.dashboard_link.rsplit("/", 1)[0]
+
+    @property
+    def serial_forward(self) -> bool:
+        """Whether the tasks of one worker take turns at Model A's forward: in the embedded
+        in-process CPU worker, whose two threads each run a shard task so that one task's
+        fetch and write overlap the other's forward, and torch already uses every core."""
+        return self.in_process
 
     def torch_threads(self) -> int:
         """Torch threads per task: Dask pins ``OMP_NUM_THREADS=1`` in its workers, so our own
@@ -55,19 +80,38 @@ def connect(client: Any, n_workers: int | None = None, processes: bool | None = 
         cores = os.cpu_count() or 1
         processes = bool(gpus) if processes is None else processes
         cluster = LocalCluster(
-            n_workers=n, threads_per_worker=1, processes=processes,
+            # Two threads in the in-process CPU worker: one shard task's first fetch and last
+            # write overlap the next task's forward (Model A's forwards take turns, see
+            # Cluster.serial_forward); one thread per GPU worker process.
+            n_workers=n, threads_per_worker=1 if processes else 2, processes=processes,
             dashboard_address="127.0.0.1:8787", silence_logs=logging.ERROR,
             resources={"GPU": 1} if gpus else None,
             memory_limit=0,
-            # env= is for worker processes only (an in-process worker keeps this process's)
-            **({"env": {"OMP_NUM_THREADS": str(max(1, cores // n))}, "host": "127.0.0.1"} if processes else {}),
+            scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]},
+            # env= and preload= are for worker processes only (an in-process worker keeps this
+            # process's environment and logging, quieted below)
+            **({"env": {"OMP_NUM_THREADS": str(max(1, cores // n))}, "host": "127.0.0.1",
+                "preload": ["featstore.logs"]} if processes else {}),
         )
+        quiet_task_failures()
         c = Client(cluster)
         return Cluster(c, [cluster, c], in_process=not processes)
     if isinstance(client, str):
         c = Client(client)
         return Cluster(c, [c])
     return Cluster(client)
+
+
+def _scheduler_has_plugin(dask_scheduler: Any = None) -> bool:
+    return PLUGIN in getattr(dask_scheduler, "plugins", {})
+
+
+def _has_plugin(client: Any) -> bool:
+    """Whether the scheduler runs featstore's dashboard plugin (it was started with the preload)."""
+    try:
+        return bool(client.run_on_scheduler(_scheduler_has_plugin))
+    except (OSError, ValueError, TypeError, RuntimeError):  # a scheduler that refuses run_on_scheduler
+        return False
 
 
 def workers(client: Any) -> dict[str, dict]:

@@ -80,7 +80,7 @@ def _train_epochs(net: nn.Module, batches, epochs: int, set_epoch=None) -> float
 
 
 def run_demo(root: str = "./featstore-demo", n: int = 20000, epochs: int = 3, batch_size: int = 256,
-             workers: int = 0, client=None) -> dict[str, float]:
+             workers: int = 0, client=None, storage_options: dict | None = None) -> dict[str, float]:
     """Compute Model A's outputs into ``root`` with Dask, train Model B from the store, then
     train the same B with A run every step (the frozen-submodule approach); print both times."""
     import time
@@ -89,7 +89,7 @@ def run_demo(root: str = "./featstore-demo", n: int = 20000, epochs: int = 3, ba
 
     torch.manual_seed(0)
     data = SyntheticImages(n)
-    store = featstore.open_store(root)
+    store = featstore.open_store(root, storage_options=storage_options)
     print(f"featstore demo: N={n} images 3x32x32, Model A = small CNN, store = {store.url}")
     t0 = time.perf_counter()
     version = store.compute("demo/cnn-a", model=ModelA(), dataset=data, keep=["target"],

@@ -4,12 +4,17 @@ A task owns whole Zarr shards (no two tasks ever write the same object). Three s
 so Model A's forward is the only work on the task's own thread: a fetch thread reads batch i+1
 from the dataset, the task runs A on batch i, and a write thread checks and encodes batch i-1
 and compresses and writes finished shards, in order. A task returns only small receipts (as
-JSON dicts) and reports progress as it goes. Nothing here knows about the driver, the cluster
-or the commit: it builds on :mod:`featstore.format` and :mod:`featstore.versions` only.
+JSON dicts) and reports progress as it goes: :mod:`featstore.events` per shard and per batch
+(what the terminal bar and the dashboard page show), and its time split into ``forward``,
+``fetch``, ``encode`` and ``write`` through ``distributed.metrics.context_meter`` (Dask's Fine
+Performance Metrics). Nothing here knows about the driver, the cluster, the commit or what
+displays the events: it builds on :mod:`featstore.format` and :mod:`featstore.versions` only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import threading
 from collections import deque
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 import zarr
 
+from .events import batch_done, shard_started, shard_written
 from .allocator import tuned as tuned_allocator
 from .codecs import codec_by_name, keep_codec, output_codec
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
@@ -84,6 +90,10 @@ def as_outputs(out: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}  # insertion-ordered: oldest first
 _MODELS_LOCK = threading.Lock()
 _MODELS_KEPT = 2
+#: Taken around Model A's forward when ``TaskSpec.serial_forward``: the embedded CPU worker runs
+#: two shard tasks at once so that one's fetch and write fill the other's gaps, but two forwards
+#: at once would only fight over the cores torch already uses.
+_FORWARD_TURN = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class TaskSpec:
     topic: str
     dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
     tune_allocator: bool = True
+    serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
 
     @property
     def key(self) -> str:
@@ -240,13 +251,73 @@ def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
     return receipt
 
 
-def _progress(topic: str, n: int) -> None:
-    try:
-        from distributed import get_worker
+class _Reporter:
+    """A task's progress events (see :mod:`featstore.events`); silent outside a Dask worker.
 
-        get_worker().log_event(topic, n)
-    except (ImportError, ValueError):
+    Made on the task's thread, where Dask knows the worker; ``send`` works from any thread.
+    """
+
+    def __init__(self, spec: TaskSpec) -> None:
+        try:
+            from distributed import get_worker
+
+            self.worker: Any = get_worker()
+        except (ImportError, ValueError):
+            self.worker = None
+        self.address = getattr(self.worker, "address", "local")
+        self.run, self.topic = spec.model_key, spec.topic
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.worker is not None:
+            try:
+                self.worker.log_event(self.topic, msg)
+            except RuntimeError:  # the worker's loop is closing: progress is best effort
+                pass
+
+
+def device_info() -> dict[str, Any]:
+    """What this worker computes on, for the dashboard: CPU, or the GPU's name and memory
+    (and utilisation where NVML is installed)."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu", "device_name": f"CPU, {torch.get_num_threads()} torch threads"}
+    i = torch.cuda.current_device()
+    info: dict[str, Any] = {"device": "cuda", "device_name": torch.cuda.get_device_name(i),
+                            "gpu_mem": int(torch.cuda.memory_allocated(i)),
+                            "gpu_mem_total": int(torch.cuda.get_device_properties(i).total_memory)}
+    try:
+        info["gpu_util"] = int(torch.cuda.utilization(i))
+    except (ImportError, ModuleNotFoundError, RuntimeError):  # no pynvml / NVML
         pass
+    return info
+
+
+def _meter(label: str) -> Any:
+    """Dask's Fine Performance Metrics: time under ``label`` for the running task (a no-op
+    outside Dask)."""
+    try:
+        from distributed.metrics import context_meter
+    except ImportError:
+        return contextlib.nullcontext()
+    return context_meter.meter(label)
+
+
+def _metered(label: str, fn: Any, *args: Any) -> Any:
+    with _meter(label):
+        return fn(*args)
+
+
+def _in_task_context(pool: ThreadPoolExecutor, label: str, fn: Any, *args: Any) -> Future:
+    """Run ``fn`` on ``pool`` metered as ``label``, in a copy of the task thread's context, so
+    Dask books its time to this task (context variables do not cross threads by themselves)."""
+    return pool.submit(contextvars.copy_context().run, _metered, label, fn, *args)
+
+
+def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
+    stats = receipt.stats or {}
+    return shard_written(
+        report.run, report.address, receipt.index, sum(b.nbytes for b in buffers.values()),
+        sum(int(s.get("nan", 0)) + int(s.get("inf", 0)) for s in stats.values()),
+        max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
 
 def _fetch_checked(dataset: Any, b0: int, b1: int) -> list[Any]:
@@ -268,13 +339,15 @@ def _store_batch(spec: TaskSpec, values: dict[str, torch.Tensor], b0: int, b1: i
 
 
 def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                         buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> ShardReceipt:
+                         buffers: dict[str, np.ndarray], stats: dict[str, dict], report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
     keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
     holds uninitialised rows that must never get a receipt."""
     for job in batch_jobs:
         job.result()  # already done (same thread, earlier in order): re-raises a failure
-    return _write_shard(spec, arrays, index, buffers, stats)
+    receipt = _write_shard(spec, arrays, index, buffers, stats)
+    report.send(_shard_event(report, receipt, buffers))
+    return receipt
 
 
 def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) -> list[dict]:
@@ -292,8 +365,13 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
     if not todo:
         return [{**r.to_json(), REUSED: True} for r in reused.values()]
     net = worker_model(model, spec.model_key, spec.threads)
-    with tuned_allocator(spec.tune_allocator and worker_device().type == "cpu"):
-        computed = _run_shards(spec, net, dataset, todo)
+    tune = spec.tune_allocator and worker_device().type == "cpu"
+    _WARM.hold(tune)
+    try:
+        with tuned_allocator(tune):
+            computed = _run_shards(spec, net, dataset, todo)
+    finally:
+        _WARM.linger()
     return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
 
 
@@ -308,6 +386,48 @@ def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardRec
             if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)}
 
 
+class _WarmHeap:
+    """Keeps :func:`featstore.allocator.tuned` on between the shard tasks of this process.
+
+    A compute is one task per shard: without this, every task's end would return the warm heap
+    to the OS (``malloc_trim``) and the next task would map and zero its activations afresh.
+    The hold ends ``LINGER_S`` after the last task, or at once by :func:`release_models`.
+    """
+
+    LINGER_S = 5.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stack: contextlib.ExitStack | None = None
+        self.gen = 0  # which linger timer may still release
+
+    def hold(self, enabled: bool) -> None:
+        with self.lock:
+            self.gen += 1
+            if enabled and self.stack is None:
+                self.stack = contextlib.ExitStack()
+                self.stack.enter_context(tuned_allocator(True))
+
+    def linger(self) -> None:
+        with self.lock:
+            if self.stack is None:
+                return
+            gen = self.gen
+        timer = threading.Timer(self.LINGER_S, self.release, args=(gen,))
+        timer.daemon = True
+        timer.start()
+
+    def release(self, gen: int | None = None) -> None:
+        with self.lock:
+            if self.stack is None or (gen is not None and gen != self.gen):
+                return  # a task started since: it keeps the heap warm
+            stack, self.stack = self.stack, None
+        stack.close()
+
+
+_WARM = _WarmHeap()
+
+
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int]) -> list[dict]:
     arrays = _open_arrays(spec)
     plan = []  # (shard index, batch start, batch stop, last batch of the shard)
@@ -317,30 +437,36 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
             b1 = min(b0 + spec.batch_size, stop)
             plan.append((index, b0, b1, b1 == stop))
     receipts: list[dict] = []
+    report = _Reporter(spec)
+    device = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
         waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
         writes: deque[Future] = deque()
         buffers: dict[str, np.ndarray] = {}
         stats: dict[str, dict] = {}
-        nxt = fetcher.submit(_fetch_checked, dataset, plan[0][1], plan[0][2]) if plan else None
+        nxt = _in_task_context(fetcher, "fetch", _fetch_checked, dataset, plan[0][1], plan[0][2]) if plan else None
         try:
             for k, (index, b0, b1, last) in enumerate(plan):
                 items = nxt.result()
                 if k + 1 < len(plan):
-                    nxt = fetcher.submit(_fetch_checked, dataset, plan[k + 1][1], plan[k + 1][2])
+                    nxt = _in_task_context(fetcher, "fetch", _fetch_checked, dataset, plan[k + 1][1], plan[k + 1][2])
                 start, stop = spec.layout.shard_range(index)
                 if b0 == start:
                     buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
                     stats = {}
                     batch_jobs: list[Future] = []
-                outs, kept = _forward(spec, net, items, b0)
-                _progress(spec.topic, b1 - b0)  # from the task's thread: Dask knows the worker there
-                job = pool.submit(_store_batch, spec, {**outs, **kept}, b0, b1, start, buffers, stats)
+                    report.send(shard_started(report.run, report.address, index, device))
+                with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
+                    outs, kept = _forward(spec, net, items, b0)
+                report.send(batch_done(report.run, report.address, index, b1 - b0))
+                job = _in_task_context(pool, "encode", _store_batch, spec, {**outs, **kept}, b0, b1, start,
+                                       buffers, stats)
                 waiting.append(job)
                 batch_jobs.append(job)
                 if last:
-                    fut = pool.submit(_write_checked_shard, batch_jobs, spec, arrays, index, buffers, stats)
+                    fut = _in_task_context(pool, "write", _write_checked_shard, batch_jobs, spec, arrays, index,
+                                           buffers, stats, report)
                     waiting.append(fut)
                     writes.append(fut)
                 while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
@@ -381,7 +507,8 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
 
 def release_models(run_key: str) -> None:
     """Drop this process's cached Model A of one compute run (an in-process worker cached it
-    in the caller's process; its memory is the caller's again)."""
+    in the caller's process; its memory is the caller's again), and its warm heap."""
+    _WARM.release()
     with _MODELS_LOCK:
         for k in [k for k in _MODELS if k[0] == run_key]:
             del _MODELS[k]

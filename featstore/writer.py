@@ -23,12 +23,14 @@ import torch
 import zarr
 
 from ._version import __version__
+from .events import TOPIC, is_event, run_ended, run_started
 from .cluster import Cluster, connect, task_resources, workers
 from .codecs import keep_codec, output_codec
 from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
+from .monitor import RunState
 from .names import check_field, check_name
 from .stats import summarize
 from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
@@ -65,6 +67,10 @@ class ComputeOptions:
         tune_allocator: on CPU workers with glibc, keep freed memory for reuse while a shard
             task runs instead of mapping and zeroing fresh pages for every activation tensor
             (measured 2.5x on the demo CNN); see :mod:`featstore.allocator`.
+        shards_per_task: shards each Dask task computes. 1 (the default): Dask's progress bars
+            and task stream move once per shard and a lost worker costs one shard; the fetch,
+            forward and write stages still overlap inside the task (compute time measured
+            unchanged, see docs/monitoring.md). None: a few long tasks (two per worker).
     """
 
     dataset_id: str | None = None
@@ -78,9 +84,13 @@ class ComputeOptions:
     processes: bool | None = None
     compression: str = "auto"
     tune_allocator: bool = True
+    shards_per_task: int | None = 1
 
     def __post_init__(self) -> None:
         check_compression(self.compression)
+        if self.shards_per_task is not None and (not isinstance(self.shards_per_task, int)
+                                                 or self.shards_per_task < 1):
+            raise InvalidInput(f"shards_per_task must be a positive int or None, got {self.shards_per_task!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,22 +187,28 @@ def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | Non
 
 
 class _Progress:
-    """Terminal progress (samples/s and ETA), fed by worker events."""
+    """Terminal progress (samples/s and ETA): this run's events, folded as the dashboard folds
+    them (a shard Dask reruns is not counted twice)."""
 
-    def __init__(self, total: int, done: int, name: str, enabled: bool) -> None:
+    def __init__(self, start: dict[str, Any], enabled: bool) -> None:
+        self.state = RunState(start["run"])
+        self.state.apply(start, time.time())
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=done, unit="sample", unit_scale=True,
-                            desc=f"compute {name}", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=self.state.samples, initial=self.state.samples_done, unit="sample",
+                            unit_scale=True, desc=f"compute {start['name']}", file=sys.stderr, dynamic_ncols=True)
         self.lock = threading.Lock()
 
     def __call__(self, event: Any) -> None:
-        _, n = event
-        if self.bar is not None:
-            with self.lock:
-                self.bar.update(int(n))
+        _, msg = event
+        if not is_event(msg) or msg["run"] != self.state.run:
+            return
+        with self.lock:
+            self.state.apply(msg, time.time())
+            if self.bar is not None:
+                self.bar.update(self.state.samples_done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -298,24 +314,28 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
     cluster = connect(client, options.n_workers, options.processes)
     try:
         print(f"featstore: Dask dashboard at {cluster.dashboard_link}", file=sys.stderr)
+        page = cluster.page_link()
+        print(f"featstore: progress page at {page}" if page else "featstore: for featstore's dashboard page, "
+              "start the scheduler with `dask scheduler --preload featstore.dashboard`", file=sys.stderr)
         dclient = cluster.client
         inputs = [model, dataset, *(dclient.scatter(x, broadcast=True, hash=False) for x in (model, dataset))]
         model_f, data_f = inputs[2:]
         resources = task_resources(dclient)
         base = TaskSpec(catalog.storage, req.name, vid, run_key, req.input_key, req.keep, req.outputs, {},
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
-                        cluster.torch_threads(), f"featstore-progress-{vid}",
-                        tune_allocator=options.tune_allocator)
+                        cluster.torch_threads(), TOPIC,
+                        tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{vid}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options)
         spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout,
                            "dtypes": {k: d for k, (_, d, _) in probed.items()}})
         todo = [i for i in range(claim.layout.n_shards) if i not in claim.done]
-        done_rows = sum(b - a for a, b in map(claim.layout.shard_range, claim.done))
         log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(claim.done))
+        start = run_started(run_key, req.name, vid, req.n, claim.layout.samples_per_shard,
+                            sorted(claim.done), catalog.url)
         t_compute = time.perf_counter()
-        receipts, reused = _run_tasks(cluster, spec, inputs, todo, done_rows, resources, options)
+        receipts, reused = _run_tasks(cluster, spec, inputs, todo, start, resources, options)
     finally:
         cluster.close()
         release_models(run_key)
@@ -347,10 +367,23 @@ def _result(future: Any) -> Any:
 LOST_DATA_ROUNDS = 3
 
 
-def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], done_rows: int,
+def _task_groups(todo: list[int], n_workers: int, shards_per_task: int | None) -> list[list[int]]:
+    """Shards per task: ``shards_per_task`` each, or (None) a few long tasks, two per worker."""
+    per_task = shards_per_task or max(1, -(-len(todo) // (2 * max(1, n_workers))))
+    return [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
+
+
+def _task_key(vid: str, group: list[int], round_: int) -> str:
+    # One task prefix ("featstore-shards"), so Dask shows one progress bar per compute.
+    return (f"featstore-shards-{vid}-{group[0]:06d}" + (f"-{group[-1]:06d}" if len(group) > 1 else "")
+            + (f"-retry{round_}" if round_ else ""))
+
+
+def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], start: dict[str, Any],
                resources: dict | None, options: ComputeOptions) -> tuple[list[ShardReceipt], int]:
-    """Submit the shard tasks (a few long ones per worker) and gather their receipts; also
-    return how many of them a rerun task found already finished (its worker died).
+    """Submit the shard tasks (one per shard by default) and gather their receipts; also
+    return how many of them a rerun task found already finished (its worker died). The run's
+    start and end go out as events (for the terminal bar and the dashboard page).
 
     ``inputs`` is ``[model, dataset, model future, dataset future]``. A worker that dies takes
     its tasks with it (Dask reruns them elsewhere) and, when it held the only copy (Dask's
@@ -359,19 +392,17 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], 
     resubmitted, up to :data:`LOST_DATA_ROUNDS` times; shards already finished are never
     recomputed (each task skips shards that have a receipt).
     """
-    if not todo:
-        return [], 0
     client = cluster.client
-    n_workers = max(1, len(workers(client)))
-    # Few, long tasks: the write of a task's last shard cannot overlap the next forward.
-    per_task = max(1, -(-len(todo) // (2 * n_workers)))
-    groups = [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
-    bar = _Progress(spec.layout.n_samples, done_rows, spec.name, options.progress)
-    client.subscribe_topic(spec.topic, bar)
+    groups = _task_groups(todo, len(workers(client)), options.shards_per_task)
+    bar = _Progress(start, options.progress)
+    client.subscribe_topic(TOPIC, bar)
+    client.log_event(TOPIC, start)
     receipts: list[ShardReceipt] = []
-    reused = 0
+    reused, status, error = 0, "failed", ""
     try:
         for round_ in range(LOST_DATA_ROUNDS + 1):
+            if not groups:
+                break
             if round_:
                 log.warning("%s: a Dask worker died with Model A or the dataset; resubmitting %d "
                             "shard tasks (finished shards are kept)", spec.name, len(groups))
@@ -379,12 +410,15 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], 
             got, groups = _gather_round(client, spec, inputs[2], inputs[3], groups, resources, round_)
             receipts += [ShardReceipt.from_json(r) for r in got]
             reused += sum(bool(r.get(REUSED)) for r in got)
-            if not groups:
-                return receipts, reused
-        return receipts, reused  # unreachable: the last round raises instead of returning groups
+        status = "written"
+        return receipts, reused
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
+        client.log_event(TOPIC, run_ended(start["run"], status, error))
         time.sleep(0.05)  # let the last progress events arrive
-        client.unsubscribe_topic(spec.topic)
+        client.unsubscribe_topic(TOPIC)
         bar.close()
 
 
@@ -395,11 +429,10 @@ def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups
 
     futures = {}
     try:
-        with span(f"featstore-compute-{spec.name}"):
+        with span("featstore", f"{spec.name}@{spec.vid}"):
             for g in groups:
-                key = f"featstore-shards-{spec.vid}-{g[0]:06d}-{g[-1]:06d}" + (f"-retry{round_}" if round_ else "")
-                futures[client.submit(run_shards, spec, model_f, data_f, g, key=key, resources=resources,
-                                      pure=False, retries=0)] = g
+                futures[client.submit(run_shards, spec, model_f, data_f, g, key=_task_key(spec.vid, g, round_),
+                                      resources=resources, pure=False, retries=0)] = g
             got, lost = [], []
             for fut in as_completed(futures):
                 if fut.cancelled() and round_ < LOST_DATA_ROUNDS:  # its scattered inputs died with a worker
