@@ -289,6 +289,33 @@ def current_view(worker: Any = None) -> WorkerView:
                       override=os.environ.get(ENV_DEVICE) or None)
 
 
+def describe(worker: Any = None) -> dict[str, Any]:
+    """One worker's device, why, and its ``CUDA_VISIBLE_DEVICES``, for a report or a dashboard
+    (``client.run(describe)`` on every worker). Never raises: a worker that cannot pick a device
+    shows ``"device": "error"`` and the message.
+
+    >>> describe()["device"] in ("cpu", "cuda:0")
+    True
+    """
+    view = current_view(worker)
+    try:
+        a = choose_device(view, 0 if view.gpu_slots > 1 else None)
+        device, reason = a.device, a.reason
+    except DeviceSetupError as exc:
+        device, reason = "error", str(exc)
+    return {"name": view.name, "device": device, "reason": reason, "visible": view.visible,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _describe_worker(dask_worker: Any) -> dict[str, Any]:
+    return describe(dask_worker)
+
+
+def worker_devices(client: Any) -> dict[str, dict[str, Any]]:
+    """:func:`describe` of every worker of ``client``'s cluster, by worker address."""
+    return client.run(_describe_worker)
+
+
 @contextlib.contextmanager
 def task_device(view: WorkerView | None = None) -> Iterator[Any]:
     """The ``torch.device`` for the running task, its thread pinned to it while the task runs.

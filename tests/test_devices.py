@@ -200,14 +200,8 @@ def test_task_device_on_a_cpu_only_view():
         assert dev.type == "cpu"
 
 
-def _worker_side(dask_worker) -> dict:
-    import os
-
-    from featstore.devices import choose_device, current_view
-
-    view = current_view(dask_worker)
-    return {"name": view.name, "resources": dict(view.resources), "device": choose_device(view).device,
-            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+def _resources(dask_worker) -> dict:
+    return dict(dask_worker.state.total_resources)
 
 
 def test_embedded_per_gpu_cluster_gives_each_worker_process_its_own_gpu():
@@ -215,14 +209,16 @@ def test_embedded_per_gpu_cluster_gives_each_worker_process_its_own_gpu():
     has its own CUDA_VISIBLE_DEVICES and a GPU resource, and compute tasks ask for one GPU.
     (No CUDA here: the workers see no device and fall back to the CPU.)"""
     from featstore.cluster import start, task_resources
+    from featstore.devices import worker_devices
 
     cluster = start(plan_cluster(["7", "3"], None, None, dask_cuda=False))
     try:
-        seen = cluster.client.run(_worker_side)
+        seen = worker_devices(cluster.client)
         by_name = {info["name"]: info for info in seen.values()}
         assert sorted(by_name) == [0, 1]
         assert [by_name[i]["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["7", "3"]
-        assert all(info["resources"] == {"GPU": 1} and info["device"] == "cpu" for info in seen.values())
+        assert all(info["device"] == "cpu" and info["visible"] == 0 for info in seen.values())
+        assert list(cluster.client.run(_resources).values()) == [{"GPU": 1}, {"GPU": 1}]
         assert task_resources(cluster.client) == {"GPU": 1}
         assert not cluster.in_process
     finally:
