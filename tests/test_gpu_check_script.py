@@ -33,7 +33,7 @@ def test_runs_every_step_on_the_cpu_and_writes_one_section(tmp_path):
     # float32 on the same CPU: only the float16 storage of the features differs from the reference
     assert res["reference"]["float32"]["features"]["rel_l2"] < 2e-3
     assert res["reference"]["float32"]["logits"]["rel_l2"] < 1e-5
-    assert [w["device"] for w in res["workers"].values()] == ["cpu"]
+    assert [w["device"] for w in res["workers"].values()] == ["cpu"] and res["gpus_used"] == 1
     md = (tmp_path / "benchmarks.md").read_text()
     assert md.startswith("# featstore benchmarks\n\nrows\n") and md.count(MARK_START) == 1
     assert "## GPU check" in md and "| bfloat16 |" in md
@@ -54,7 +54,7 @@ def test_markdown_flags_a_failed_reference_check():
            "n": 8, "batch": 4, "size": 8, "model": "m", "modes": ["float16"], "workers": {},
            "compute": {"float16": {"samples_per_s": 90.0, "utilisation": {"source": None, "samples": 0}}},
            "pure": {"float16": {"samples_per_s": 100.0}}, "pure_from_host": {"float16": {"samples_per_s": 95.0}},
-           "ratios": {"float16": 0.9}, "input_pipeline": {"samples_per_s": 50.0},
+           "ratios": {"float16": 0.9}, "gpus_used": 1, "input_pipeline": {"samples_per_s": 50.0},
            "reference": {"float16": {"x": {"rel_l2": 0.5, "max_rel": 0.5, "ok": False}, "ok": False,
                                      "tolerance": 0.01}}}
     md = markdown(res)
