@@ -84,7 +84,9 @@ class Offloader:
         # The outputs are produced on the compute stream: the copies start after them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         out = {}
-        with torch.cuda.stream(self.stream):
+        # inference_mode: A's outputs are inference tensors, and record_stream counts as an
+        # in-place op on them, which is refused outside inference mode.
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
             for name, t in values.items():
                 if t.device.type != "cuda":
                     out[name] = t
