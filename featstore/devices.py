@@ -28,7 +28,8 @@ Two pure functions hold the decisions, so they are tested on any machine:
   (:func:`gpu_worker_specs`).
 
 :func:`task_device` is the small impure part: it reads the running worker and pins the task's
-thread to the chosen device (``torch.cuda.set_device``).
+thread to the chosen device (``torch.cuda.set_device``). :func:`worker_devices` reports every
+worker's device and why (for a report or a dashboard page).
 """
 
 from __future__ import annotations
