@@ -7,6 +7,7 @@ import os
 import statistics
 from typing import Any
 
+from .gpu_check import gpu_section, replace_section
 from .measure import Stat
 from .peers import SETUP
 
@@ -334,8 +335,10 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         "![benchmark](benchmarks.png)",
         "",
     ]
-    with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
-        f.write("\n".join(lines))
+    path = os.path.join(out_dir, "benchmarks.md")
+    text, gpu = "\n".join(lines), gpu_section(path)  # the GPU check's section is written by its own script
+    with open(path, "w") as f:
+        f.write(replace_section(text, gpu) if gpu else text)
     _plot(res, os.path.join(out_dir, "benchmarks.png"))
 
 

@@ -10,15 +10,17 @@ stream them into Model B's training loop.
 
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
-from .errors import (ComputeFailed, CorruptChunk, EmptyDataset, FeatstoreError, IncompatibleFormat,
-                     InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput, OutputMismatch,
-                     StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable, VersionNotFound)
+from .errors import (ComputeFailed, CorruptChunk, DeviceSetupError, EmptyDataset, FeatstoreError,
+                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput,
+                     OutputMismatch, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable,
+                     VersionNotFound)
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "EmptyDataset", "FeatureDataset",
+    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DeviceSetupError", "EmptyDataset", "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
-    "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version", "VersionNotFound", "open_store", "__version__",
+    "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version", "VersionNotFound", "open_store",
+    "__version__",
 ]

@@ -1,6 +1,8 @@
 """Where compute tasks run: the embedded ``LocalCluster``, or a cluster the user brings.
 
-The embedded default is one worker per GPU (worker processes advertising a ``GPU`` resource),
+The embedded default is one worker process per GPU, each seeing only its own GPU (dask-cuda's
+``LocalCUDACluster`` when it is installed, else a ``LocalCluster`` with a ``CUDA_VISIBLE_DEVICES``
+per worker; :mod:`featstore.devices` holds the decisions) and advertising a ``GPU`` resource,
 or, on a machine without GPUs, one worker thread inside the calling process (measured
 1.4-1.9x faster compute on 2 cores than a worker process: no start-up, no pickling of Model A
 and the dataset). The dashboard listens on loopback only: it shows task names and can run code.
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .devices import GPU, ClusterPlan, gpu_worker_specs, plan_cluster, visible_gpu_ids
 from .events import PAGE, PLUGIN
 from .logs import quiet_task_failures
 
@@ -72,34 +75,67 @@ class Cluster:
 def connect(client: Any, n_workers: int | None = None, processes: bool | None = None) -> Cluster:
     """``client`` as a :class:`Cluster`: None starts the embedded one, a string is a scheduler
     address, anything else is a ``distributed.Client`` used as is."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     if client is None:
-        gpus = torch.cuda.device_count()
-        n = n_workers or max(gpus, 1)
-        cores = os.cpu_count() or 1
-        processes = bool(gpus) if processes is None else processes
-        cluster = LocalCluster(
-            # Two threads in the in-process CPU worker: one shard task's first fetch and last
-            # write overlap the next task's forward (Model A's forwards take turns, see
-            # Cluster.serial_forward); one thread per GPU worker process.
-            n_workers=n, threads_per_worker=1 if processes else 2, processes=processes,
-            dashboard_address="127.0.0.1:8787", silence_logs=logging.ERROR,
-            resources={"GPU": 1} if gpus else None,
-            memory_limit=0,
-            scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]},
-            # env= and preload= are for worker processes only (an in-process worker keeps this
-            # process's environment and logging, quieted below)
-            **({"env": {"OMP_NUM_THREADS": str(max(1, cores // n))}, "host": "127.0.0.1",
-                "preload": ["featstore.logs"]} if processes else {}),
-        )
-        quiet_task_failures()
-        c = Client(cluster)
-        return Cluster(c, [cluster, c], in_process=not processes)
+        ids = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        return start(plan_cluster(ids, n_workers, processes, dask_cuda=bool(ids) and _has_dask_cuda()))
     if isinstance(client, str):
         c = Client(client)
         return Cluster(c, [c])
     return Cluster(client)
+
+
+def start(plan: ClusterPlan) -> Cluster:
+    """Start the embedded cluster ``plan`` describes (see :func:`featstore.devices.plan_cluster`):
+    worker processes get their share of the cores, GPU workers one GPU each; the scheduler
+    preloads featstore's dashboard page."""
+    from distributed import Client, LocalCluster
+
+    n = plan.n_workers
+    # Two threads in the in-process CPU worker: one shard task's first fetch and last write
+    # overlap the next task's forward (Model A's forwards take turns, see
+    # Cluster.serial_forward); one thread per worker process.
+    common = dict(threads_per_worker=1 if plan.processes else 2, dashboard_address="127.0.0.1:8787",
+                  silence_logs=logging.ERROR, memory_limit=0, scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]})
+    if plan.processes:
+        # env= and preload= are for worker processes only (an in-process worker keeps this
+        # process's environment and logging, quieted below)
+        common.update(host="127.0.0.1", env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))},
+                      preload=["featstore.logs"])
+    resources = {GPU: 1} if plan.gpu_ids else None
+    if plan.kind == "dask-cuda":
+        from dask_cuda import LocalCUDACluster
+
+        # dask-cuda sets each worker's CUDA_VISIBLE_DEVICES (its own GPU first) and replaces env=.
+        common.pop("env")
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(plan.gpu_ids), n_workers=n,
+                                   resources=resources, **common)
+    elif plan.kind == "per-gpu":
+        # Worker i's own CUDA_VISIBLE_DEVICES: a LocalCluster's workers all share one spec.
+        cluster = LocalCluster(n_workers=0, processes=True, resources=resources, **common)
+        cluster.worker_spec.update(gpu_worker_specs(plan, cluster.new_spec))
+        cluster.scale(n)
+    else:
+        cluster = LocalCluster(n_workers=n, processes=plan.processes, resources=resources, **common)
+    quiet_task_failures()
+    c = Client(cluster)
+    try:
+        c.wait_for_workers(n, timeout=120)
+    except BaseException:
+        c.close()
+        cluster.close()
+        raise
+    return Cluster(c, [cluster, c], in_process=not plan.processes)
+
+
+def _has_dask_cuda() -> bool:
+    """Whether dask-cuda is importable (``pip install featstore[gpu]``)."""
+    try:
+        import dask_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _scheduler_has_plugin(dask_scheduler: Any = None) -> bool:

@@ -70,6 +70,11 @@ class IncompatibleFormat(FeatstoreError, ValueError):
     """Stored metadata is malformed or was written by a newer featstore."""
 
 
+class DeviceSetupError(FeatstoreError, RuntimeError):
+    """A compute worker sees several GPUs and cannot tell which is its own, or was told to use
+    one it does not have (see :mod:`featstore.devices` for the rules and the fixes)."""
+
+
 # -- the data or the run is broken ----------------------------------------------------------
 class CorruptChunk(FeatstoreError, IOError):
     """A stored chunk is missing, truncated or fails its checksum.

@@ -1,9 +1,12 @@
 """What runs inside a Dask task: Model A once per worker, and the shard pipeline.
 
 A task owns whole Zarr shards (no two tasks ever write the same object). Three stages overlap,
-so Model A's forward is the only work on the task's own thread: a fetch thread reads batch i+1
-from the dataset, the task runs A on batch i, and a write thread checks and encodes batch i-1
-and compresses and writes finished shards, in order. A task returns only small receipts (as
+so Model A's forward is the only work on the task's own thread: a fetch thread reads and
+collates batch i+1 from the dataset, the task runs A on batch i, and a write thread checks and
+encodes batch i-1 and compresses and writes finished shards, in order. On a GPU the input goes
+host->device from pinned memory and the outputs come back on a side stream into pinned buffers
+(:mod:`featstore.transfer`), so the copies overlap the next forward too; each task runs on the
+device :mod:`featstore.devices` picks for its worker. A task returns only small receipts (as
 JSON dicts) and reports progress as it goes: :mod:`featstore.events` per shard and per batch
 (what the terminal bar and the dashboard page show), and its time split into ``forward``,
 ``fetch``, ``encode`` and ``write`` through ``distributed.metrics.context_meter`` (Dask's Fine
@@ -30,11 +33,13 @@ import zarr
 from .events import batch_done, shard_started, shard_written
 from .allocator import tuned as tuned_allocator
 from .codecs import codec_by_name, keep_codec, output_codec
+from .devices import task_device
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
 from .format import open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
+from .transfer import HostBatch, Offloader, pin, to_device
 from .versions import read_receipts, version_key, write_receipt
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
@@ -123,14 +128,8 @@ class TaskSpec:
         return version_key(self.name, self.vid)
 
 
-def worker_device() -> torch.device:
-    """CUDA when this process has a GPU, else CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def worker_model(model: Any, key: str, threads: int) -> torch.nn.Module:
-    """Model A for this process: built (or unpickled) once, moved to the device once."""
-    device = worker_device()
+def worker_model(model: Any, key: str, threads: int, device: torch.device) -> torch.nn.Module:
+    """Model A for this process on ``device``: built (or unpickled) once, moved there once."""
     if threads > 0 and device.type == "cpu":
         # Dask pins OMP_NUM_THREADS=1 in its workers, and OpenMP's setting is per thread: set
         # it in every task, on the thread that runs it. Always: torch.get_num_threads() can
@@ -157,10 +156,10 @@ def _fetch(dataset: Any, start: int, stop: int) -> list[Any]:
     return [dataset[i] for i in range(start, stop)]
 
 
-def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: int) -> tuple[dict, dict]:
+def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The input batch for A (in pinned memory if ``pinned``) and the kept fields."""
     from torch.utils.data import default_collate
 
-    device = worker_device()
     try:
         x = default_collate([select(it, spec.input_key, "input") for it in items])
         kept = {n: torch.as_tensor(default_collate([select(it, k, "field") for it in items]))
@@ -170,7 +169,12 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: in
     except Exception as exc:  # noqa: BLE001 - user datasets raise anything
         raise ComputeFailed(f"collating dataset items [{start}, {start + len(items)}) failed: "
                             f"{type(exc).__name__}: {exc}") from exc
-    x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+    return (pin(x) if pinned else x), kept
+
+
+def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: int,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    x = to_device(x, device)
     try:
         with torch.inference_mode():
             if spec.autocast:
@@ -180,9 +184,9 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: in
                 out = model(x)
     except Exception as exc:  # noqa: BLE001
         raise ComputeFailed(f"Model A raised {type(exc).__name__}: {exc} on samples "
-                            f"[{start}, {start + len(items)}); fix the model or the data, then "
+                            f"[{start}, {start + rows}); fix the model or the data, then "
                             "rerun: finished shards are kept.") from exc
-    return as_outputs(out, list(spec.outputs)), kept
+    return as_outputs(out, list(spec.outputs))
 
 
 def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
@@ -328,9 +332,16 @@ def _fetch_checked(dataset: Any, b0: int, b1: int) -> list[Any]:
                             f"samples [{b0}, {b1}); finished shards are kept.") from exc
 
 
-def _store_batch(spec: TaskSpec, values: dict[str, torch.Tensor], b0: int, b1: int, start: int,
+def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -> tuple[Any, dict]:
+    """Read and collate one batch (runs on the fetch thread)."""
+    return _collate(spec, _fetch_checked(dataset, b0, b1), b0, pinned)
+
+
+def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
                  buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
-    """Check, encode and copy one batch into its shard's buffers (runs on the write thread)."""
+    """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
+    once its device->host copies have landed."""
+    values = batch.wait()
     _check_batch(spec, values, b1 - b0, b0)
     enc, st = _encode(spec, values, b0)
     for n, arr in enc.items():
@@ -364,14 +375,15 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
     todo = [i for i in shards if i not in reused]
     if not todo:
         return [{**r.to_json(), REUSED: True} for r in reused.values()]
-    net = worker_model(model, spec.model_key, spec.threads)
-    tune = spec.tune_allocator and worker_device().type == "cpu"
-    _WARM.hold(tune)
-    try:
-        with tuned_allocator(tune):
-            computed = _run_shards(spec, net, dataset, todo)
-    finally:
-        _WARM.linger()
+    with task_device() as device:
+        net = worker_model(model, spec.model_key, spec.threads, device)
+        tune = spec.tune_allocator and device.type == "cpu"
+        _WARM.hold(tune)
+        try:
+            with tuned_allocator(tune):
+                computed = _run_shards(spec, net, dataset, todo, device)
+        finally:
+            _WARM.linger()
     return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
 
 
@@ -428,40 +440,51 @@ class _WarmHeap:
 _WARM = _WarmHeap()
 
 
-def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int]) -> list[dict]:
-    arrays = _open_arrays(spec)
-    plan = []  # (shard index, batch start, batch stop, last batch of the shard)
+def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, int, bool]]:
+    """(shard index, batch start, batch stop, last batch of the shard) for every batch."""
+    plan = []
     for index in shards:
         start, stop = spec.layout.shard_range(index)
         for b0 in range(start, stop, spec.batch_size):
             b1 = min(b0 + spec.batch_size, stop)
             plan.append((index, b0, b1, b1 == stop))
+    return plan
+
+
+def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int],
+                device: torch.device) -> list[dict]:
+    arrays = _open_arrays(spec)
+    plan = _batch_plan(spec, shards)
+    cuda = device.type == "cuda"
+    offload = Offloader(device)
     receipts: list[dict] = []
     report = _Reporter(spec)
-    device = device_info()
+    dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
         waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
         writes: deque[Future] = deque()
         buffers: dict[str, np.ndarray] = {}
         stats: dict[str, dict] = {}
-        nxt = _in_task_context(fetcher, "fetch", _fetch_checked, dataset, plan[0][1], plan[0][2]) if plan else None
+        nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda) \
+            if plan else None
         try:
             for k, (index, b0, b1, last) in enumerate(plan):
-                items = nxt.result()
+                x, kept = nxt.result()
                 if k + 1 < len(plan):
-                    nxt = _in_task_context(fetcher, "fetch", _fetch_checked, dataset, plan[k + 1][1], plan[k + 1][2])
+                    nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[k + 1][1],
+                                           plan[k + 1][2], cuda)
                 start, stop = spec.layout.shard_range(index)
                 if b0 == start:
                     buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
                     stats = {}
                     batch_jobs: list[Future] = []
-                    report.send(shard_started(report.run, report.address, index, device))
+                    report.send(shard_started(report.run, report.address, index, dev_info))
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
-                    outs, kept = _forward(spec, net, items, b0)
+                    outs = _forward(spec, net, x, b0, b1 - b0, device)
                 report.send(batch_done(report.run, report.address, index, b1 - b0))
-                job = _in_task_context(pool, "encode", _store_batch, spec, {**outs, **kept}, b0, b1, start,
-                                       buffers, stats)
+                host = offload.to_host({**outs, **kept})  # on CUDA: starts the copies, returns at once
+                job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, buffers, stats)
                 waiting.append(job)
                 batch_jobs.append(job)
                 if last:
@@ -492,8 +515,11 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
     Returns, per array, the per-sample shape and dtype every batch must keep and the share of
     bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
     """
-    net = worker_model(model, spec.model_key, spec.threads)
-    outs, kept = _forward(spec, net, _fetch(dataset, 0, min(n, spec.batch_size, PROBE_ROWS)), 0)
+    rows = min(n, spec.batch_size, PROBE_ROWS)
+    with task_device() as device:
+        net = worker_model(model, spec.model_key, spec.threads, device)
+        x, kept = _collate(spec, _fetch(dataset, 0, rows), 0, pinned=False)
+        outs = _forward(spec, net, x, 0, rows, device)
     out = {}
     for name, t in {**outs, **kept}.items():
         try:
