@@ -40,7 +40,7 @@ class DaskProcs:
     scheduler: subprocess.Popen
     workers: list[subprocess.Popen] = field(default_factory=list)
 
-    def get(self, path: str, timeout: float = 10) -> str:
+    def get(self, path: str, timeout: float = 60) -> str:
         with urllib.request.urlopen(self.dashboard + path, timeout=timeout) as r:
             return r.read().decode()
 
@@ -61,7 +61,7 @@ class DaskProcs:
                 p.wait(5)
 
 
-def start(tmp: Path, n_workers: int = 2, env: dict[str, str] | None = None, timeout: float = 60) -> DaskProcs:
+def start(tmp: Path, n_workers: int = 2, env: dict[str, str] | None = None, timeout: float = 300) -> DaskProcs:
     """Start the scheduler (with featstore's preload) and ``n_workers`` one-thread workers."""
     env = env or child_env()
     info = tmp / "scheduler.json"

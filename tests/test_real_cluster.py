@@ -19,7 +19,8 @@ import featstore
 from tests import daskprocs
 from tests.cli_factories import small_dataset, small_model
 
-pytestmark = pytest.mark.timeout(600)
+# Generous hang guards: on a shared 2-core machine at load ~40 one compute took minutes.
+pytestmark = pytest.mark.timeout(1800)
 
 OUTPUTS = "features=float16,logits=float32"
 
@@ -46,7 +47,7 @@ def _start(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=daskprocs.child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=daskprocs.child_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +88,7 @@ def test_cli_compute_on_a_real_cluster_writes_a_verified_version(procs, s3_url):
     assert [r["version"] for r in json.loads(listing.stdout)] == [out["version"]]
 
 
-def _wait_metric(procs, metric: str, cond, timeout: float = 240, **labels: str) -> float:
+def _wait_metric(procs, metric: str, cond, timeout: float = 600, **labels: str) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         values = _metric(procs.get("/metrics"), metric, **labels)
@@ -130,7 +131,7 @@ return walk(document.body, []);
 """
 
 
-def _read_page(driver, after: int = -1, timeout: float = 240) -> dict[str, str]:
+def _read_page(driver, after: int = -1, timeout: float = 600) -> dict[str, str]:
     """The run's cells once the page shows it running with more than ``after`` samples done."""
     deadline, cells = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
@@ -164,7 +165,7 @@ def test_dashboard_page_in_a_browser_during_a_compute(procs, s3_url, tmp_path):
     finally:
         procs.gate.unlink(missing_ok=True)
         driver.quit()
-        out, err = compute.communicate(timeout=300)
+        out, err = compute.communicate(timeout=900)
     assert compute.returncode == 0, err[-3000:]
     assert json.loads(out)["samples"] == len(small_dataset())
 
@@ -179,7 +180,7 @@ def test_sigkill_of_a_worker_mid_compute_still_commits_a_verified_version(procs,
         assert _metric(procs.get("/metrics"), "featstore_shards", name="cli/killed", state="todo")[0] > 0
         procs.kill_worker(0)
         procs.gate.unlink()
-        out, err = compute.communicate(timeout=300)
+        out, err = compute.communicate(timeout=900)
     finally:
         procs.gate.unlink(missing_ok=True)
         if compute.poll() is None:
