@@ -325,7 +325,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                         cluster.torch_threads(), TOPIC,
                         tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward)
-        probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{vid}",
+        probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options)
         spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout,
@@ -373,9 +373,15 @@ def _task_groups(todo: list[int], n_workers: int, shards_per_task: int | None) -
     return [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
 
 
-def _task_key(vid: str, group: list[int], round_: int) -> str:
-    # One task prefix ("featstore-shards"), so Dask shows one progress bar per compute.
-    return (f"featstore-shards-{vid}-{group[0]:06d}" + (f"-{group[-1]:06d}" if len(group) > 1 else "")
+def _task_key(run_key: str, group: list[int], round_: int) -> str:
+    """``featstore-shards-<vid>-<run>-<first>[-<last>][-retry<n>]``.
+
+    One task prefix ("featstore-shards"), so Dask shows one progress bar per compute. The run
+    token matters: Dask returns a key's result from memory if a future of an earlier run still
+    holds it (an exception's traceback is enough), and a rerun after ``gc`` deleted that
+    shard's objects would then commit a shard that is no longer stored.
+    """
+    return (f"featstore-shards-{run_key}-{group[0]:06d}" + (f"-{group[-1]:06d}" if len(group) > 1 else "")
             + (f"-retry{round_}" if round_ else ""))
 
 
@@ -431,7 +437,7 @@ def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups
     try:
         with span("featstore", f"{spec.name}@{spec.vid}"):
             for g in groups:
-                futures[client.submit(run_shards, spec, model_f, data_f, g, key=_task_key(spec.vid, g, round_),
+                futures[client.submit(run_shards, spec, model_f, data_f, g, key=_task_key(spec.model_key, g, round_),
                                       resources=resources, pure=False, retries=0)] = g
             got, lost = [], []
             for fut in as_completed(futures):

@@ -126,10 +126,10 @@ def _busy_task(client, store, name):
     done = receipts_of(store, name)
     for addr, keys in client.processing().items():
         for key in keys:
-            parts = str(key).split("-")  # featstore-shards-<vid>-<first>[-<last>][-retry<n>]
+            parts = str(key).split("-")  # featstore-shards-<vid>-<run>-<first>[-<last>][-retry<n>]
             if str(key).startswith("featstore-shards-"):
-                first = int(parts[3])
-                last = int(parts[4]) if len(parts) > 4 and parts[4].isdigit() else first
+                first = int(parts[4])
+                last = int(parts[5]) if len(parts) > 5 and parts[5].isdigit() else first
                 mine = set(range(first, last + 1))
                 if mine & done and not mine <= done:
                     return addr, mine

@@ -120,26 +120,33 @@ def _browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
 
 
-# Bokeh renders into shadow roots: walk them for the cells the page marks with data-field.
-READ_CELLS = """
+# Bokeh renders into shadow roots: walk them for the rows (one per run) and the cells the page
+# marks with data-field.
+READ_ROWS = """
 function walk(n, out) { if (n.shadowRoot) walk(n.shadowRoot, out);
   for (const c of n.children || []) {
-    if (c.matches && c.matches('tr[data-run] td[data-field]')) out.push([c.dataset.field, c.dataset.value]);
-    walk(c, out); }
+    if (c.matches && c.matches('tr[data-run]')) {
+      const row = {};
+      for (const td of c.querySelectorAll('td[data-field]')) row[td.dataset.field] = td.dataset.value;
+      out.push(row);
+    } else walk(c, out); }
   return out; }
 return walk(document.body, []);
 """
 
 
-def _read_page(driver, after: int = -1, timeout: float = 600) -> dict[str, str]:
-    """The run's cells once the page shows it running with more than ``after`` samples done."""
-    deadline, cells = time.monotonic() + timeout, {}
+def _read_page(driver, name: str, after: int = -1, timeout: float = 600) -> dict[str, str]:
+    """The cells of ``name``'s run once the page shows it running with more than ``after``
+    samples done (the page also lists the module's earlier runs)."""
+    deadline, rows = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
-        cells = dict(driver.execute_script(READ_CELLS))
-        if cells.get("status") == "running" and int(cells.get("samples_done", "0")) > max(after, 0):
-            return cells
+        rows = driver.execute_script(READ_ROWS)
+        for cells in rows:
+            if (cells.get("ref", "").startswith(f"{name}@") and cells.get("status") == "running"
+                    and int(cells.get("samples_done", "0")) > max(after, 0)):
+                return cells
         time.sleep(0.25)
-    raise AssertionError(f"the page never showed a running compute past {after} samples: {cells}")
+    raise AssertionError(f"the page never showed {name} running past {after} samples: {rows}")
 
 
 def test_dashboard_page_in_a_browser_during_a_compute(procs, s3_url, tmp_path):
@@ -152,8 +159,8 @@ def test_dashboard_page_in_a_browser_during_a_compute(procs, s3_url, tmp_path):
                                   batch_size=20))
     try:
         driver.get(procs.dashboard + "/individual-featstore")
-        first = _read_page(driver)
-        second = _read_page(driver, after=int(first["samples_done"]))
+        first = _read_page(driver, "cli/watched")
+        second = _read_page(driver, "cli/watched", after=int(first["samples_done"]))
         assert int(second["samples_done"]) > int(first["samples_done"])
         assert math.isfinite(float(second["eta_s"])) and float(second["eta_s"]) > 0
         assert float(second["rate"]) > 0 and second["ref"].startswith("cli/watched@")
