@@ -91,7 +91,7 @@ def schema1_version(catalog: Catalog, name: str, n_shards: int, spp: int = 3584)
                   records=None)
     key = f"{version_key(m.name, m.id)}/manifest.json"
     catalog.storage.delete(key)
-    catalog.commit(old)
+    catalog.storage.create_json(key, old.to_json())
     return f"{m.name}@{m.id}"
 
 

@@ -57,5 +57,6 @@ def synthetic_version(catalog: Catalog, name: str, n_shards: int, samples_per_sh
         stats={f: {"count": layout.n_samples, "nan": 0, "inf": 0, "min": -1.0, "max": 1.0, "mean": 0.0}
                for f in arrays},
         created_at="2026-01-01T00:00:00+00:00", timings={}, libraries={}, records=records)
-    catalog.commit(manifest)
+    # Written directly, not through Catalog.commit, which checks that every shard object exists.
+    catalog.storage.create_json(f"{key}/manifest.json", manifest.to_json())
     return manifest
