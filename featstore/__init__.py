@@ -10,7 +10,7 @@ stream them into Model B's training loop.
 
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
-from .errors import (ComputeFailed, CorruptChunk, DeviceSetupError, EmptyDataset, FeatstoreError,
+from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset, FeatstoreError,
                      IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput,
                      OutputMismatch, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable,
                      VersionNotFound)
@@ -18,7 +18,8 @@ from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DeviceSetupError", "EmptyDataset", "FeatureDataset",
+    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "EmptyDataset",
+    "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
     "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version", "VersionNotFound", "open_store",

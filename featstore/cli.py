@@ -150,7 +150,7 @@ def cmd_verify(args: argparse.Namespace) -> Result:
     """Read every shard of a version and check it against its compute-time digest."""
     v = _store(args).open(args.ref)
     problems = v.verify(progress=not args.json)
-    summary = (f"{v.name}@{v.id}: {len(v.manifest.shards)} shards x {len(v.manifest.arrays)} arrays checked, "
+    summary = (f"{v.name}@{v.id}: {v.manifest.layout.n_shards} shards x {len(v.manifest.arrays)} arrays checked, "
                f"{len(problems)} bad")
     return (Exit.DAMAGED if problems else Exit.OK, {"name": v.name, "version": v.id, "ok": not problems,
             "problems": problems}, "\n".join([*problems, summary]))

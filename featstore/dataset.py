@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import CorruptChunk, InvalidInput
-from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, shard_format
+from .errors import InvalidInput
+from .format import ShardFormat, shard_format
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
-from .versions import Version, deleted_while_reading
+from .versions import Version
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,8 @@ class FeatureDataset(IterableDataset):
     def _read_field(self, piece: Piece, field: str, out: np.ndarray) -> None:
         """Rows of one piece of one array, stored dtype, written into ``out``.
 
-        Fast path: one whole-object read of the shard (one GET on S3) decoded here, in the
+        Fast path: the shard object read whole (one GET on S3), or by range when the piece
+        needs only a few of its chunks (see :meth:`Version.read_shard_rows`), decoded here, in the
         calling reader thread, so decoding runs in parallel across threads (zstd and crc32c
         release the GIL) instead of queueing on zarr's single event-loop thread. Arrays in any
         other layout are read through zarr.
@@ -283,13 +284,7 @@ class FeatureDataset(IterableDataset):
         if fmt is None:
             out[...] = self.version.read_rows(field, start + piece.lo, start + piece.hi)
             return
-        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
-        data = self._storage.read_bytes(f"{self.version.key}/{ref.chunk}")
-        if not data:
-            if data is None and self.version.was_deleted():
-                raise deleted_while_reading(self.version.ref)
-            raise CorruptChunk.damaged(ref.version, field, ref.chunk, "is missing" if data is None else "is empty")
-        decode_shard_rows(data, fmt, piece.lo, piece.hi, out, ref)
+        self.version.read_shard_rows(self._storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
         """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""

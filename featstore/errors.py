@@ -42,6 +42,11 @@ class NonFiniteOutput(InvalidInput):
     """Model A produced NaN/Inf (or a value the storage codec cannot represent)."""
 
 
+class DatasetMismatch(InvalidInput):
+    """``extends``: the dataset's first ``len(parent)`` samples are not the parent's, or the
+    model, outputs or codecs differ from the parent's."""
+
+
 # -- the caller must pick another version / name ---------------------------------------------
 class VersionNotFound(FeatstoreError, KeyError):
     """No committed version, tag or feature set by that name."""

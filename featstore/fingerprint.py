@@ -89,10 +89,17 @@ def dataset_digest(dataset: Sequence[Any], dataset_id: str | None = None) -> dic
     n = len(dataset)
     if dataset_id is not None:
         return {"length": n, "id": str(dataset_id)}
+    return {"length": n, "sampled": DATASET_SAMPLES, "digest": sampled_digest(dataset)}
+
+
+def sampled_digest(dataset: Sequence[Any]) -> str:
+    """sha256 of the items at :func:`sample_positions` (first and last included): what
+    :func:`dataset_digest` records without an id, and what ``extends`` compares on the range
+    a dataset shares with its parent. Raises :class:`InvalidInput` for items it cannot digest."""
     h = hashlib.sha256()
-    for i in sample_positions(n):
+    for i in sample_positions(len(dataset)):
         _update_item(h, dataset[i])
-    return {"length": n, "sampled": DATASET_SAMPLES, "digest": h.hexdigest()}
+    return h.hexdigest()
 
 
 def describe_key(key: Any) -> Any:

@@ -333,23 +333,40 @@ def _check_crc(data: memoryview, what: str, ref: ChunkRef) -> memoryview:
     return body
 
 
+def shard_index_bytes(fmt: ShardFormat) -> int:
+    """Bytes of a shard object's index (at its end): 16 per inner chunk plus a crc32c."""
+    return 16 * fmt.chunks_per_shard + 4
+
+
+def shard_index(tail: bytes | memoryview, fmt: ShardFormat, ref: ChunkRef = ChunkRef()) -> np.ndarray:
+    """The (offset, size) of each inner chunk, from the last bytes of a shard object (checked)."""
+    view = memoryview(tail)
+    index_bytes = shard_index_bytes(fmt)
+    if len(view) < index_bytes:
+        raise _damaged(ref, f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
+    return np.frombuffer(_check_crc(view[-index_bytes:], "shard index", ref), dtype="<u8").reshape(
+        fmt.chunks_per_shard, 2)
+
+
 def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
-                      out: np.ndarray | None = None, ref: ChunkRef = ChunkRef()) -> np.ndarray:
+                      out: np.ndarray | None = None, ref: ChunkRef = ChunkRef(),
+                      index: np.ndarray | None = None, base: int = 0) -> np.ndarray:
     """Rows ``[lo, hi)`` (shard-local) of one shard object, written into ``out`` when given
     (``hi - lo`` rows of the stored dtype: saves the reader a copy) and returned.
 
     Decodes only the inner chunks that cover the rows, checks every crc32c, and raises
     :class:`CorruptChunk` naming ``ref`` on any damage (never returns fill values for a missing
-    chunk).
+    chunk). ``data`` is the whole object, or, with ``index`` (from :func:`shard_index`), only its
+    bytes from offset ``base`` on that cover the rows (a ranged read of a big shard).
     """
     import numcodecs
 
     view = memoryview(data)
-    n_chunks = fmt.chunks_per_shard
-    index_bytes = 16 * n_chunks + 4
-    if len(view) < index_bytes:
-        raise _damaged(ref, f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
-    index = np.frombuffer(_check_crc(view[-index_bytes:], "shard index", ref), dtype="<u8").reshape(n_chunks, 2)
+    if index is None:
+        index = shard_index(view, fmt, ref)
+        end = len(view) - shard_index_bytes(fmt)
+    else:
+        end = base + len(view)
     dtype = np.dtype(fmt.dtype)
     row_items = int(np.prod(fmt.row_shape, dtype=np.int64)) if fmt.row_shape else 1
     zstd = numcodecs.Zstd()
@@ -360,9 +377,9 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         raise ValueError(f"out has shape {out.shape}, expected {(hi - lo, *fmt.row_shape)}")
     for c in range(c0, c1):
         off, size = index[c]
-        if off == _EMPTY or int(off) + int(size) > len(view) - index_bytes:
+        if off == _EMPTY or int(off) < base or int(off) + int(size) > end:
             raise _damaged(ref, f"chunk {c} of the shard is missing or out of bounds")
-        body = _check_crc(view[int(off):int(off) + int(size)], f"chunk {c}", ref)
+        body = _check_crc(view[int(off) - base:int(off) - base + int(size)], f"chunk {c}", ref)
         if fmt.compressed:
             try:
                 raw = zstd.decode(body)

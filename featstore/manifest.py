@@ -10,14 +10,29 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .codecs import codec_by_name
 from .errors import FeatstoreError, IncompatibleFormat
 from .names import check_field, check_name, check_version_id, is_version_id
 
 SCHEMA = "featstore.manifest"
-SCHEMA_VERSION = 1
+#: Newest manifest schema: 2 keeps per-shard digests out of the manifest (see ShardRecords);
+#: schema 1 manifests (per-shard JSON inline) are still read.
+SCHEMA_VERSION = 2
+RECEIPT_RUN_SCHEMA = "featstore.receipt-run"
+REF_SCHEMA = "featstore.ref"
+#: sha256 bytes of one array's digest in a binary shard record.
+DIGEST_BYTES = 32
+#: Per-shard statistics in a record, as little-endian float64 after the digest (NaN: absent).
+STATS_FIELDS = ("count", "nan", "inf", "min", "max", "sum", "finite", "max_abs_error")
+FIELD_BYTES = DIGEST_BYTES + 8 * len(STATS_FIELDS)
+RECORDS_FORMAT = "sha256+stats-f64x8"
+#: Shard records per records object: 65,536 shards x 3 arrays is a 6 MiB object.
+RECORDS_PER_OBJECT = 65536
 RECEIPT_SCHEMA = "featstore.receipt"
 TAG_SCHEMA = "featstore.tag"
 PENDING_SCHEMA = "featstore.pending"
@@ -146,7 +161,8 @@ class Layout:
         return start, min(start + self.samples_per_shard, self.n_samples)
 
     def shard_sizes(self) -> list[int]:
-        return [b - a for a, b in map(self.shard_range, range(self.n_shards))]
+        n = self.n_shards
+        return [self.samples_per_shard] * (n - 1) + [self.n_samples - (n - 1) * self.samples_per_shard]
 
 
 @dataclass(frozen=True)
@@ -160,18 +176,40 @@ class Manifest:
     layout: Layout
     arrays: dict[str, ArraySpec]
     stats: dict[str, dict[str, Any]]
-    shards: tuple[ShardReceipt, ...]
     created_at: str
     timings: dict[str, float]
     libraries: dict[str, str]
+    #: Schema 1 only: every shard's receipt inline (~400 bytes of JSON per shard). None in
+    #: schema 2, where :class:`ShardRecords` points at them (``Version.shard_receipts()``).
+    shards: tuple[ShardReceipt, ...] | None = None
+    records: ShardRecords | None = None
+    #: Shards stored in other versions' folders (an incremental version's parents).
+    bases: tuple[Base, ...] = ()
+    #: Sampled content digest of the whole dataset (what ``extends`` checks a child against).
+    dataset_sample: str | None = None
 
     @property
     def n_samples(self) -> int:
         return self.layout.n_samples
 
+    @property
+    def schema_version(self) -> int:
+        return 1 if self.shards is not None else 2
+
+    @property
+    def own_shards(self) -> range:
+        """The shards stored in this version's own folder (after those of its bases)."""
+        return range(self.bases[-1].stop if self.bases else 0, self.layout.n_shards)
+
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["schema"], d["schema_version"] = SCHEMA, SCHEMA_VERSION
+        d = {k: v for k, v in asdict(self).items() if k not in ("shards", "records", "bases", "dataset_sample")}
+        d["schema"], d["schema_version"] = SCHEMA, self.schema_version
+        if self.shards is not None:
+            d["shards"] = [asdict(r) for r in self.shards]
+            return d
+        d["records"] = None if self.records is None else self.records.to_json()
+        d["bases"] = [b.to_json() for b in self.bases]
+        d["dataset_sample"] = self.dataset_sample
         return d
 
     @classmethod
@@ -201,9 +239,9 @@ class Manifest:
                 fingerprint_parts=dict(obj["fingerprint_parts"]),
                 layout=layout, arrays=arrays,
                 stats={str(k): dict(v) for k, v in obj["stats"].items()},
-                shards=tuple(ShardReceipt.from_json(s, f"{where}, shard {i}") for i, s in enumerate(obj["shards"])),
                 created_at=str(obj["created_at"]), timings=dict(obj["timings"]),
                 libraries={str(k): str(v) for k, v in obj["libraries"].items()},
+                **_per_shard_parts(obj, where),
             )
         except IncompatibleFormat:
             raise
@@ -214,17 +252,202 @@ class Manifest:
             raise IncompatibleFormat(f"{where} has an empty layout or no arrays; delete it and recompute.")
         if not m.fingerprint.startswith(m.id):
             raise IncompatibleFormat(f"{where}: id {m.id} is not its fingerprint's prefix; delete it.")
-        tiles = [(r.index, r.start, r.stop) for r in m.shards]
-        if tiles != [(i, *layout.shard_range(i)) for i in range(layout.n_shards)] or any(
-                set(r.digests) != set(arrays) for r in m.shards):
-            raise IncompatibleFormat(f"{where}: its shards do not tile the layout or miss arrays; "
-                                     "the manifest is damaged. Delete the version and recompute.")
+        if m.shards is not None:
+            _check_tiles(m.shards, layout, arrays, where)
+        else:
+            _check_v2(m, where)
         return m
 
 
 def gc_mark_json() -> dict[str, Any]:
     """The mark ``gc`` leaves in a version folder while deleting it (only its presence counts)."""
     return {"schema": GC_MARK_SCHEMA, "schema_version": OBJECT_VERSION}
+
+
+def _per_shard_parts(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """The per-shard part of a manifest: inline receipts (schema 1) or where they are (2)."""
+    if obj["schema_version"] == 1:
+        return {"shards": tuple(ShardReceipt.from_json(s, f"{where}, shard {i}")
+                                for i, s in enumerate(obj["shards"]))}
+    if "shards" in obj:
+        raise ValueError("a schema 2 manifest holds no inline shards")
+    sample = obj.get("dataset_sample")
+    return {"records": ShardRecords.from_json(obj["records"]),
+            "bases": tuple(Base.from_json(b) for b in obj.get("bases", [])),
+            "dataset_sample": None if sample is None else _digest(sample)}
+
+
+def _check_tiles(shards: tuple[ShardReceipt, ...], layout: Layout, arrays: dict[str, ArraySpec], where: str) -> None:
+    tiles = [(r.index, r.start, r.stop) for r in shards]
+    if tiles != [(i, *layout.shard_range(i)) for i in range(layout.n_shards)] or any(
+            set(r.digests) != set(arrays) for r in shards):
+        raise IncompatibleFormat(f"{where}: its shards do not tile the layout or miss arrays; "
+                                 "the manifest is damaged. Delete the version and recompute.")
+
+
+def _check_v2(m: Manifest, where: str) -> None:
+    """Schema 2: records cover every shard of every array; bases tile a prefix of the shards."""
+    rec = m.records
+    n = m.layout.n_shards
+    problems = []
+    if rec is None or set(rec.fields) != set(m.arrays) or len(rec.fields) != len(m.arrays):
+        problems.append("its shard records do not name exactly its arrays")
+    elif len(rec.objects) != -(-n // rec.per_object):
+        problems.append(f"{len(rec.objects)} records objects for {n} shards of {rec.per_object}")
+    pos = 0
+    for b in m.bases:
+        if b.first != pos or b.stop <= b.first or b.stop > n - 1 or b.n_samples < b.stop * m.layout.samples_per_shard:
+            problems.append(f"base {b.name}@{b.id} shards [{b.first}, {b.stop}) do not tile a prefix")
+        pos = b.stop
+    if problems:
+        raise IncompatibleFormat(f"{where}: {'; '.join(problems)}; the manifest is damaged. Delete the "
+                                 "version and recompute.")
+
+
+@dataclass(frozen=True)
+class ShardRecords:
+    """Where a schema 2 version keeps its per-shard digests and statistics: fixed-width records.
+
+    Record ``i`` holds, per array in ``fields`` order, the raw sha256 (32 bytes) of shard
+    ``i``'s stored values and its statistics (:data:`STATS_FIELDS` as little-endian float64,
+    NaN where absent): 96 bytes per array and shard. ``per_object`` records make one object,
+    and ``objects`` lists each object's sha256, which also names it (content-addressed: a
+    concurrent commit never overwrites another's). Only verify, resume and an incremental
+    child read them; opening a version never does.
+    """
+
+    fields: tuple[str, ...]
+    per_object: int
+    objects: tuple[str, ...]
+
+    @property
+    def record_bytes(self) -> int:
+        return FIELD_BYTES * len(self.fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": RECORDS_FORMAT, "fields": list(self.fields), "per_object": self.per_object,
+                "objects": list(self.objects)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ShardRecords":
+        if obj.get("format") != RECORDS_FORMAT:
+            raise ValueError(f"unknown shard records format {obj.get('format')!r}")
+        per = _int(obj["per_object"])
+        if per < 1:
+            raise ValueError(f"per_object {per}")
+        return cls(tuple(_field(f) for f in obj["fields"]), per, tuple(_digest(d) for d in obj["objects"]))
+
+
+def _record_dtype(fields: Sequence[str]) -> np.dtype:
+    """The numpy view of one record: per array, its 32 digest bytes, then 8 little-endian float64."""
+    return np.dtype([(part, kind) for j in range(len(fields))
+                     for part, kind in ((f"d{j}", f"V{DIGEST_BYTES}"), (f"s{j}", ("<f8", len(STATS_FIELDS))))])
+
+
+def _stats_row(stats: dict[str, Any] | None) -> list[float]:
+    stats = stats or {}
+    return [np.nan if stats.get(k) is None else float(stats[k]) for k in STATS_FIELDS]
+
+
+def _stats_dict(vals: list[float]) -> dict[str, Any]:
+    if vals[0] != vals[0]:  # NaN count: no statistics were recorded for this shard
+        return {}
+    out: dict[str, Any] = {}
+    for k, v in zip(STATS_FIELDS, vals, strict=True):
+        if k in ("count", "nan", "inf", "finite"):
+            out[k] = int(v)
+        elif k != "max_abs_error" or v == v:
+            out[k] = None if v != v else v
+    return out
+
+
+def encode_records(receipts: Sequence[ShardReceipt], fields: Sequence[str],
+                   per_object: int = RECORDS_PER_OBJECT) -> list[bytes]:
+    """The records objects of ``receipts`` (shards 0..n-1, in order), ``per_object`` each."""
+    table = np.zeros(len(receipts), dtype=_record_dtype(fields))
+    for j, f in enumerate(fields):
+        digests = bytes.fromhex("".join(r.digests[f] for r in receipts))
+        table[f"d{j}"] = np.frombuffer(digests, dtype=f"V{DIGEST_BYTES}")
+        table[f"s{j}"] = np.array([_stats_row(r.stats.get(f)) for r in receipts], dtype="<f8").reshape(
+            len(receipts), len(STATS_FIELDS))
+    return [table[lo:lo + per_object].tobytes() for lo in range(0, len(receipts), per_object)]
+
+
+def decode_records(data: bytes, records: ShardRecords, first: int, layout: Layout, where: str) -> list[ShardReceipt]:
+    """The receipts held by one records object whose first record is shard ``first``."""
+    width = records.record_bytes
+    count = min(records.per_object, layout.n_shards - first)
+    if len(data) != width * count:
+        raise IncompatibleFormat(f"{where} holds {len(data)} bytes, not {count} records of {width}; it is "
+                                 "damaged. Delete the version and recompute.")
+    table = np.frombuffer(data, dtype=_record_dtype(records.fields))
+    hexes, stats = [], []
+    for j in range(len(records.fields)):
+        h = table[f"d{j}"].tobytes().hex()
+        hexes.append([h[k * 2 * DIGEST_BYTES:(k + 1) * 2 * DIGEST_BYTES] for k in range(count)])
+        stats.append(table[f"s{j}"].tolist())
+    out = []
+    for k in range(count):
+        digests = {f: hexes[j][k] for j, f in enumerate(records.fields)}
+        st = {f: _stats_dict(stats[j][k]) for j, f in enumerate(records.fields)}
+        out.append(ShardReceipt(first + k, *layout.shard_range(first + k), digests, {f: v for f, v in st.items() if v}))
+    return out
+
+
+@dataclass(frozen=True)
+class Base:
+    """Shards ``[first, stop)`` of an incremental version, stored in version ``name@id``'s
+    folder (which held ``n_samples`` rows): referenced, never copied."""
+
+    name: str
+    id: str
+    first: int
+    stop: int
+    n_samples: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Base":
+        return cls(check_name(obj["name"]), check_version_id(obj["id"]), _int(obj["first"]),
+                   _int(obj["stop"]), _int(obj["n_samples"]))
+
+
+@dataclass(frozen=True)
+class ReceiptRun:
+    """Receipts of many shards in one object: a task compacts its per-shard receipts into runs,
+    so a resume lists a few objects instead of one per shard. Named by its first and last shard."""
+
+    receipts: tuple[ShardReceipt, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": RECEIPT_RUN_SCHEMA, "schema_version": OBJECT_VERSION,
+                "receipts": [asdict(r) for r in self.receipts]}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "ReceiptRun":
+        check_schema(obj, RECEIPT_RUN_SCHEMA, OBJECT_VERSION, where)
+        try:
+            items = list(obj["receipts"])
+        except (KeyError, TypeError) as exc:
+            raise IncompatibleFormat(f"{where} is malformed ({exc}); delete it and rerun compute.") from exc
+        return cls(tuple(ShardReceipt.from_json(r, f"{where}, item {i}") for i, r in enumerate(items)))
+
+
+def ref_json(name: str, vid: str) -> dict[str, Any]:
+    """The marker a child version leaves in a base's folder: "I read shards from here"."""
+    return {"schema": REF_SCHEMA, "schema_version": OBJECT_VERSION, "name": check_name(name),
+            "version": check_version_id(vid)}
+
+
+def ref_target(obj: Any, where: str) -> tuple[str, str]:
+    """``(name, id)`` of the child a stored reference marker names."""
+    check_schema(obj, REF_SCHEMA, OBJECT_VERSION, where)
+    try:
+        return check_name(obj["name"]), check_version_id(obj["version"])
+    except (KeyError, TypeError, FeatstoreError) as exc:
+        raise IncompatibleFormat(f"{where} is malformed ({exc}); delete it.") from exc
 
 
 def tag_json(vid: str) -> dict[str, Any]:

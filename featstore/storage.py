@@ -218,6 +218,17 @@ class Storage:
             except FileNotFoundError:
                 return None
 
+    def read_range(self, key: str, start: int, stop: int | None = None) -> bytes | None:
+        """Bytes ``[start, stop)`` of an object (one ranged GET on S3), or ``None`` if it does not
+        exist. A negative ``start`` with no ``stop`` reads the last ``-start`` bytes."""
+        path = self.path(key)
+        with backend_errors(self.url):
+            self.fs.invalidate_cache(path)
+            try:
+                return self.fs.cat_file(path, start=start, end=stop)
+            except FileNotFoundError:
+                return None
+
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write (or overwrite) an object; atomic for readers (temp + rename locally)."""
         path = self.path(key)
@@ -357,6 +368,21 @@ class Storage:
             except FileNotFoundError:
                 pass
             self.fs.invalidate_cache(path)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete many objects at once (on S3 one DeleteObjects request per 1,000 keys);
+        keys that do not exist are ignored."""
+        if not keys:
+            return
+        paths = [self.path(k) for k in keys]
+        with backend_errors(self.url):
+            if not self.is_local:
+                self.fs.rm(paths)
+            else:
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+            self.fs.invalidate_cache()
 
     # -- zarr ---------------------------------------------------------------------------
     def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:

@@ -49,7 +49,7 @@ class FeatureStore(Catalog):
     def compute(self, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-                options: ComputeOptions | None = None) -> Version:
+                options: ComputeOptions | None = None, extends: str | CoreVersion | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.writer.compute` for every argument.
@@ -57,10 +57,13 @@ class FeatureStore(Catalog):
         >>> v = store.compute("cnn-a/train", model=model_a, dataset=train_set,
         ...                   input_key="input", keep=["target"],
         ...                   outputs={"features": "float16", "logits": "float32"})
+        >>> grown = store.compute("cnn-a/train", model=model_a, dataset=bigger_train_set,
+        ...                       input_key="input", keep=["target"], extends=v.ref,
+        ...                       outputs={"features": "float16", "logits": "float32"})
         """
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
-                       client=client, options=options)
+                       client=client, options=options, extends=extends)
 
     def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).

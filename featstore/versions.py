@@ -5,6 +5,9 @@ Layout under the store root (``_``-prefixed folders can never collide with a nam
     <name>/_versions/<id>/zarr.json, <array>/...   the Zarr v3 group, one array per stored field
     <name>/_versions/<id>/_pending.json             the claim: layout and arrays the first run fixed
     <name>/_versions/<id>/_receipts/<shard>.json    one per finished shard (resume markers)
+    <name>/_versions/<id>/_receipts/run-<a>-<b>.json  shards a..b's receipts, compacted by a task
+    <name>/_versions/<id>/_records/<k>-<sha>.bin    per-shard digests and stats (schema 2)
+    <name>/_versions/<id>/_refs/<sha>.json          "an incremental child reads shards from here"
     <name>/_versions/<id>/manifest.json             written last, create-if-absent: the commit
     <name>/_tags/<tag>.json                         {"version": <id>}: the only mutable pointers
 
@@ -17,10 +20,12 @@ find finished shards) -> shard tasks write data and :func:`write_receipt` -> :me
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,9 +36,11 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import chunk_key, create_arrays, open_array, shard_digest
-from .manifest import (ArraySpec, Layout, Manifest, Pending, ShardReceipt, canonical_json, gc_mark_json, tag_json,
-                       tag_target)
+from .format import (ChunkRef, ShardFormat, chunk_key, create_arrays, decode_shard_rows, open_array,
+                     shard_digest, shard_index, shard_index_bytes)
+from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
+                       ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
+                       ref_target, tag_json, tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .storage import Storage
 
@@ -44,6 +51,13 @@ PENDING = "_pending.json"
 #: Written by ``gc`` while it deletes an uncommitted version folder (see :meth:`Catalog.gc`).
 GC_MARK = "_gc.json"
 RECEIPTS = "_receipts"
+RECORDS = "_records"
+REFS = "_refs"
+#: Concurrent requests for many small objects (receipts, records): S3 latency, not bandwidth,
+#: bounds them, so 32 in flight turn 125,000 serial ~10 ms GETs into ~40 s, or runs into <1 s.
+IO_THREADS = 32
+#: A task compacts its per-shard receipts into one run object every this many shards.
+RUN_EVERY = 256
 
 
 # -- keys --------------------------------------------------------------------------------------
@@ -61,6 +75,11 @@ def tag_key(name: str, tag: str) -> str:
     return f"{check_name(name)}/_tags/{check_tag(tag)}.json"
 
 
+def ref_key(vkey: str, name: str, vid: str) -> str:
+    """The key of the marker that version ``name@vid`` reads shards from folder ``vkey``."""
+    return f"{vkey}/{REFS}/{hashlib.sha256(f'{name}@{vid}'.encode()).hexdigest()[:24]}.json"
+
+
 def receipt_key(vkey: str, index: int) -> str:
     """The store key of shard ``index``'s receipt inside version folder ``vkey``."""
     return f"{vkey}/{RECEIPTS}/{index:06d}.json"
@@ -72,19 +91,142 @@ def write_receipt(storage: Storage, vkey: str, receipt: ShardReceipt) -> None:
     storage.write_json(receipt_key(vkey, receipt.index), receipt.to_json())
 
 
-def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = None) -> dict[int, ShardReceipt]:
-    """The receipts of ``indices`` (None: every receipt there is) that exist, by shard index."""
-    if indices is None:
-        names = [e for e in storage.list_dirs(f"{vkey}/{RECEIPTS}") if e.endswith(".json")]
-        keys = [f"{vkey}/{RECEIPTS}/{e}" for e in names]
-    else:
-        keys = [receipt_key(vkey, i) for i in indices]
+def run_key(vkey: str, first: int, last: int) -> str:
+    """The key of a run object holding the receipts of shards ``first..last`` (all of them)."""
+    return f"{vkey}/{RECEIPTS}/run-{first:06d}-{last:06d}.json"
+
+
+def contiguous_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """``[(first, last), ...]`` of the maximal runs of consecutive shard indices.
+
+    >>> contiguous_runs([5, 1, 2, 3, 7])
+    [(1, 3), (5, 5), (7, 7)]
+    """
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]
+
+
+def compact_receipts(storage: Storage, vkey: str, receipts: Sequence[ShardReceipt]) -> None:
+    """Replace the per-shard receipts of ``receipts`` by one run object per contiguous run.
+
+    The run is written first and the per-shard objects deleted after (one request per 1,000
+    on S3), so a crash in between leaves both forms, which read the same. A resume then lists
+    a few run objects instead of one object per shard.
+    """
+    by_index = {r.index: r for r in receipts}
+    for first, last in contiguous_runs(by_index):
+        if last == first:
+            continue
+        run = ReceiptRun(tuple(by_index[i] for i in range(first, last + 1)))
+        storage.write_json(run_key(vkey, first, last), run.to_json())
+        storage.delete_many([receipt_key(vkey, i) for i in range(first, last + 1)])
+
+
+class ReceiptRuns:
+    """Folds per-shard receipts into run objects every :data:`RUN_EVERY` finished shards (the
+    driver feeds it as shard tasks finish): a resume of a 125,000-shard version then lists
+    ~500 objects, not 125,000."""
+
+    def __init__(self, storage: Storage, vkey: str) -> None:
+        self.storage, self.vkey = storage, vkey
+        self.pending: list[ShardReceipt] = []
+
+    def add(self, receipts: Iterable[ShardReceipt]) -> None:
+        self.pending.extend(receipts)
+        if len(self.pending) >= RUN_EVERY:
+            compact_receipts(self.storage, self.vkey, self.pending)
+            self.pending = []
+
+
+def _receipt_objects(storage: Storage, vkey: str) -> dict[str, range]:
+    """``{object key: the shards it holds}`` from one listing of the receipts folder (no GETs)."""
     out = {}
-    for key in keys:
-        obj = storage.read_json(key)
-        if obj is not None:
-            r = ShardReceipt.from_json(obj, storage.child_url(key))
-            out[r.index] = r
+    for entry in storage.list_dirs(f"{vkey}/{RECEIPTS}"):
+        stem = entry.removesuffix(".json")
+        if stem == entry:
+            continue
+        if stem.isdigit():
+            out[f"{vkey}/{RECEIPTS}/{entry}"] = range(int(stem), int(stem) + 1)
+            continue
+        head, _, rest = stem.partition("-")
+        first, _, last = rest.partition("-")
+        if head == "run" and first.isdigit() and last.isdigit() and int(first) <= int(last):
+            out[f"{vkey}/{RECEIPTS}/{entry}"] = range(int(first), int(last) + 1)
+    return out
+
+
+def finished_shards(storage: Storage, vkey: str) -> set[int]:
+    """Shards with a receipt, by name alone: one LIST page per 1,000 objects, no GETs."""
+    return {i for shards in _receipt_objects(storage, vkey).values() for i in shards}
+
+
+def read_many(storage: Storage, keys: Sequence[str], threads: int = IO_THREADS) -> dict[str, bytes | None]:
+    """Read many small objects concurrently (the latency of S3 GETs overlaps)."""
+    if len(keys) <= 1:
+        return {k: storage.read_bytes(k) for k in keys}
+    with ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="featstore-meta") as pool:
+        return dict(zip(keys, pool.map(storage.read_bytes, keys), strict=True))
+
+
+def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = None) -> dict[int, ShardReceipt]:
+    """The receipts of ``indices`` (None: every receipt there is) that exist, by shard index.
+
+    One listing finds which objects hold them; only those are read, concurrently.
+    """
+    objects = _receipt_objects(storage, vkey)
+    wanted = None if indices is None else set(indices)
+    keys = [k for k, shards in objects.items()
+            if wanted is None or any(i in wanted for i in shards)]
+    out: dict[int, ShardReceipt] = {}
+    for key, data in read_many(storage, keys).items():
+        if data is None:
+            continue  # compacted into a run between the listing and the read: the run has it
+        where = storage.child_url(key)
+        obj = load_json(data, where)
+        got = ReceiptRun.from_json(obj, where).receipts if "receipts" in obj else (ShardReceipt.from_json(obj, where),)
+        out.update((r.index, r) for r in got if wanted is None or r.index in wanted)
+    missing = [] if wanted is None else sorted(wanted - set(out))
+    if missing and any(i in shards for shards in objects.values() for i in missing):
+        # A per-shard receipt was compacted after our listing: read again (rare, bounded).
+        out.update(read_receipts(storage, vkey, missing))
+    return out
+
+
+# -- shard records (schema 2) ------------------------------------------------------------------
+def records_key(vkey: str, k: int, digest: str) -> str:
+    """The key of records object ``k`` (content-addressed by its sha256)."""
+    return f"{vkey}/{RECORDS}/{k:06d}-{digest[:16]}.bin"
+
+
+def write_records(storage: Storage, vkey: str, receipts: Sequence[ShardReceipt],
+                  fields: Sequence[str]) -> ShardRecords:
+    """Store every shard's digests and statistics as fixed-width records; return where."""
+    blobs = encode_records(receipts, list(fields), RECORDS_PER_OBJECT)
+    digests = [hashlib.sha256(b).hexdigest() for b in blobs]
+    jobs = [(records_key(vkey, k, d), b) for k, (d, b) in enumerate(zip(digests, blobs, strict=True))]
+    with ThreadPoolExecutor(max(1, min(IO_THREADS, len(jobs))), thread_name_prefix="featstore-meta") as pool:
+        list(pool.map(lambda kb: storage.write_bytes(*kb), jobs))
+    return ShardRecords(tuple(fields), RECORDS_PER_OBJECT, tuple(digests))
+
+
+def read_records(storage: Storage, vkey: str, manifest: Manifest, ref: str) -> list[ShardReceipt]:
+    """Every shard's receipt of a schema 2 version, from its records objects (checksummed)."""
+    rec = manifest.records
+    assert rec is not None
+    keys = [records_key(vkey, k, d) for k, d in enumerate(rec.objects)]
+    got = read_many(storage, keys)
+    out: list[ShardReceipt] = []
+    for k, key in enumerate(keys):
+        data, where = got[key], storage.child_url(key)
+        if data is None or hashlib.sha256(data).hexdigest() != rec.objects[k]:
+            raise CorruptChunk.damaged(ref, RECORDS, key.rsplit("/", 2)[-2] + "/" + key.rsplit("/", 1)[-1],
+                                       "is missing" if data is None else "fails its sha256")
+        out += decode_records(data, rec, k * rec.per_object, manifest.layout, where)
     return out
 
 
@@ -156,27 +298,114 @@ class Version:
     def __len__(self) -> int:
         return self.manifest.n_samples
 
+    # -- where shards live (an incremental version reads its bases' shards in place) ----
+    def homes(self) -> list[tuple[int, int, str, int]]:
+        """``[(first row, stop row, version key, that folder's n_samples), ...]`` in row order:
+        the bases' shard ranges, then this version's own shards."""
+        spp = self.manifest.layout.samples_per_shard
+        out = [(b.first * spp, b.stop * spp, version_key(b.name, b.id), b.n_samples) for b in self.manifest.bases]
+        return out + [(self.manifest.own_shards.start * spp, len(self), self.key, len(self))]
+
+    def shard_home(self, shard: int) -> str:
+        """The key of the version folder that stores shard ``shard``."""
+        for b in self.manifest.bases:
+            if b.first <= shard < b.stop:
+                return version_key(b.name, b.id)
+        return self.key
+
+    def object_key(self, field: str, shard: int) -> str:
+        """The store key of the object holding shard ``shard`` of ``field`` (in a base's folder
+        for an incremental version's inherited shards)."""
+        return f"{self.shard_home(shard)}/{self.chunk_key(field, shard)}"
+
+    def read_shard_rows(self, storage: Storage, field: str, fmt: ShardFormat, shard: int, lo: int, hi: int,
+                        out: np.ndarray) -> None:
+        """Rows ``[lo, hi)`` of one shard object, decoded into ``out`` (the reader's fast path).
+
+        Most of the shard: one GET of the whole object. A few of its inner chunks (a piece at
+        a consumer's edge, or a big object-store shard): the index by a suffix range, then one
+        ranged GET of just the chunks that cover the rows, so memory does not grow with the
+        shard size.
+        """
+        key = self.object_key(field, shard)
+        ref = ChunkRef(self.ref, field, self.chunk_key(field, shard))
+        c0, c1 = lo // fmt.chunk_rows, -(-hi // fmt.chunk_rows)
+        if 2 * (c1 - c0) > fmt.chunks_per_shard:
+            data = storage.read_bytes(key)
+            if not data:
+                raise self._missing(ref, data)
+            decode_shard_rows(data, fmt, lo, hi, out, ref)
+            return
+        tail = storage.read_range(key, -shard_index_bytes(fmt))
+        if not tail:
+            raise self._missing(ref, tail)
+        index = shard_index(tail, fmt, ref)
+        spans = index[c0:c1]
+        start, stop = int(spans[:, 0].min()), int((spans[:, 0] + spans[:, 1]).max())
+        if start > stop or stop > 2**62:  # an empty-chunk marker: decode_shard_rows names it
+            start, stop = 0, 0
+        data = storage.read_range(key, start, stop) if stop > start else b""
+        decode_shard_rows(data or b"", fmt, lo, hi, out, ref, index=index, base=start)
+
+    def _missing(self, ref: ChunkRef, data: bytes | None) -> FeatstoreError:
+        if data is None and self.was_deleted():
+            return deleted_while_reading(self.ref)
+        return CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
+
+    def shard_receipts(self) -> list[ShardReceipt]:
+        """Every shard's digests and statistics: inline in a schema 1 manifest, read from the
+        records objects (a few concurrent GETs) in schema 2. Only verify and compute need them."""
+        if self.manifest.shards is not None:
+            return list(self.manifest.shards)
+        return read_records(self.storage, self.key, self.manifest, self.ref)
+
     # -- reading ------------------------------------------------------------------------
-    def array(self, field: str) -> zarr.Array:
-        """The Zarr array of one field, opened lazily once per process (fork/spawn safe)."""
+    def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array:
+        """The Zarr array of one field, opened lazily once per process (fork/spawn safe).
+
+        ``home``/``n_samples``: a base's folder and length, for an incremental version's
+        inherited shards (default: this version's own folder).
+        """
         if self._pid != os.getpid():
             self._arrays, self._pid = {}, os.getpid()
-        if field not in self._arrays:
+        home = home or self.key
+        if (home, field) not in self._arrays:
             if field not in self.manifest.arrays:
                 raise KeyError(f"version {self.id} has no array {field!r}; it has "
                                f"{sorted(self.manifest.arrays)}")
-            self._arrays[field] = open_array(
-                self.storage.zarr_store(self.key, read_only=True), field, self.manifest.arrays[field],
-                self.manifest.layout, self.ref, lambda: self.storage.read_bytes(f"{self.key}/{field}/zarr.json"))
-        return self._arrays[field]
+            layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
+            self._arrays[(home, field)] = open_array(
+                self.storage.zarr_store(home, read_only=True), field, self.manifest.arrays[field],
+                layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json"))
+        return self._arrays[(home, field)]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
         """Stored values of rows ``[start, stop)`` of ``field`` (numpy, stored dtype)."""
         return self._read(field, slice(start, stop), start)
 
     def _read(self, field: str, selection: Any, first_row: int) -> np.ndarray:
+        """Read a slice or row list, split by the folder each row's shard lives in."""
+        if not self.manifest.bases:
+            return self._read_home(field, self.key, len(self), selection, first_row)
+        if isinstance(selection, slice):
+            parts = [self._read_home(field, home, n, slice(max(lo, selection.start), min(hi, selection.stop)),
+                                     max(lo, selection.start))
+                     for lo, hi, home, n in self.homes() if max(lo, selection.start) < min(hi, selection.stop)]
+            if not parts:
+                return self._read_home(field, self.key, len(self), selection, first_row)
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rows = np.asarray(selection, dtype=np.int64).reshape(-1)
+        spec = self.manifest.arrays[field]
+        out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
+        for lo, hi, home, n in self.homes():
+            mask = (rows >= lo) & (rows < hi)
+            if mask.any():
+                out[mask] = self._read_home(field, home, n, rows[mask], int(rows[mask].min()))
+        return out
+
+    def _read_home(self, field: str, home: str, n_samples: int, selection: Any, first_row: int) -> np.ndarray:
         try:
-            arr = self.array(field)
+            arr = self.array(field, home, n_samples)
             if isinstance(selection, slice):
                 return arr[selection]
             return arr.oindex[selection]
@@ -206,8 +435,10 @@ class Version:
         else:
             shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
         for shard in shards:
+            home = self.shard_home(shard)
+            n = next(n for lo, hi, key, n in self.homes() if key == home)
             try:
-                self.array(field)[shard * spp:min((shard + 1) * spp, len(self))]
+                self.array(field, home, n)[shard * spp:min((shard + 1) * spp, len(self))]
             except Exception:  # noqa: BLE001 - the failing one is what we are looking for
                 return shard
         return first_row // spp
@@ -263,7 +494,10 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
     []
     """
     problems = []
-    receipts = version.manifest.shards
+    try:
+        receipts = version.shard_receipts()
+    except CorruptChunk as exc:
+        return [f"{RECORDS}: {exc}"]
     it: Iterable[ShardReceipt] = receipts
     if progress:
         from tqdm.auto import tqdm
@@ -271,7 +505,9 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
         it = tqdm(receipts, desc=f"verify {version.ref}", unit="shard")
     for r in it:
         for field, digest in r.digests.items():
-            where = f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop})"
+            home = version.shard_home(r.index)
+            where = f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop})" + (
+                "" if home == version.key else f" in {home}")
             try:
                 got = shard_digest(version.read_rows(field, r.start, r.stop))
             except CorruptChunk as exc:
@@ -436,26 +672,58 @@ class Catalog:
 
     def delete(self, version: Version | str) -> None:
         """Delete a committed version: its tags first, then its manifest (it becomes invisible
-        at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data.
-        A reader still streaming it gets :class:`VersionNotFound` saying it was deleted."""
+        at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data,
+        unless an incremental child still reads shards from it. A reader still streaming it gets
+        :class:`VersionNotFound` saying it was deleted.
+
+        Shared shards stay until no version references them: a parent's data is kept while a
+        child (committed or being computed) has a reference marker in it, and deleting the
+        last such child removes the parent's data too.
+        """
         v = self.open(version)
         self._untag_all(v)
         self.storage.delete(f"{v.key}/{MANIFEST}")
         self._untag_all(v)
-        self.storage.delete(v.key, recursive=True)
+        self._drop_if_unreferenced(v.key)
+        for b in reversed(v.manifest.bases):  # a child's folder first: it may hold refs to the parent
+            bkey = version_key(b.name, b.id)
+            self.storage.delete(ref_key(bkey, v.name, v.id))
+            if not self.storage.exists(f"{bkey}/{MANIFEST}"):
+                self._drop_if_unreferenced(bkey)
 
     def _untag_all(self, v: Version) -> None:
         for tag, vid in self.tags(v.name).items():
             if vid == v.id:
                 self.storage.delete(tag_key(v.name, tag))
 
+    def live_refs(self, vkey: str) -> list[str]:
+        """``name@id`` of every version that reads shards from folder ``vkey`` and still exists
+        (committed, or claimed by a compute that may still commit)."""
+        out = []
+        keys = [f"{vkey}/{REFS}/{e}" for e in self.storage.list_dirs(f"{vkey}/{REFS}") if e.endswith(".json")]
+        for key, data in read_many(self.storage, keys).items():
+            if data is None:
+                continue
+            name, vid = ref_target(load_json(data, self.storage.child_url(key)), self.storage.child_url(key))
+            if self.storage.exists(f"{version_key(name, vid)}/{PENDING}") or self.committed(name, vid):
+                out.append(f"{name}@{vid}")
+        return out
+
+    def _drop_if_unreferenced(self, vkey: str) -> None:
+        refs = self.live_refs(vkey)
+        if refs:
+            log.info("keeping the data of %s: versions %s read shards from it", vkey, refs)
+            return
+        self.storage.delete(vkey, recursive=True)
+
     def gc(self, older_than: float = 3600.0, dry_run: bool = False) -> list[str]:
         """Delete what no committed version needs, and return the keys deleted.
 
-        That is: folders of versions that were never committed (an interrupted ``compute``)
-        whose newest object is older than ``older_than`` seconds (younger ones may belong to a
-        compute still running, or waiting to be resumed), and temporary ``*.partial`` objects
-        left by a killed writer. Committed versions and tags are never touched.
+        That is: folders of versions that were never committed (an interrupted ``compute``),
+        or were deleted while a child read shards from them and no longer are, whose newest
+        object is older than ``older_than`` seconds (younger ones may belong to a compute
+        still running, or waiting to be resumed), and temporary ``*.partial`` objects left by a
+        killed writer. Committed versions, tags, and folders a live child reads are never touched.
 
         A compute still running in a folder gc deletes (``older_than=0``, or a run that paused
         longer than ``older_than``) never commits missing data: gc marks the folder
@@ -477,12 +745,12 @@ class Catalog:
             elif key.endswith(".partial") and now - mtime > older_than:
                 deleted.append(key)
         if not dry_run:
-            for key in deleted:
-                self.storage.delete(key)
+            self.storage.delete_many(deleted)
         for vkey, members in by_version.items():
             if f"{vkey}/{MANIFEST}" in members:
                 old = sorted(k for k, t in members.items() if ".partial" in k and now - t > older_than)
-            elif now - max(members.values()) > older_than:
+            elif now - max(members.values()) > older_than and not (
+                    any(f"/{REFS}/" in k for k in members) and self.live_refs(vkey)):
                 old = sorted(members)
             else:
                 continue
@@ -510,7 +778,8 @@ class Catalog:
         return True
 
     # -- the lifecycle of a version being computed ----------------------------------------
-    def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> Claim:
+    def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec],
+              bases: Sequence[Base] = ()) -> Claim:
         """Claim the version folder (or join the run that claimed it): the layout and arrays to
         use, and the shards already finished.
 
@@ -518,8 +787,10 @@ class Catalog:
         here or may just have committed. The first run creates ``_pending.json``
         (create-if-absent) and so fixes the layout; every later run (a resume, or a concurrent
         run) adopts it: same fingerprint, same content, the layout only cuts it into shards.
-        Shards with a receipt are skipped; the rest may be written by several runs at once,
-        with the same bytes.
+        Shards with a receipt are skipped (found by listing names: no per-shard GET); the rest
+        may be written by several runs at once, with the same bytes. An incremental version
+        leaves a reference marker in each base's folder first, so deleting a base keeps the
+        shards this version reads; the bases' shards count as done.
         """
         key = version_key(name, vid)
         where = self.storage.child_url(f"{key}/{PENDING}")
@@ -540,11 +811,22 @@ class Catalog:
                 key, claimed.layout.samples_per_shard, layout.samples_per_shard)
         create_arrays(self.storage.zarr_store(key, read_only=False), claimed.layout, adopted,
                       self.storage.child_url(key))
-        done = {i for i, r in read_receipts(self.storage, key).items()
-                if (r.start, r.stop) == claimed.layout.shard_range(i) and set(r.digests) == set(adopted)}
+        self._reference(name, vid, bases)
+        inherited = set(range(bases[-1].stop if bases else 0))
+        done = {i for i in finished_shards(self.storage, key) if i < claimed.layout.n_shards}
         # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done.
         holes = _shards_with_holes(key, adopted, done, set(self.storage.find(key)))
-        return Claim(claimed.layout, adopted, frozenset(done - holes))
+        return Claim(claimed.layout, adopted, frozenset((done - holes) | inherited))
+
+    def _reference(self, name: str, vid: str, bases: Sequence[Base]) -> None:
+        """Mark each base folder as read by ``name@vid``; refuse a base whose data is gone."""
+        for b in bases:
+            bkey = version_key(b.name, b.id)
+            self.storage.write_json(ref_key(bkey, name, vid), ref_json(name, vid))
+            if not self.storage.exists(f"{bkey}/{PENDING}"):
+                self.storage.delete(ref_key(bkey, name, vid))
+                raise VersionNotFound(f"{b.name}@{b.id}, which {name}@{vid} extends, was deleted; "
+                                      "compute the dataset without extends, or from another parent.")
 
     def _pending(self, key: str, mine: Pending, where: str) -> Pending:
         """Create the claim, or read the one another run created first."""
@@ -554,17 +836,30 @@ class Catalog:
         # None: removed by a run that committed in between; that commit will be adopted.
         return mine if obj is None else Pending.from_json(obj, where)
 
-    def collect_receipts(self, name: str, vid: str, layout: Layout,
-                         fresh: Sequence[ShardReceipt]) -> list[ShardReceipt]:
-        """Every shard's receipt for the commit: this run's, and earlier runs' from the store."""
+    def collect_receipts(self, name: str, vid: str, layout: Layout, fresh: Sequence[ShardReceipt],
+                         inherited: Sequence[ShardReceipt] = ()) -> list[ShardReceipt]:
+        """Every shard's receipt for the commit: inherited from the bases, this run's, and
+        earlier runs' from the store (one listing, then concurrent reads of the few objects)."""
         key = version_key(name, vid)
-        by_index = {r.index: r for r in fresh}
+        by_index = {r.index: r for r in inherited}
+        by_index.update((r.index, r) for r in fresh)
         missing = [i for i in range(layout.n_shards) if i not in by_index]
-        by_index.update(read_receipts(self.storage, key, missing))
+        if missing:
+            by_index.update(read_receipts(self.storage, key, missing))
         for i in missing:
             if i not in by_index:
                 raise ComputeFailed(f"shard {i} of {key} has no receipt after the run; rerun compute.")
         return [by_index[i] for i in range(layout.n_shards)]
+
+    def write_records(self, name: str, vid: str, receipts: Sequence[ShardReceipt],
+                      fields: Sequence[str]) -> ShardRecords:
+        """Store the per-shard records of a version about to be committed (before its manifest)."""
+        key = version_key(name, vid)
+        bad = [r.index for r in receipts if set(r.digests) != set(fields)]
+        if bad:
+            raise ComputeFailed(f"the receipts of shards {bad[:10]} of {key} name other arrays than "
+                                f"{sorted(fields)}; delete {key}/{RECEIPTS} and rerun compute.")
+        return write_records(self.storage, key, receipts, fields)
 
     def commit(self, manifest: Manifest) -> Version:
         """Make the version visible: its data durable first, then the manifest, created
@@ -580,6 +875,10 @@ class Catalog:
         """
         key = version_key(manifest.name, manifest.id)
         self.storage.sync(key)  # the data must be durable before the commit makes it visible
+        for b in manifest.bases:  # deleted during the compute: the marker kept the data, but say so
+            if not self.storage.exists(f"{version_key(b.name, b.id)}/{PENDING}"):
+                raise VersionNotFound(f"{b.name}@{b.id}, which this version extends, is gone; "
+                                      "compute without extends.")
         self._check_stored(manifest)
         try:
             self.storage.create_json(f"{key}/{MANIFEST}", manifest.to_json())
@@ -605,7 +904,7 @@ class Catalog:
         key = version_key(manifest.name, manifest.id)
         have = set(self.storage.find(key))
         meta = [f"{key}/zarr.json", *(f"{key}/{a}/zarr.json" for a in manifest.arrays)]
-        shards = {r.index for r in manifest.shards}
+        shards = set(manifest.own_shards)  # a base's shards live in its folder, kept by a reference
         holes = _shards_with_holes(key, manifest.arrays, shards, have)
         missing = [k for k in meta if k not in have] + [
             f"{key}/{chunk_key(a, i, len(spec.shape))}" for i in sorted(holes) for a, spec in manifest.arrays.items()

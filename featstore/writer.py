@@ -27,18 +27,27 @@ from .events import TOPIC, is_event, run_ended, run_started
 from .cluster import Cluster, connect, task_resources, workers
 from .codecs import keep_codec, output_codec
 from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
-from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest
+from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
+from .incremental import Growth, plan_growth
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
 from .monitor import RunState
 from .names import check_field, check_name
 from .stats import summarize
 from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
-from .versions import Catalog, Claim, Version
+from .versions import Catalog, Claim, ReceiptRuns, Version
 
 log = logging.getLogger("featstore")
 
 MIN_SHARDS = 8
+#: Default uncompressed bytes per shard, by store kind (see ComputeOptions.target_shard_bytes).
+LOCAL_SHARD_BYTES = 16 * 2**20
+OBJECT_STORE_SHARD_BYTES = 64 * 2**20
+
+
+def default_shard_bytes(is_local: bool) -> int:
+    """16 MiB shards on a local disk, 64 MiB on an object store."""
+    return LOCAL_SHARD_BYTES if is_local else OBJECT_STORE_SHARD_BYTES
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,11 @@ class ComputeOptions:
         allow_nonfinite: store NaN/Inf instead of raising :class:`NonFiniteOutput`.
         autocast: ``"float16"``/``"bfloat16"`` to run A under ``torch.autocast`` (part of the
             fingerprint, since it changes the outputs).
-        target_shard_bytes: uncompressed bytes per shard when ``samples_per_shard`` is None.
+        target_shard_bytes: uncompressed bytes per shard when ``samples_per_shard`` is None;
+            None picks by store kind: 16 MiB on a local disk, 64 MiB on an object store (S3,
+            GCS, ...), where each request costs ~10-30 ms and a prefix serves ~5,500 GET/s, so
+            bigger objects mean fewer requests (readers fetch the inner chunks they need by
+            range, so their memory does not grow with the shard). See docs/scale.md.
         chunk_rows: rows per Zarr chunk inside a shard (None: about 1 MiB of the widest array).
         progress: show a terminal progress bar.
         n_workers: workers of the embedded LocalCluster (None: one per GPU, else one).
@@ -77,7 +90,7 @@ class ComputeOptions:
     model_id: str | None = None
     allow_nonfinite: bool = False
     autocast: str | None = None
-    target_shard_bytes: int = 16 * 2**20
+    target_shard_bytes: int | None = None
     chunk_rows: int | None = None
     progress: bool = True
     n_workers: int | None = None
@@ -248,7 +261,7 @@ def _libraries() -> dict[str, str]:
 def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-            options: ComputeOptions | None = None) -> Version:
+            options: ComputeOptions | None = None, extends: str | Version | None = None) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -265,6 +278,11 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
             or a scheduler address.
         options: :class:`ComputeOptions`.
+        extends: ``"name@id"`` (or a :class:`Version`) of a version over the first
+            ``len(parent)`` samples of ``dataset``, computed with the same model and outputs:
+            only the new samples are computed (plus the parent's last, partial shard), and the
+            new version references the parent's shards without copying them. The dataset's
+            digest over the shared range must match the parent's (:class:`DatasetMismatch`).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -275,26 +293,59 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     """
     options = options or ComputeOptions()
     t0 = time.perf_counter()
+    parent = catalog.open(extends) if extends is not None else None
+    if parent is not None:
+        spp = parent.manifest.layout.samples_per_shard
+        if samples_per_shard not in (None, spp):
+            raise InvalidInput(f"extends={parent.ref!r} keeps the parent's {spp} samples per shard; "
+                               f"leave samples_per_shard out (got {samples_per_shard}).")
+        samples_per_shard = spp
     req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options)
     parts = _fingerprint_parts(req, model, dataset, options)
+    growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
+    if growth is not None:
+        parts = {**parts, "extends": parent.fingerprint}
     fp = fingerprint(parts)
     vid = fp[:16]
     existing = catalog.committed(name, vid)
     if existing is not None:
         log.info("version %s@%s already committed; nothing to compute", name, vid)
         return existing
-    run = _run(catalog, req, vid, model, dataset, client, options)
-    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts)
+    run = _run(catalog, req, vid, model, dataset, client, options, growth)
+    inherited = growth.inherited_receipts() if growth is not None else ()
+    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, inherited)
+    own = receipts[growth.first_own:] if growth is not None else receipts
     manifest = Manifest(
         id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=run.claim.layout,
-        arrays=run.claim.arrays, stats=summarize((r.stats for r in receipts), run.claim.arrays),
-        shards=tuple(ShardReceipt(r.index, r.start, r.stop, r.digests) for r in receipts),
+        arrays=run.claim.arrays, stats=_stats(growth, inherited, own, run.claim.arrays),
+        records=catalog.write_records(name, vid, receipts, list(run.claim.arrays)),
+        bases=growth.bases if growth is not None else (),
+        dataset_sample=_dataset_sample(parts, dataset),
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
                  "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
         libraries=_libraries(),
     )
     return catalog.commit(manifest)
+
+
+def _dataset_sample(parts: Mapping[str, Any], dataset: Any) -> str | None:
+    """The sampled content digest (already in the fingerprint unless a dataset_id replaced it)."""
+    digest = parts["dataset"].get("digest")
+    if digest is not None:
+        return digest
+    try:
+        return sampled_digest(dataset)
+    except InvalidInput:  # items featstore cannot digest: such a version cannot be extended
+        return None
+
+
+def _stats(growth: Growth | None, inherited: Sequence[ShardReceipt], own: Sequence[ShardReceipt],
+           arrays: Mapping[str, ArraySpec]) -> dict[str, dict]:
+    """The manifest's statistics: the whole version's, inherited shards included."""
+    if growth is None:
+        return summarize((r.stats for r in own), arrays)
+    return growth.summarize(inherited, own, arrays)
 
 
 @dataclass(frozen=True)
@@ -306,7 +357,7 @@ class _RunResult:
 
 
 def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, client: Any,
-         options: ComputeOptions) -> _RunResult:
+         options: ComputeOptions, growth: Growth | None = None) -> _RunResult:
     """Start (or join) a cluster, probe A, claim the version folder, run the missing shards."""
     t_setup = time.perf_counter()
     # One model per compute call and worker: same weights may come with different code.
@@ -327,7 +378,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
                         tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
-        claim = _claim(catalog, req, vid, probed, options)
+        claim = _claim(catalog, req, vid, probed, options, growth)
         spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout,
                            "dtypes": {k: d for k, (_, d, _) in probed.items()}})
         todo = [i for i in range(claim.layout.n_shards) if i not in claim.done]
@@ -344,13 +395,17 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
 
 
 def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
-           options: ComputeOptions) -> Claim:
+           options: ComputeOptions, growth: Growth | None = None) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
-    run's layout and compression)."""
+    run's layout and compression, or, growing a parent, must be the parent's)."""
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression)
+    if growth is not None:
+        arrays = growth.adopt_arrays(arrays)
     row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
-    layout = choose_layout(req.n, row_bytes, req.samples_per_shard, options.chunk_rows, options.target_shard_bytes)
-    return catalog.claim(req.name, vid, layout, arrays)
+    target = options.target_shard_bytes or default_shard_bytes(catalog.storage.is_local)
+    chunk_rows = growth.layout.chunk_rows if growth is not None else options.chunk_rows
+    layout = choose_layout(req.n, row_bytes, req.samples_per_shard, chunk_rows, target)
+    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else ())
 
 
 def _result(future: Any) -> Any:
@@ -440,11 +495,14 @@ def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups
                 futures[client.submit(run_shards, spec, model_f, data_f, g, key=_task_key(spec.model_key, g, round_),
                                       resources=resources, pure=False, retries=0)] = g
             got, lost = [], []
+            runs = ReceiptRuns(spec.storage, spec.key)
             for fut in as_completed(futures):
                 if fut.cancelled() and round_ < LOST_DATA_ROUNDS:  # its scattered inputs died with a worker
                     lost.append(futures[fut])
                     continue
-                got += _result(fut)
+                done = _result(fut)
+                got += done
+                runs.add(ShardReceipt.from_json(r) for r in done if not r.get(REUSED))
         return got, lost
     except BaseException:
         for f in futures:

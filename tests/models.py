@@ -197,3 +197,20 @@ class DoubleLin(_OnGridLinear):
 
     def forward(self, x):
         return self.lin(x) * 2
+
+
+class GrowingData(torch.utils.data.Dataset):
+    """Items like VectorData's, but item i depends on (seed, i) only: ``GrowingData(150)``
+    starts with the 100 items of ``GrowingData(100)`` (a dataset that grows at the end)."""
+
+    def __init__(self, n: int, d: int = 12, seed: int = 0) -> None:
+        self.n, self.d, self.seed = n, d, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return {"input": torch.randn(self.d, generator=g), "target": torch.randint(0, 5, (), generator=g)}

@@ -1,0 +1,189 @@
+"""``docs/scale.md`` from the figures :mod:`benchmarks.scale` measured (pure formatting and
+the stated request-rate model; every figure labelled measured or computed)."""
+
+from __future__ import annotations
+
+import math
+
+#: The stated model for what moto cannot show (S3's documented and commonly measured figures).
+S3_GET_S = 0.010  # one small GET, first byte, same region
+S3_LIST_PAGE_S = 0.050  # one LIST page of up to 1,000 keys
+S3_PREFIX_GET_PER_S = 5500  # per partitioned prefix (AWS S3 performance guidelines)
+AGGREGATE_GBPS = 50  # stated aggregate read rate of the whole training job
+CONCURRENCY = 32  # featstore.versions.IO_THREADS
+RUN = 256  # featstore.versions.RUN_EVERY
+BIG = 125_000
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.2f} MB" if x >= 1e5 else f"{x / 1e3:.1f} kB"
+
+
+def manifest_table(rows: list[dict]) -> str:
+    out = ["| shards | schema | manifest | open (median of 3 processes) | RSS added by open | peak RSS added by open |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['shards']:,} | {r['schema']} | {_mb(r['manifest_bytes'])} | {r['open_s'] * 1e3:.1f} ms | "
+                   f"{r['rss_open_mb']:.1f} MiB | {r['peak_open_mb']:.1f} MiB |")
+    by = {(r["shards"], r["schema"]): r for r in rows}
+    lo, hi = min(r["shards"] for r in rows), max(r["shards"] for r in rows)
+    ratio = {s: by[(hi, s)]["open_s"] / max(by[(lo, s)]["open_s"], 1e-9) for s in (1, 2)}
+    out.append("")
+    out.append(f"Open time at {hi:,} vs {lo:,} shards (measured): schema 1 **{ratio[1]:.0f}x**, schema 2 "
+               f"**{ratio[2]:.1f}x** (sub-millisecond either way: one small GET and a JSON parse).")
+    return "\n".join(out)
+
+
+def billion_table(b: dict) -> str:
+    consumers = 1024 * 8
+    return "\n".join([
+        "| figure | value | how |",
+        "|---|---:|---|",
+        f"| samples | {b['n_samples']:,} | layout of `choose_layout` at the object-store default (64 MiB) |",
+        f"| rows per shard / per chunk | {b['samples_per_shard']:,} / {b['chunk_rows']:,} | computed |",
+        f"| shards (x 3 arrays = objects) | {b['shards']:,} ({3 * b['shards']:,}) | computed |",
+        f"| manifest.json | {_mb(b['manifest_bytes'])} | measured |",
+        f"| shard records (all shards, read by verify/extends only) | {_mb(b['records_bytes'])} "
+        f"in {math.ceil(b['shards'] / 65536)} objects | measured |",
+        f"| open a version, per process | {b['open_s'] * 1e3:.1f} ms | measured (fresh process, median of 3) |",
+        f"| RSS added by open, per process (peak) | {b['rss_open_mb']:.1f} MiB ({b['peak_open_mb']:.1f} MiB) "
+        "| measured |",
+        f"| plan one consumer of {consumers:,} (1,024 ranks x 8 workers) | {b['plan_s'] * 1e3:.0f} ms | measured "
+        "(each consumer plans only itself) |",
+        f"| RSS added by open + plan | {b['rss_plan_mb']:.1f} MiB | measured |",
+        f"| manifest bytes fetched by the whole job at start | {_mb(b['manifest_bytes'] * consumers)} | computed "
+        f"({consumers:,} consumers x one manifest) |",
+        f"| read all shard records (verify, extends) | {b['records_read_s']:.1f} s | measured, local disk |",
+        "",
+        "Opening is constant. Planning is not: every consumer computes the epoch's permutation of all shards "
+        "and the offsets of its span (`plan.consumer_plan`, O(shards) in Python). Vectorising "
+        "`plan.span_pieces` (numpy `cumsum` over the permuted sizes) measured ~7x faster in isolation here "
+        "(352 ms -> 51 ms at 73,703 shards, loaded machine): a follow-up on the reader side.",
+    ])
+
+
+def request_rate(b: dict) -> str:
+    rate = AGGREGATE_GBPS * 1e9
+    row = b["shard_mib"] * 2**20 / b["samples_per_shard"]
+    lines = ["| shard size | shard reads/s | GETs/s on the version's prefix (3 arrays) | GETs/s per array folder | "
+             "share of one prefix's 5,500 |", "|---:|---:|---:|---:|---:|"]
+    for mib in (16, 64):
+        reads = rate / (mib * 2**20)
+        lines.append(f"| {mib} MiB | {reads:,.0f} | {3 * reads:,.0f} | {reads:,.0f} | "
+                     f"{reads / S3_PREFIX_GET_PER_S:.0%} |")
+    return "\n".join([
+        f"All computed, at a stated aggregate read rate of **{AGGREGATE_GBPS} GB/s** (e.g. 1,024 GPUs at "
+        f"~50 MB/s of features each) and rows of {row:,.0f} bytes (fp16[512] features, fp32[1000] logits, "
+        "an int64 label). Each shard of each array is one object; a reader fetches whole shard objects "
+        "(one GET per array per shard it reads).",
+        "",
+        *lines,
+        "",
+        "With the old 16 MiB default the job needs ~8,900 GET/s, above the 5,500 GET/s that S3 serves per "
+        "partitioned prefix before it has split the bucket's key space; at 64 MiB it needs ~2,200 GET/s, "
+        "spread over the three array folders (`<version>/features/`, `logits/`, `target/`), each a prefix "
+        "S3 can partition on. The shard number follows in the key (`features/c/<shard>/0`), so S3's "
+        "automatic splits under sustained load can spread one array over many partitions as well.",
+        "",
+        f"At 64 MiB one array folder reaches 5,500 GET/s only at ~{S3_PREFIX_GET_PER_S * 64 * 2**20 / 1e9:.0f} GB/s "
+        "of aggregate reading (computed). A piece that needs only a few of a shard's inner chunks (at a "
+        "consumer's edge) costs two ranged GETs (the index, then the chunks) instead of one whole-object GET, "
+        "which keeps a reader's memory at the chunks it needs; whole-shard pieces, the common case, stay one GET. "
+        "Not built: an option to spread one version's objects over several top-level prefixes (the keys are "
+        "Zarr's, so spreading would need a key-mapping store and would stop plain `zarr` from opening the "
+        "version); the arithmetic above says when it would matter.",
+    ])
+
+
+def resume_section(r: dict) -> str:
+    n = r["shards"]
+    per_key_list = r["list_flat_s"] / n
+    runs = math.ceil(BIG / RUN)
+    rows = [
+        "| step | featstore before | now | how |",
+        "|---|---:|---:|---|",
+        f"| find finished shards, {n:,} shards on moto | {r['old_claim_s']:.1f} s (list + {n:,} serial GETs) | "
+        f"{r['list_runs_s'] * 1e3:.0f} ms (one listing of {r['n_runs']} run objects) | measured |",
+        f"| same, receipts not yet compacted | | {r['list_flat_s']:.2f} s (listing only, no GET) | measured |",
+        f"| read every receipt for the commit, {n:,} shards | {r['old_claim_s']:.1f} s | {r['read_runs_s']:.2f} s "
+        f"({r['n_runs']} runs, {CONCURRENCY} concurrent) | measured |",
+        f"| find finished shards, {BIG:,} shards on this moto | "
+        f"{BIG * (r['get_serial_s'] + per_key_list) / 60:.0f} min | {runs * per_key_list:.1f} s | "
+        "computed from the per-request costs measured here |",
+        *([f"| find finished shards, {r['big_shards']:,} shards on moto, compacted | | "
+           f"{r['big_list_s']:.2f} s (one listing of {r['big_runs']} runs) | measured |",
+           f"| read every receipt for the commit, {r['big_shards']:,} shards on moto | | {r['big_read_s']:.1f} s "
+           f"({r['big_runs']} runs, {CONCURRENCY} concurrent) | measured |"] if "big_shards" in r else []),
+        f"| find finished shards, {BIG:,} shards on S3 | {BIG * S3_GET_S / 60:.0f} min "
+        f"| {math.ceil(runs / 1000) * S3_LIST_PAGE_S:.2f} s | computed: {S3_GET_S * 1e3:.0f} ms a GET, "
+        f"{S3_LIST_PAGE_S * 1e3:.0f} ms a LIST page |",
+        f"| read receipts for the commit, {BIG:,} shards on S3 | {BIG * S3_GET_S / 60:.0f} min | "
+        f"{math.ceil(runs / CONCURRENCY) * S3_GET_S:.2f} s + parsing | computed ({runs} runs, {CONCURRENCY} in "
+        "flight: requests only; parsing 125,000 JSON receipts adds seconds of CPU, most of the moto figure above) |",
+    ]
+    return "\n".join([
+        f"Moto here (a loaded 2-core machine) served {r['put_per_s']:.0f} PUT/s, one GET in "
+        f"{r['get_serial_s'] * 1e3:.0f} ms serially and {r['get_concurrent_s'] * 1e3:.0f} ms each with "
+        f"{CONCURRENCY} in flight (moto is CPU-bound, so concurrency buys little here; on S3 it does), and "
+        f"listed {1 / per_key_list:,.0f} keys/s. Writing {BIG:,} per-shard receipts to it would take hours, so "
+        f"the old way was measured at {n:,} shards and extrapolated with those per-request costs"
+        + (f"; the new way was also measured at {r['big_shards']:,} shards, from the {r['big_runs']} run "
+           "objects the tasks leave." if "big_shards" in r else "."),
+        "",
+        *rows,
+        "",
+        "A resumed compute runs before its first task: the probe (one batch of A), the claim (create-if-absent "
+        "`_pending.json`, the arrays' `zarr.json`), and finding the finished shards, which is now names only: "
+        "one listing of `_receipts/`, in which the driver has folded every 256 finished shards into one "
+        "`run-<first>-<last>.json` (a crash leaves at most 255 unfolded). The commit reads "
+        "the earlier runs' receipts (the runs, concurrently) for the shard records.",
+    ])
+
+
+CLUSTER = """## Running a compute on a multi-node Dask cluster
+
+- **One worker per GPU.** Start one `dask worker` process per GPU, each with `--nthreads 1 --resources "GPU=1"`
+  and `CUDA_VISIBLE_DEVICES` set to its GPU (the `dask-cuda` `dask cuda worker` command does exactly this). featstore
+  gives every shard task `resources={"GPU": 1}` when the workers advertise GPUs, so no GPU ever runs two tasks,
+  and Model A is built once per worker process and kept on its device across tasks.
+- **Scheduler.** Pass the scheduler's address as `client="tcp://scheduler:8786"` (or a `distributed.Client`):
+  featstore never starts or stops a cluster it was given. Progress reaches the driver as worker events, so
+  the scheduler needs no featstore code to run a compute; its featstore dashboard page and `/metrics` come
+  from the scheduler preload `dask scheduler --preload featstore.dashboard` (imported before the dashboard
+  is built). The workers need featstore and Model A's code importable (the same image on every node).
+- **Model A and the dataset.** Pass a zero-argument factory for a big model (`model=lambda: build_teacher()`,
+  with `ComputeOptions(model_id=...)` naming its weights, so the driver need not build it to fingerprint it),
+  and a dataset object that opens its files lazily on the worker: both are pickled once into the graph.
+- **Credentials.** The store's `storage_options` travel, pickled, to every worker: put no secrets there. Give
+  each node its own credential chain instead: an instance profile / IAM role (EC2, EKS IRSA), or
+  `AWS_PROFILE`/`AWS_ACCESS_KEY_ID` in the workers' environment. featstore's S3 retry policy travels with
+  the options, so every worker retries the same way.
+- **Shards and tasks.** Each task owns whole shards (no two tasks write one object), and returns only small
+  receipts; the driver holds one receipt per shard until the commit (at 1e9 samples ~75,000 small dicts).
+  Killing the driver loses nothing written: rerunning `compute` with the same arguments resumes from the
+  listing described above.
+- **Growing.** When the dataset grows, `store.compute(name, ..., extends="name@<id>")` computes only the
+  new samples (and the parent's last, partial shard) and references the parent's shards in place.
+"""
+
+
+def write_report(data: dict) -> str:
+    b = data["billion"]
+    return "\n\n".join([
+        "# featstore at scale\n\nWritten by `python -m benchmarks.scale` (metadata only, no payload: the figures "
+        "are about what grows with the number of shards). Each figure says whether it was measured on this "
+        "machine or computed. This run shared a 2-core machine with several other jobs (load average ~30): "
+        "absolute times are several times slower than on a quiet machine; the comparisons are side by side "
+        "in one run.",
+        "## The manifest no longer grows with the data\n\nSchema 1 (before) kept every shard's receipt "
+        "(~300 bytes of JSON) in `manifest.json`, which every process parses on open. Schema 2 keeps the "
+        "layout, arrays, codecs, fingerprint and statistics summary there, and each shard's digests and "
+        "statistics in fixed-width binary records (`_records/<k>-<sha>.bin`, 96 bytes per array and shard, "
+        "65,536 shards per object, each object's sha256 in the manifest), read only by `verify`, `compute` "
+        "and `extends`. Schema 1 versions still open, verify and read. Synthetic versions at 3,584 rows per "
+        "shard, each opened in a fresh process:\n\n" + manifest_table(data["manifests"]),
+        "## A billion samples\n\n" + billion_table(b),
+        "## Requests per S3 prefix\n\n" + request_rate(b),
+        "## Resume and commit\n\n" + resume_section(data["resume"]),
+        CLUSTER,
+    ]) + "\n"

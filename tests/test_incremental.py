@@ -1,0 +1,102 @@
+"""Incremental versions: a grown dataset computes only its new samples and references the
+parent's shards; reading, verify, resume, tags, DataLoader sharding and delete/gc work across
+the boundary, on local disk and S3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from featstore import ComputeOptions, DatasetMismatch
+
+from .models import GrowingData, TinyA
+
+SPP = 32
+OUT = {"features": "float32", "logits": "float16"}
+QUIET = ComputeOptions(progress=False)
+
+
+def run(store, n, client, extends=None, name="grow/set", model=None, seed=0, **kw):
+    return store.compute(name, model=model or TinyA(), dataset=GrowingData(n, seed=seed), keep=["target"],
+                         outputs=OUT, batch_size=16, samples_per_shard=SPP, client=client, options=QUIET,
+                         extends=extends, **kw)
+
+
+def objects_under(store, key):
+    return [k for k in store.storage.find(key)]
+
+
+def test_extends_computes_only_new_samples_and_shares_the_parent_shards(store, dask_client):
+    parent = run(store, 100, dask_client)  # shards 0-2 full, shard 3 partial (4 rows)
+    store.tag(parent, "v1")
+    child = run(store, 170, dask_client, extends=f"{parent.name}@v1")
+    m = child.manifest
+    assert [(b.id, b.first, b.stop) for b in m.bases] == [(parent.id, 0, 3)]
+    # Only the parent's partial shard and the new ones were computed; no parent shard was copied.
+    assert m.timings["shards_computed"] == 6 - 3 and child.id != parent.id
+    assert not any("/c/0/" in k or "/c/1/" in k for k in objects_under(store, child.key))
+    got, want = child.load(), parent.load()
+    for k in want:  # the shared range is the parent's stored bytes
+        torch.testing.assert_close(got[k][:96], want[k][:96], rtol=0, atol=0)
+    fresh = run(store, 170, dask_client, name="grow/fresh").load()
+    for k in fresh:  # the rest equals a from-scratch compute (floats across processes: a tolerance)
+        torch.testing.assert_close(got[k].float(), fresh[k].float(), rtol=1e-3, atol=1e-3)
+    assert child.verify() == [] and child[95]["index"] == 95 and child[90:100]["features"].shape == (10, 8)
+    assert m.stats["features"]["count"] == 170 * 8  # statistics of the whole child
+    store.tag(child, "latest")
+    seen = torch.cat([b["index"] for b in DataLoader(store.open("grow/set@latest").dataset(batch_size=7, seed=1),
+                                                       batch_size=None, num_workers=2)])
+    assert sorted(seen.tolist()) == list(range(170))
+    per_rank = [child.dataset(batch_size=8, seed=2, rank=r, world_size=3).plan(w, 2).n_samples
+                for r in range(3) for w in range(2)]
+    assert len(set(per_rank)) == 1 and sum(per_rank) >= 170
+
+
+def test_deleting_or_gcing_the_parent_never_breaks_the_child(store, dask_client):
+    parent = run(store, 96, dask_client)
+    child = run(store, 140, dask_client, extends=parent)
+    grandchild = run(store, 200, dask_client, extends=child)
+    assert [(b.id, b.first, b.stop) for b in grandchild.manifest.bases] == [(parent.id, 0, 3), (child.id, 3, 4)]
+    before = grandchild.load()
+    store.delete(parent)
+    assert store.gc(older_than=0) == [] or all(".partial" in k for k in store.gc(older_than=0))
+    assert [v.id for v in store.versions("grow/set")] == [child.id, grandchild.id]
+    assert store.open(child.ref).verify() == [] and store.open(grandchild.ref).verify() == []
+    store.delete(child)
+    store.gc(older_than=0)
+    g = store.open(grandchild.ref)
+    assert g.verify() == []
+    for k, t in g.load().items():
+        torch.testing.assert_close(t, before[k], rtol=0, atol=0)
+    store.delete(grandchild)  # the last reference: the shared shards go with it
+    assert objects_under(store, "grow/set/_versions") == []
+
+
+def test_deleting_the_child_keeps_a_committed_parent_whole(local_store, dask_client):
+    parent = run(local_store, 96, dask_client)
+    child = run(local_store, 130, dask_client, extends=parent.ref)
+    local_store.delete(child)
+    assert local_store.open(parent.ref).verify() == []
+    assert objects_under(local_store, child.key) == []
+
+
+def test_extends_refuses_a_dataset_that_does_not_start_with_the_parent(local_store, dask_client):
+    parent = run(local_store, 64, dask_client)
+    with pytest.raises(DatasetMismatch, match="first 64 samples"):
+        run(local_store, 100, dask_client, extends=parent.ref, seed=1)
+    with pytest.raises(DatasetMismatch, match="model"):
+        run(local_store, 100, dask_client, extends=parent.ref, model=TinyA(seed=3))
+    with pytest.raises(ValueError, match="nothing to add"):
+        run(local_store, 64, dask_client, extends=parent.ref)
+    assert [v.id for v in local_store.versions("grow/set")] == [parent.id]
+
+
+def test_a_child_resumes_without_recomputing_the_parent(local_store, dask_client):
+    parent = run(local_store, 96, dask_client)
+    child = run(local_store, 160, dask_client, extends=parent.ref)
+    local_store.storage.delete(f"{child.key}/manifest.json")  # as if killed right before the commit
+    again = run(local_store, 160, dask_client, extends=parent.ref)
+    assert again.id == child.id and again.manifest.timings["shards_computed"] == 0
+    assert again.verify() == [] and np.array_equal(again.load()["features"], child.load()["features"])
