@@ -467,10 +467,11 @@ class Catalog:
         >>> store.gc(older_than=24 * 3600)
         ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
         """
-        now = time.time()
+        listing = self.storage.find_modified("")
+        now = time.time()  # after the listing: an object written while it ran is not "in the future"
         deleted: list[str] = []
         by_version: dict[str, dict[str, float]] = {}
-        for key, mtime in self.storage.find_modified("").items():
+        for key, mtime in listing.items():
             if "/_versions/" in key:
                 name, rest = key.split("/_versions/", 1)
                 by_version.setdefault(f"{name}/_versions/{rest.split('/', 1)[0]}", {})[key] = mtime
@@ -514,10 +515,11 @@ class Catalog:
         """Claim the version folder (or join the run that claimed it): the layout and arrays to
         use, and the shards already finished.
 
-        Never deletes anything: a concurrent compute of the same fingerprint may be writing
-        here or may just have committed. The first run creates ``_pending.json``
-        (create-if-absent) and so fixes the layout; every later run (a resume, or a concurrent
-        run) adopts it: same fingerprint, same content, the layout only cuts it into shards.
+        Never deletes data: a concurrent compute of the same fingerprint may be writing here or
+        may just have committed (only a receipt whose shard objects are gone is removed). The
+        first run creates ``_pending.json`` (create-if-absent) and so fixes the layout; every
+        later run (a resume, or a concurrent run) adopts it: same fingerprint, same content, the
+        layout only cuts it into shards.
         Shards with a receipt are skipped; the rest may be written by several runs at once,
         with the same bytes.
         """
@@ -542,8 +544,11 @@ class Catalog:
                       self.storage.child_url(key))
         done = {i for i, r in read_receipts(self.storage, key).items()
                 if (r.start, r.stop) == claimed.layout.shard_range(i) and set(r.digests) == set(adopted)}
-        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done.
+        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
+        # it is removed, so no task or commit of this run trusts it.
         holes = _shards_with_holes(key, adopted, done, set(self.storage.find(key)))
+        for i in holes:
+            self.storage.delete(receipt_key(key, i))
         return Claim(claimed.layout, adopted, frozenset(done - holes))
 
     def _pending(self, key: str, mine: Pending, where: str) -> Pending:
