@@ -35,7 +35,7 @@ from .allocator import tuned as tuned_allocator
 from .codecs import codec_by_name, keep_codec, output_codec
 from .devices import task_device
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
-from .format import open_for_write, shard_digest, zstd_saving
+from .format import chunk_key, open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
@@ -392,10 +392,16 @@ REUSED = "reused"
 
 
 def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardReceipt]:
-    """The receipts already on storage for ``shards`` that match this run's layout and arrays."""
+    """The receipts already on storage for ``shards`` that match this run's layout and arrays,
+    and whose shard objects are all stored.
+
+    A receipt alone is not enough: a task of an earlier run that outlived its driver can write
+    a receipt after ``gc`` deleted that shard's objects.
+    """
     found = read_receipts(spec.storage, spec.key, shards)
     return {i: r for i, r in found.items()
-            if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)}
+            if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)
+            and all(spec.storage.exists(f"{spec.key}/{chunk_key(a, i, len(s.shape))}") for a, s in spec.arrays.items())}
 
 
 class _WarmHeap:

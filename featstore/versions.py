@@ -165,6 +165,23 @@ def finished_shards(storage: Storage, vkey: str) -> set[int]:
     return {i for shards in _receipt_objects(storage, vkey).values() for i in shards}
 
 
+def forget_receipts(storage: Storage, vkey: str, indices: Iterable[int]) -> None:
+    """Remove the receipts of ``indices`` (their shards must be computed again), from per-shard
+    objects and from run objects alike (a run keeps its other shards' receipts, per shard)."""
+    drop = set(indices)
+    if not drop:
+        return
+    for key, shards in _receipt_objects(storage, vkey).items():
+        if not drop.intersection(shards):
+            continue
+        obj = storage.read_json(key) if len(shards) > 1 else None
+        if obj is not None:
+            for r in ReceiptRun.from_json(obj, storage.child_url(key)).receipts:
+                if r.index not in drop:
+                    write_receipt(storage, vkey, r)
+        storage.delete(key)
+
+
 def read_many(storage: Storage, keys: Sequence[str], threads: int = IO_THREADS) -> dict[str, bytes | None]:
     """Read many small objects concurrently (the latency of S3 GETs overlaps)."""
     if len(keys) <= 1:
@@ -735,10 +752,11 @@ class Catalog:
         >>> store.gc(older_than=24 * 3600)
         ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
         """
-        now = time.time()
+        listing = self.storage.find_modified("")
+        now = time.time()  # after the listing: an object written while it ran is not "in the future"
         deleted: list[str] = []
         by_version: dict[str, dict[str, float]] = {}
-        for key, mtime in self.storage.find_modified("").items():
+        for key, mtime in listing.items():
             if "/_versions/" in key:
                 name, rest = key.split("/_versions/", 1)
                 by_version.setdefault(f"{name}/_versions/{rest.split('/', 1)[0]}", {})[key] = mtime
@@ -783,14 +801,14 @@ class Catalog:
         """Claim the version folder (or join the run that claimed it): the layout and arrays to
         use, and the shards already finished.
 
-        Never deletes anything: a concurrent compute of the same fingerprint may be writing
-        here or may just have committed. The first run creates ``_pending.json``
-        (create-if-absent) and so fixes the layout; every later run (a resume, or a concurrent
-        run) adopts it: same fingerprint, same content, the layout only cuts it into shards.
-        Shards with a receipt are skipped (found by listing names: no per-shard GET); the rest
-        may be written by several runs at once, with the same bytes. An incremental version
-        leaves a reference marker in each base's folder first, so deleting a base keeps the
-        shards this version reads; the bases' shards count as done.
+        Never deletes data: a concurrent compute of the same fingerprint may be writing here or
+        may just have committed (only a receipt whose shard objects are gone is removed). The
+        first run creates ``_pending.json`` (create-if-absent) and so fixes the layout; every
+        later run (a resume, or a concurrent run) adopts it: same fingerprint, same content, the
+        layout only cuts it into shards. Shards with a receipt are skipped (found by listing
+        names: no per-shard GET); the rest may be written by several runs at once, with the same
+        bytes. An incremental version leaves a reference marker in each base's folder first, so
+        deleting a base keeps the shards this version reads; the bases' shards count as done.
         """
         key = version_key(name, vid)
         where = self.storage.child_url(f"{key}/{PENDING}")
@@ -814,8 +832,10 @@ class Catalog:
         self._reference(name, vid, bases)
         inherited = set(range(bases[-1].stop if bases else 0))
         done = {i for i in finished_shards(self.storage, key) if i < claimed.layout.n_shards}
-        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done.
+        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
+        # it is removed, so no task or commit of this run trusts it.
         holes = _shards_with_holes(key, adopted, done, set(self.storage.find(key)))
+        forget_receipts(self.storage, key, holes)
         return Claim(claimed.layout, adopted, frozenset((done - holes) | inherited))
 
     def _reference(self, name: str, vid: str, bases: Sequence[Base]) -> None:
@@ -911,8 +931,7 @@ class Catalog:
             if f"{key}/{chunk_key(a, i, len(spec.shape))}" not in have]
         if not missing:
             return
-        for i in holes:  # those shards must be computed again
-            self.storage.delete(receipt_key(key, i))
+        forget_receipts(self.storage, key, holes)  # those shards must be computed again
         shown = ", ".join(k[len(key) + 1:] for k in missing[:4]) + (", ..." if len(missing) > 4 else "")
         raise ComputeFailed(
             f"{len(missing)} objects of {manifest.name}@{manifest.id} were deleted while it was computed "
