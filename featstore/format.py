@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,11 +345,8 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
     import numcodecs
 
     view = memoryview(data)
-    n_chunks = fmt.chunks_per_shard
-    index_bytes = 16 * n_chunks + 4
-    if len(view) < index_bytes:
-        raise _damaged(ref, f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
-    index = np.frombuffer(_check_crc(view[-index_bytes:], "shard index", ref), dtype="<u8").reshape(n_chunks, 2)
+    index = _index(view, fmt, ref)
+    index_bytes = index.nbytes + 4
     dtype = np.dtype(fmt.dtype)
     row_items = int(np.prod(fmt.row_shape, dtype=np.int64)) if fmt.row_shape else 1
     zstd = numcodecs.Zstd()
@@ -363,6 +360,12 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         if off == _EMPTY or int(off) + int(size) > len(view) - index_bytes:
             raise _damaged(ref, f"chunk {c} of the shard is missing or out of bounds")
         body = _check_crc(view[int(off):int(off) + int(size)], f"chunk {c}", ref)
+        r0 = max(lo - c * fmt.chunk_rows, 0)
+        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
+        o0 = c * fmt.chunk_rows + r0 - lo
+        if fmt.compressed and r1 - r0 == fmt.chunk_rows and out[o0:o0 + r1 - r0].flags.c_contiguous:
+            _decode_into(zstd, body, out[o0:o0 + r1 - r0], c, ref)  # no temporary: the rows it fills
+            continue
         if fmt.compressed:
             try:
                 raw = zstd.decode(body)
@@ -375,8 +378,65 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         arr = np.frombuffer(raw, dtype=dtype)
         if arr.size != fmt.chunk_rows * row_items:
             raise _damaged(ref, f"chunk {c} holds {arr.size} values, expected {fmt.chunk_rows * row_items}")
-        r0 = max(lo - c * fmt.chunk_rows, 0)
-        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
-        o0 = c * fmt.chunk_rows + r0 - lo
         out[o0:o0 + r1 - r0] = arr.reshape(fmt.chunk_rows, *fmt.row_shape)[r0:r1]
     return out
+
+
+def _decode_into(zstd: Any, body: memoryview, dest: np.ndarray, c: int, ref: ChunkRef) -> None:
+    """Decompress one whole chunk straight into ``dest`` (exactly its size, or it is damaged)."""
+    if _zstd_content_size(body) != dest.nbytes:
+        raise _damaged(ref, f"chunk {c} does not hold {dest.nbytes} bytes of values")
+    try:
+        zstd.decode(body, out=dest.reshape(-1).view(np.uint8))
+    except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
+        raise _damaged(ref, f"chunk {c} does not decompress: {exc}") from exc
+
+
+def _index(view: memoryview, fmt: ShardFormat, ref: ChunkRef) -> np.ndarray:
+    """The shard's chunk index ``(chunks, 2)`` of (offset, size), its crc32c checked."""
+    index_bytes = 16 * fmt.chunks_per_shard + 4
+    if len(view) < index_bytes:
+        raise _damaged(ref, f"shard object is truncated ({len(view)} bytes, index needs {index_bytes})")
+    body = _check_crc(view[-index_bytes:], "shard index", ref)
+    return np.frombuffer(body, dtype="<u8").reshape(fmt.chunks_per_shard, 2)
+
+
+def _zstd_content_size(frame: memoryview) -> int | None:
+    """The decompressed size a zstd frame header declares (None when it declares none)."""
+    if len(frame) < 6 or bytes(frame[:4]) != b"\x28\xb5\x2f\xfd":
+        return None
+    desc = frame[4]
+    fcs_flag, single, dict_flag = desc >> 6, (desc >> 5) & 1, desc & 3
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(frame) < pos + size:
+        return None
+    value = int.from_bytes(frame[pos:pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+def mapped_chunks(data: Any, fmt: ShardFormat, n_chunks: int, verify: Iterable[int],
+                  ref: ChunkRef = ChunkRef()) -> np.ndarray | None:
+    """The first ``n_chunks`` chunks of an uncompressed shard as one ``(chunks, chunk_rows,
+    *row_shape)`` array *on* ``data`` (a memory-mapped shard object: no copy), after checking
+    the crc32c of the index and of each chunk in ``verify``; None when the shard is compressed
+    or its chunks are not laid out back to back (read it with :func:`decode_shard_rows` then).
+
+    Raises :class:`CorruptChunk` naming ``ref`` on damage.
+    """
+    if fmt.compressed:
+        return None
+    view = memoryview(data)
+    index = _index(view, fmt, ref)
+    dtype = np.dtype(fmt.dtype)
+    row_bytes = int(np.prod(fmt.row_shape, dtype=np.int64)) * dtype.itemsize
+    stride = fmt.chunk_rows * row_bytes + 4  # each chunk's values, then its crc32c
+    want = np.arange(n_chunks, dtype=np.uint64) * np.uint64(stride)
+    if (n_chunks > len(index) or not np.array_equal(index[:n_chunks, 0], want)
+            or not np.all(index[:n_chunks, 1] == stride) or n_chunks * stride > len(view) - len(index) * 16 - 4):
+        return None
+    for c in verify:
+        _check_crc(view[c * stride:(c + 1) * stride], f"chunk {c}", ref)
+    inner = [dtype.itemsize * int(np.prod(fmt.row_shape[i + 1:], dtype=np.int64)) for i in range(len(fmt.row_shape))]
+    return np.ndarray((n_chunks, fmt.chunk_rows, *fmt.row_shape), dtype=dtype, buffer=view,
+                      strides=(stride, row_bytes, *inner))
