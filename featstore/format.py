@@ -35,6 +35,11 @@ COMPRESSIONS = ("auto", "zstd", "none")
 #: probe batch: near-incompressible float32 (logits) decodes ~10x slower through zstd than as a
 #: plain copy, and the reader's decode competes with Model B for the same cores.
 AUTO_MIN_SAVING = 0.10
+#: The same rule for a local store, where bytes are cheap and CPU is what the reader spends:
+#: there an uncompressed array is gathered in place from the page cache (no decode at all),
+#: while zstd costs ~4x the reader's CPU per epoch on fp16 features that it shrinks by ~40%
+#: (docs/benchmarks.md, "compression on a local store"). So zstd only where it halves the bytes.
+LOCAL_AUTO_MIN_SAVING = 0.50
 #: Batch keys the reader adds itself; no stored array may take them.
 RESERVED_FIELDS = ("index",)
 ZARR_FORMAT = 3
@@ -66,15 +71,18 @@ def zstd_saving(stored: np.ndarray) -> float:
     return 1.0 - len(numcodecs.Zstd(ZSTD_LEVEL).encode(raw)) / len(raw)
 
 
-def choose_compression(policy: str, saving: float) -> str:
-    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``.
+def choose_compression(policy: str, saving: float, local: bool = False) -> str:
+    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``, on a
+    local store (``local``: CPU matters more than bytes) or a remote one (bytes matter).
 
     >>> choose_compression("auto", 0.42), choose_compression("auto", 0.07)
     ('zstd', 'none')
+    >>> choose_compression("auto", 0.42, local=True), choose_compression("auto", 0.85, local=True)
+    ('none', 'zstd')
     """
     if check_compression(policy) != "auto":
         return policy
-    return "zstd" if saving >= AUTO_MIN_SAVING else "none"
+    return "zstd" if saving >= (LOCAL_AUTO_MIN_SAVING if local else AUTO_MIN_SAVING) else "none"
 
 
 def chunk_label(compression: str) -> str:
