@@ -335,6 +335,10 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         "![benchmark](benchmarks.png)",
         "",
     ]
+    if res.get("reader"):
+        from .reader import load_note, section
+
+        lines += [section(res["reader"], res["command"], load_note()), ""]
     path = os.path.join(out_dir, "benchmarks.md")
     text, gpu = "\n".join(lines), gpu_section(path)  # the GPU check's section is written by its own script
     with open(path, "w") as f:

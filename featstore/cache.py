@@ -326,6 +326,15 @@ class SharedCache:
             used += st.st_size
         return entries, used
 
+    def clear(self) -> None:
+        """Remove every cached shard (processes that have one mapped keep it until they move on)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            for _, _, path in self._entries()[0]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        with self._lock:
+            self._maps.clear()
+
     def used_bytes(self) -> int:
         """Bytes of the folder's files now (shards and inserts in progress)."""
         return self._entries()[1]

@@ -165,6 +165,9 @@ class FeatureDataset(IterableDataset):
         self._shared = torch.tensor([0, -1, 0, 0, 0], dtype=torch.int64).share_memory_()
         self._yielded = 0
         self._state: _ProcessState | None = None
+        # Resolved here, once: workers opening the cache later must not see a smaller budget
+        # because the cache itself has taken shared memory meanwhile.
+        self._cache_bytes = self.options.cache_bytes or (_default_cache_bytes() if self.options.cache else 0)
         if self.options.cache is not None:
             # This process is a user of the shared cache from now on, so it is removed only
             # after this process and every DataLoader worker have left (see featstore.cache).
@@ -343,9 +346,19 @@ class FeatureDataset(IterableDataset):
         if st.cache is None:
             storage = self.version.storage
             where = os.path.abspath(storage.root) if storage.is_local else storage.url
-            budget = self.options.cache_bytes or _default_cache_bytes()
-            st.cache = SharedCache.open(CacheOptions(budget), f"{where}|{self.version.key}|{self.version.id}")
+            identity = f"{where}|{self.version.key}|{self.version.id}"
+            st.cache = SharedCache.open(CacheOptions(self._cache_bytes), identity)
         return st.cache
+
+    def clear_cache(self) -> None:
+        """Empty this version's shared cache (``cache="memory"``) for every process on the
+        machine: the next reads decode from storage again.
+
+        >>> ds = store.dataset("cnn-a/train", cache="memory", cache_bytes=8 * 2**30)
+        >>> ds.clear_cache()
+        """
+        if self.options.cache is not None:
+            self._shared_cache().clear()
 
     def _object(self, ref: ChunkRef) -> Any:
         """One shard object's bytes: mapped for a local store (no copy), else read whole."""
