@@ -29,26 +29,36 @@ SPP = 32
 REPO = Path(__file__).resolve().parents[1]
 
 
+class _Versions(dict):
+    """The same data three ways, each computed on first use: local zstd (decoded through the
+    cache), local uncompressed (mapped in place), and S3."""
+
+    def __init__(self, root: Path, client, endpoint: str) -> None:
+        super().__init__()
+        self.root, self.client, self.endpoint = root, client, endpoint
+
+    def __missing__(self, kind: str) -> featstore.Version:
+        if kind == "s3":
+            import uuid
+
+            import boto3
+
+            bucket = f"cache-{uuid.uuid4().hex[:10]}"
+            boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=bucket)
+            store = featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": self.endpoint})
+        else:
+            store = featstore.open_store(self.root / kind)
+        comp = {"zstd": "zstd", "raw": "none"}.get(kind, "auto")
+        self[kind] = store.compute("c/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
+                                   outputs={"features": "float16", "logits": "float32"},
+                                   samples_per_shard=SPP, batch_size=32, client=self.client,
+                                   options=ComputeOptions(progress=False, chunk_rows=16, compression=comp))
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory, dask_client, moto_endpoint):
-    """The same data three ways: local zstd (decoded through the cache), local uncompressed
-    (mapped in place), and S3."""
-    import uuid
-
-    import boto3
-
-    bucket = f"cache-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    out = {}
-    for kind, url, comp in [("zstd", tmp_path_factory.mktemp("z") / "store", "zstd"),
-                            ("raw", tmp_path_factory.mktemp("r") / "store", "none"),
-                            ("s3", f"s3://{bucket}/feats", "auto")]:
-        store = featstore.open_store(url, {"endpoint_url": moto_endpoint} if kind == "s3" else None)
-        out[kind] = store.compute("c/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
-                                  outputs={"features": "float16", "logits": "float32"},
-                                  samples_per_shard=SPP, batch_size=32, client=dask_client,
-                                  options=ComputeOptions(progress=False, chunk_rows=16, compression=comp))
-    return out
+    return _Versions(tmp_path_factory.mktemp("cache"), dask_client, moto_endpoint)
 
 
 def batches(ds, workers: int = 0) -> list[dict[str, torch.Tensor]]:
