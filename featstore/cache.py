@@ -152,6 +152,19 @@ class MappedFiles:
                 self._bytes -= len(old)
         return view
 
+    def trim(self, max_bytes: int) -> None:
+        """Evict least recently used shards until the folder holds at most ``max_bytes``
+        (a reader with a smaller budget than an earlier one on the same version)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            entries, used = self._entries()
+            for _, size, path in sorted(entries):
+                if used <= max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                used -= size
+        self.drop_stale()
+
     def clear(self) -> None:
         """Forget every map (each is unmapped once no array uses it any more)."""
         with self._lock:
@@ -193,7 +206,7 @@ class SharedCache:
     @classmethod
     def open(cls, options: CacheOptions, identity: str) -> "SharedCache":
         """This process's handle on the cache of ``identity`` (one per process and folder; the
-        first caller's ``max_bytes`` holds for this process)."""
+        first caller's ``max_bytes`` is the default budget of its inserts)."""
         folder = options.folder(identity)
         key = (os.getpid(), folder)
         with cls._open_lock:
@@ -250,16 +263,19 @@ class SharedCache:
         return held[1]
 
     # -- writing ------------------------------------------------------------------------
-    def put(self, key: str, nbytes: int, fill: Callable[[memoryview], None]) -> memoryview | None:
+    def put(self, key: str, nbytes: int, fill: Callable[[memoryview], None],
+            max_bytes: int | None = None) -> memoryview | None:
         """Store ``nbytes`` written by ``fill(buffer)`` under ``key`` and return them mapped;
         None when they cannot fit (larger than the budget, or shared memory is full): the
         caller then keeps its own copy. ``fill`` must raise on bad data: nothing is stored then.
+        ``max_bytes`` is this insert's budget for the whole folder (default: the handle's).
         """
-        if nbytes <= 0 or nbytes > self.max_bytes:
+        budget = self.max_bytes if max_bytes is None else int(max_bytes)
+        if nbytes <= 0 or nbytes > budget:
             return None
         path = self._path(key)
         tmp = os.path.join(self.folder, f"{_TMP}{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        fd = self._reserve(tmp, nbytes)
+        fd = self._reserve(tmp, nbytes, budget)
         self.drop_stale()  # our maps of what was just evicted: free their memory now
         if fd is None:
             return None
@@ -278,18 +294,18 @@ class SharedCache:
             self._maps[key] = (_ino(path), ro)
         return ro
 
-    def _reserve(self, tmp: str, nbytes: int) -> int | None:
+    def _reserve(self, tmp: str, nbytes: int, budget: int) -> int | None:
         """Evict until ``nbytes`` more fit, then create ``tmp`` at that size (locked while
         written, so a crashed writer's file is recognised and removed)."""
         with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
             entries, used = self._entries()
             for _, size, path in sorted(entries):
-                if used + nbytes <= self.max_bytes:
+                if used + nbytes <= budget:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 used -= size
-            if used + nbytes > self.max_bytes:
+            if used + nbytes > budget:
                 return None
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -325,6 +341,19 @@ class SharedCache:
             entries.append((st.st_mtime_ns, st.st_size, path))
             used += st.st_size
         return entries, used
+
+    def trim(self, max_bytes: int) -> None:
+        """Evict least recently used shards until the folder holds at most ``max_bytes``
+        (a reader with a smaller budget than an earlier one on the same version)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            entries, used = self._entries()
+            for _, size, path in sorted(entries):
+                if used <= max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                used -= size
+        self.drop_stale()
 
     def clear(self) -> None:
         """Remove every cached shard (processes that have one mapped keep it until they move on)."""

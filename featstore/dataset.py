@@ -348,6 +348,7 @@ class FeatureDataset(IterableDataset):
             where = os.path.abspath(storage.root) if storage.is_local else storage.url
             identity = f"{where}|{self.version.key}|{self.version.id}"
             st.cache = SharedCache.open(CacheOptions(self._cache_bytes), identity)
+            st.cache.trim(self._cache_bytes)
         return st.cache
 
     def clear_cache(self) -> None:
@@ -409,7 +410,7 @@ class FeatureDataset(IterableDataset):
         view = cache.get(key) if cache is not None else None
         if view is None and cache is not None:
             view = cache.put(key, int(np.prod(shape)) * dtype.itemsize,
-                             lambda buf: decode(np.frombuffer(buf, dtype=dtype).reshape(shape)))
+                             lambda buf: decode(np.frombuffer(buf, dtype=dtype).reshape(shape)), self._cache_bytes)
         if view is None:
             out = np.empty(shape, dtype=dtype)
             decode(out)

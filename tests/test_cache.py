@@ -111,6 +111,9 @@ def test_resume_with_cache_continues_like_without(versions):
 def test_budget_is_respected_and_oversized_shards_still_read(versions):
     v = versions["zstd"]
     shard = SPP * 5 * 4  # one logits shard, decoded (the largest entry)
+    big = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=2**24)
+    batches(big)  # fills the version's cache beyond the next reader's budget
+    assert big._shared_cache().used_bytes() > 3 * shard
     ds = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=3 * shard)
     ref = batches(v.dataset(batch_size=32, seed=1))
     for _ in range(2):
