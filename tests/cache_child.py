@@ -3,6 +3,7 @@ cache="memory", prints the cache folder, and then (by mode) ends normally, loses
 SIGKILL mid-epoch, or waits to be killed itself.
 
     python -m tests.cache_child STORE_ROOT REF MODE      # MODE: normal | kill-worker | hang
+    python -m tests.cache_child STORE_ROOT REF rank R SYNC_DIR
 """
 
 from __future__ import annotations
@@ -16,6 +17,27 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
+
+
+def _wait_for(path: str) -> None:
+    deadline = time.monotonic() + 240
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.05)
+
+
+def rank(root: str, ref: str, r: int, sync: str) -> None:
+    """One of 2 ranks on this machine: epoch 0 decodes its half into the shared cache; after
+    both ranks are done and the store's chunks are gone, epoch 1 (other shards) still reads."""
+    ds = featstore.open_store(root).dataset(ref, batch_size=16, seed=4, rank=r, world_size=2,
+                                            cache="memory", cache_bytes=2**24)
+    first = [b["index"] for b in ds]
+    open(os.path.join(sync, f"done-{r}"), "w").close()
+    _wait_for(os.path.join(sync, "deleted"))  # the test removes the chunk objects
+    ds.set_epoch(1)
+    second = [b["index"] for b in ds]
+    print("read", sum(map(len, first)), sum(map(len, second)), flush=True)
 
 
 def main(root: str, ref: str, mode: str) -> None:
@@ -42,4 +64,7 @@ def main(root: str, ref: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[3] == "rank":
+        rank(sys.argv[1], sys.argv[2], int(sys.argv[4]), sys.argv[5])
+    else:
+        main(*sys.argv[1:4])

@@ -131,7 +131,7 @@ def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_p
     v = featstore.open_store(root).open(f"c/ds@{src.id}")
     plain = v.dataset(batch_size=16, seed=2)
     plain.set_epoch(1)
-    want = batches(plain)
+    want = batches(plain, workers=2)
 
     ds = v.dataset(batch_size=16, seed=2, cache="memory", cache_bytes=2**24)
     batches(ds, workers=2)  # epoch 0: each worker decodes its own shards into the one folder
@@ -152,10 +152,33 @@ def test_bad_options_are_refused(versions):
 
 
 # -- lifetime: the folder goes with its last user ---------------------------------------------
-def child(root: str, ref: str, mode: str) -> subprocess.Popen:
+def child(root: str, ref: str, mode: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-m", "tests.cache_child", root, ref, mode], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.cache_child", root, ref, mode, *extra], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_two_ranks_share_the_cache(versions, tmp_path):
+    src = versions["zstd"]
+    root = tmp_path / "store"
+    shutil.copytree(src.storage.root, root)
+    v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    ranks = [child(str(root), f"c/ds@{src.id}", "rank", str(r), str(sync)) for r in (0, 1)]
+    deadline = time.monotonic() + 240
+    while not all((sync / f"done-{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
+        time.sleep(0.05)
+    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
+        shutil.rmtree(chunks)  # epoch 1 can only be served by what the two ranks cached
+    (sync / "deleted").touch()
+    per_rank = -(-N // 2)  # partition "pad" for several ranks
+    for p in ranks:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        assert f"read {per_rank} {per_rank}" in out
 
 
 @pytest.mark.parametrize("mode", ["normal", "kill-worker"])
