@@ -364,8 +364,28 @@ def section(res: dict[str, Any], command: str, load: str) -> str:
         lines.append(f"| featstore read-only epoch, S3 | "
                      f"{_f(_stat([r['s3_stored_bytes'] / r['s3_read_s'] for r in reps if 's3' in r]), 0, MiB)} MiB/s, "
                      f"{_f(_stat([r['s3_read_cpu_s'] for r in reps if 's3' in r]), 3)} CPU s |")
-    lines += ["", END]
+    lines += ["", *NOTES, "", END]
     return "\n".join(lines)
+
+
+NOTES = (
+    "How to read these rows:",
+    "",
+    "- *Local byte rate*: a shuffled epoch gathers random rows into every batch; the *bound* row "
+    "gathers the same batches from the in-memory tensor. featstore's gather reads the page cache "
+    "through memory maps (no read, no decode for raw arrays) and cannot beat that bound.",
+    "- *Light B*: B's two torch threads use both cores, so whatever the reader adds is added to the "
+    "time (the *no-overlap bound*); the *one core left free* rows run both sides with B on one "
+    "thread. On the local store `compression='auto'` leaves fp16 features and fp32 logits raw (see "
+    "the compression rows), so `cache='memory'` has only the int64 target to hold: the page cache "
+    "is already the machine's one copy of raw arrays.",
+    "- *2 workers*: the *zstd* version puts every array through the shared cache; without it each "
+    "worker holds its own decoded windows.",
+    "- *S3 clients*: obstore (Rust, `obstore.get`) fetched the same objects faster and with a "
+    "fraction of s3fs's CPU. featstore keeps s3fs for now: the retry policy, the typed "
+    "`StoreUnavailable`, the secret masking and the fork safety of `docs/reliability.md` are tested "
+    "against s3fs (fault proxy, secrets test), and a client switch has to bring those tests along.",
+)
 
 
 def write_section(md_path: str, text: str) -> None:

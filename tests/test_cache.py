@@ -181,9 +181,15 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
         assert f"read {per_rank} {per_rank}" in out
 
 
+def private_copy(v, tmp_path: Path) -> featstore.Version:
+    """The version in a store of its own: a cache folder no other test (or this process) uses."""
+    shutil.copytree(v.storage.root, tmp_path / "store")
+    return featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
+
+
 @pytest.mark.parametrize("mode", ["normal", "kill-worker"])
-def test_folder_removed_when_the_last_user_exits(versions, mode):
-    v = versions["zstd"]
+def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
+    v = private_copy(versions["zstd"], tmp_path)
     proc = child(v.storage.root, f"c/ds@{v.id}", mode)
     folder = Path(proc.stdout.readline().strip())
     out, err = proc.communicate(timeout=240)
@@ -196,8 +202,8 @@ def test_folder_removed_when_the_last_user_exits(versions, mode):
     assert not folder.exists()  # no leaked segment, also after a worker's SIGKILL
 
 
-def test_folder_of_killed_users_is_swept_by_the_next_user(versions):
-    v = versions["zstd"]
+def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
+    v = private_copy(versions["zstd"], tmp_path)
     proc = child(v.storage.root, f"c/ds@{v.id}", "hang")
     folder = Path(proc.stdout.readline().strip())
     assert proc.stdout.readline().startswith("samples") and proc.stdout.readline().strip() == "ready"
