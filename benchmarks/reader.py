@@ -288,8 +288,8 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
          "random rows into each batch, which any reader does and a whole-file read does not"),
         ("crc32c of every chunk / featstore read-only epoch (local)", "(info)",
          lambda r: r["crc_s"] / r["fs_read_s"],
-         "what checking every chunk on every epoch would add; the reader checks each chunk once per "
-         "process (a flip on disk after that first read goes unseen until the dataset is reopened)"),
+         "the share of the epoch spent checking crc32c, timed as a separate pass: the reader checks "
+         "every chunk it reads on every epoch (a flip on disk between two epochs is caught)"),
         ("local reader CPU per epoch: featstore / in-memory tensor", "(info)",
          lambda r: r["fs_read_cpu_s"] / r["mem_read_cpu_s"], "process CPU seconds of the read-only epochs"),
         ("compression on a local store: read CPU, features zstd / features raw (auto)", "(info)",
