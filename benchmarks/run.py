@@ -2,6 +2,7 @@
 
     python -m benchmarks --profile quick      # N=10,000, 3 repeats: a few minutes on 2 cores
     python -m benchmarks --profile full       # N=100,000
+    python -m benchmarks --only reader        # only the reader rows (issue 12), N=40,000
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from featstore import allocator
 
-from . import memory, rows
+from . import memory, reader, rows
 from .measure import memcopy_gbps
 from .peers import run_peers
 
@@ -43,6 +44,7 @@ class Profile:
     mem_n: int = 10_000            # the memory rows use mem_n and 10 x mem_n samples
     peers: bool = True
     s3: bool = True
+    reader_n: int = 40_000         # the reader rows' light workload (issue 12)
 
 
 PROFILES = {
@@ -137,6 +139,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                 if where == "local":
                     store.storage.delete(v.key, recursive=True)
             res["reps"].append(r)
+        res["reader"] = reader.run_reader(profile.reader_n, profile.repeats, workdir, endpoint, _say)
         _say("memory: the reader and a writer worker at N and 10 x N")
         res["memory"] = _memory(ctx, profile, workdir)
         res["peers"] = {"unavailable": "disabled by --no-peers"}
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) rows")
     p.add_argument("--out", default="docs", help="folder for benchmarks.md/.png/.json (default docs)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed)")
+    p.add_argument("--only", choices=["all", "reader"], default="all",
+                   help="'reader': only the reader rows, written into their section of benchmarks.md")
     args = p.parse_args(argv)
     prof = PROFILES[args.profile]
     prof = replace(prof, n=args.n or prof.n, repeats=args.repeats or prof.repeats,
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("distributed").setLevel(logging.ERROR)
     work = args.workdir or tempfile.mkdtemp(prefix="featstore-bench-")
     command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.only == "reader":
+        return _reader_only(prof, args, work, command.strip())
     try:
         res = run(prof, args.out, work)
     finally:
@@ -222,4 +229,27 @@ def main(argv: list[str] | None = None) -> int:
 
     write_report(res, args.out)
     _say(f"wrote {args.out}/benchmarks.md, .png and .json in {res['elapsed_s']:.0f} s")
+    return 0
+
+
+def _reader_only(prof: Profile, args: argparse.Namespace, work: str, command: str) -> int:
+    """Run the reader rows alone and update only their section of benchmarks.md."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    moto, endpoint = _moto() if prof.s3 else (None, None)
+    t0 = time.perf_counter()
+    try:
+        res = reader.run_reader(args.n or prof.reader_n, prof.repeats, work, endpoint, _say)
+    finally:
+        if moto is not None:
+            moto.kill()
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    res.update(command=command, elapsed_s=time.perf_counter() - t0, machine=_machine(), load=reader.load_note())
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "benchmarks-reader.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    reader.write_section(os.path.join(args.out, "benchmarks.md"), reader.section(res, command, res["load"]))
+    _say(f"wrote the reader rows into {args.out}/benchmarks.md in {res['elapsed_s']:.0f} s")
     return 0

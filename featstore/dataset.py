@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import InvalidInput
-from .format import ShardFormat, shard_format
+from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
+from .errors import CorruptChunk, InvalidInput
+from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, mapped_chunks, shard_format
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
-from .versions import Version
+from .versions import Version, deleted_while_reading
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class ReaderOptions:
             four shards.
         prefetch: shard pieces read ahead, concurrently.
         fields: the arrays to read (None: all).
+        cache: ``"memory"`` keeps decoded shards in shared memory (``/dev/shm``), one copy for
+            every DataLoader worker and rank on the machine: once the version fits, later epochs
+            read no storage and decode nothing. Uncompressed arrays of a local store are not
+            copied into it: they are read in place from the page cache (already one shared copy).
+        cache_bytes: the cache's budget (its files never exceed it; least recently used shards
+            go first). None: half the free space of ``/dev/shm`` when the cache is opened.
     """
 
     batch_size: int = 256
@@ -52,6 +59,8 @@ class ReaderOptions:
     shuffle_window: int | None = None
     prefetch: int = 4
     fields: tuple[str, ...] | None = None
+    cache: str | None = None
+    cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -60,14 +69,59 @@ class ReaderOptions:
             raise InvalidInput(f"partition must be one of {PARTITIONS} or None, got {self.partition!r}.")
         if self.prefetch < 1:
             raise InvalidInput("prefetch must be at least 1.")
+        if self.cache is not None and self.cache not in CACHE_KINDS:
+            raise InvalidInput(f"cache must be one of {CACHE_KINDS} or None, got {self.cache!r}.")
+        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 1):
+            raise InvalidInput(f"cache_bytes must be a positive int, got {self.cache_bytes!r}.")
 
 
-def _rows(arrays: dict[str, np.ndarray], order: np.ndarray | None, drop: int, a: int, b: int) -> dict[str, np.ndarray]:
-    """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``."""
-    if order is None:
-        return {k: v[drop + a:drop + b] for k, v in arrays.items()}
-    idx = order[a:b]
-    return {k: v[idx] for k, v in arrays.items()}
+def _rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: int, b: int) -> dict[str, np.ndarray]:
+    """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``;
+    fields held in place (:class:`_InPlace`) are gathered straight into the batch."""
+    pos = np.arange(drop + a, drop + b) if order is None else order[a:b]
+    groups = None
+    out = {}
+    for k, v in arrays.items():
+        if isinstance(v, _InPlace):
+            groups = groups if groups is not None else v.groups(pos)  # same pieces for every field
+            out[k] = v.take(groups, len(pos))
+        else:
+            out[k] = v[drop + a:drop + b] if order is None else v[pos]
+    return out
+
+
+class _InPlace:
+    """One field of a window left where it lies: piece ``i``'s rows are rows ``lo_i..`` of
+    ``sources[i]``, a ``(chunks, chunk_rows, *row)`` array on a mapped shard object or a shard
+    in the shared cache. A batch gathers its rows from there: one copy, as from a tensor."""
+
+    def __init__(self, sources: list[np.ndarray], pieces: tuple[Piece, ...], chunk_rows: int) -> None:
+        self.sources, self.chunk_rows = sources, chunk_rows
+        sizes = np.array([p.size for p in pieces], dtype=np.int64)
+        self.ends = np.cumsum(sizes)
+        self.starts = self.ends - sizes
+        self.los = np.array([p.lo for p in pieces], dtype=np.int64)
+
+    def groups(self, pos: np.ndarray) -> list[tuple[int, np.ndarray | None, np.ndarray, np.ndarray]]:
+        """Window positions -> per piece: (piece, batch slots or None for all, chunk, row)."""
+        pid = np.searchsorted(self.ends, pos, side="right")
+        chunk, row = np.divmod(pos - self.starts[pid] + self.los[pid], self.chunk_rows)
+        if len(pid) == 0 or pid[0] == pid[-1] and (pid == pid[0]).all():
+            return [(int(pid[0]) if len(pid) else 0, None, chunk, row)]
+        slots = np.argsort(pid, kind="stable")
+        bounds = np.searchsorted(pid[slots], np.arange(len(self.sources) + 1))
+        return [(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
+                if len(sel := slots[bounds[p]:bounds[p + 1]])]
+
+    def take(self, groups: list, n: int) -> np.ndarray:
+        if len(groups) == 1 and groups[0][1] is None:
+            p, _, chunk, row = groups[0]
+            return self.sources[p][chunk, row]
+        first = self.sources[groups[0][0]]
+        out = np.empty((n, *first.shape[2:]), dtype=first.dtype)
+        for p, sel, chunk, row in groups:
+            out[sel] = self.sources[p][chunk, row]
+        return out
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -110,9 +164,14 @@ class FeatureDataset(IterableDataset):
         # of the last iteration + 1, workers the resume point was saved with + 1 (0: unknown)]
         self._shared = torch.tensor([0, -1, 0, 0, 0], dtype=torch.int64).share_memory_()
         self._yielded = 0
-        self._formats: dict[str, ShardFormat | None] = {}
-        self._formats_pid = -1
-        self._storage = version.storage
+        self._state: _ProcessState | None = None
+        # Resolved here, once: workers opening the cache later must not see a smaller budget
+        # because the cache itself has taken shared memory meanwhile.
+        self._cache_bytes = self.options.cache_bytes or (_default_cache_bytes() if self.options.cache else 0)
+        if self.options.cache is not None:
+            # This process is a user of the shared cache from now on, so it is removed only
+            # after this process and every DataLoader worker have left (see featstore.cache).
+            self._shared_cache()
 
     def _rank_world(self) -> tuple[int, int]:
         rank, world = self._explicit
@@ -259,16 +318,103 @@ class FeatureDataset(IterableDataset):
         if info is None:
             self._resume = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_state": None}  # maps and file handles stay in their process
+
+    @property
+    def _proc(self) -> _ProcessState:
+        if self._state is None or self._state.pid != os.getpid():
+            self._state = _ProcessState(self.version)
+        return self._state
+
     def _shard_format(self, field: str) -> ShardFormat | None:
         """The field's shard format when the fast path can read it (cached per process)."""
-        if self._formats_pid != os.getpid():
-            # A filesystem object is neither fork- nor loop-safe: reopen the storage by URL in
-            # each process.
-            self._formats, self._formats_pid = {}, os.getpid()
-            self._storage = self.version.storage.reopen()
-        if field not in self._formats:
-            self._formats[field] = shard_format(self.version.array(field))
-        return self._formats[field]
+        formats = self._proc.formats
+        if field not in formats:
+            formats[field] = shard_format(self.version.array(field))
+        return formats[field]
+
+    def _in_place(self, field: str) -> bool:
+        """Whether the field's pieces are read where they lie (a mapped local object, or the
+        shared cache) rather than copied into a window buffer."""
+        fmt = self._shard_format(field)
+        return fmt is not None and (self.options.cache is not None
+                                    or (self._proc.storage.is_local and not fmt.compressed))
+
+    def _shared_cache(self) -> SharedCache:
+        st = self._proc
+        if st.cache is None:
+            storage = self.version.storage
+            where = os.path.abspath(storage.root) if storage.is_local else storage.url
+            identity = f"{where}|{self.version.key}|{self.version.id}"
+            st.cache = SharedCache.open(CacheOptions(self._cache_bytes), identity)
+            st.cache.trim(self._cache_bytes)
+        return st.cache
+
+    def clear_cache(self) -> None:
+        """Empty this version's shared cache (``cache="memory"``) for every process on the
+        machine: the next reads decode from storage again.
+
+        >>> ds = store.dataset("cnn-a/train", cache="memory", cache_bytes=8 * 2**30)
+        >>> ds.clear_cache()
+        """
+        if self.options.cache is not None:
+            self._shared_cache().clear()
+
+    def _object(self, ref: ChunkRef, shard: int) -> Any:
+        """One shard object's bytes: mapped for a local store (no copy), else read whole."""
+        st = self._proc
+        key = self.version.object_key(ref.array, shard)  # a base's folder for an inherited shard
+        if st.storage.is_local:
+            try:
+                data: Any = st.maps.get(st.storage.path(key))
+            except FileNotFoundError:
+                data = None
+        else:
+            data = st.storage.read_bytes(key)
+        if data is None or len(data) == 0:
+            if data is None and self.version.was_deleted():
+                raise deleted_while_reading(self.version.ref)
+            raise CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
+        return data
+
+    def _source(self, piece: Piece, field: str) -> np.ndarray:
+        """The piece's whole shard as ``(chunks, chunk_rows, *row)``: mapped in place (local,
+        uncompressed; the crc32c of the piece's chunks checked on every read, so a byte that
+        changes on disk between epochs is caught, at ~0.07 of an epoch's time) or decoded once
+        per machine into the shared cache."""
+        fmt = self._shard_format(field)
+        assert fmt is not None
+        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        n = -(-self._proc.shard_rows(self.version)[piece.shard] // fmt.chunk_rows)
+        if self._proc.storage.is_local and not fmt.compressed:
+            todo = list(range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)))
+            arr = mapped_chunks(self._object(ref, piece.shard), fmt, n, todo, ref)
+            if arr is not None:
+                return arr
+        return self._cached(fmt, n, ref, piece.shard)
+
+    def _cached(self, fmt: ShardFormat, n: int, ref: ChunkRef, shard: int) -> np.ndarray:
+        """The shard decoded, from the shared cache (decoded and inserted on a miss; kept by
+        this process alone when it cannot fit)."""
+        shape = (n, fmt.chunk_rows, *fmt.row_shape)
+        dtype = np.dtype(fmt.dtype)
+
+        def decode(out: np.ndarray) -> None:  # raises on a bad crc32c: nothing is cached then
+            decode_shard_rows(self._object(ref, shard), fmt, 0, n * fmt.chunk_rows,
+                              out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref)
+
+        cache = self._shared_cache() if self.options.cache is not None else None
+        key = f"{ref.array}.{shard}"
+        view = cache.get(key) if cache is not None else None
+        if view is None and cache is not None:
+            view = cache.put(key, int(np.prod(shape)) * dtype.itemsize,
+                             lambda buf: decode(np.frombuffer(buf, dtype=dtype).reshape(shape)), self._cache_bytes)
+        if view is None:
+            out = np.empty(shape, dtype=dtype)
+            decode(out)
+            return out
+        return np.frombuffer(view, dtype=dtype).reshape(shape)
 
     def _read_field(self, piece: Piece, field: str, out: np.ndarray) -> None:
         """Rows of one piece of one array, stored dtype, written into ``out``.
@@ -284,7 +430,11 @@ class FeatureDataset(IterableDataset):
         if fmt is None:
             out[...] = self.version.read_rows(field, start + piece.lo, start + piece.hi)
             return
-        self.version.read_shard_rows(self._storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
+        if not self._proc.storage.is_local:  # whole object, or by range for a few chunks
+            self.version.read_shard_rows(self._proc.storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
+            return
+        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        decode_shard_rows(self._object(ref, piece.shard), fmt, piece.lo, piece.hi, out, ref)
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
         """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""
@@ -353,8 +503,11 @@ class _WindowReader:
         self.ds, self.pool, self.todo = ds, pool, iter(todo)
         self.specs = ds.version.manifest.arrays
         self.spp = ds.version.manifest.layout.samples_per_shard
-        self.queue: deque[tuple[int, int, dict[str, np.ndarray], list[Future]]] = deque()
+        self.queue: deque[tuple[int, int, dict[str, Any], list[Future], tuple[Piece, ...]]] = deque()
         self.in_flight = 0  # pieces submitted and not yet consumed
+        self.placed = [f for f in ds.fields if ds._in_place(f)]
+        self.dense = [f for f in ds.fields if f not in self.placed]
+        self.chunk_rows = ds.version.manifest.layout.chunk_rows
         # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
         # later window: no fresh pages to fault in for every window (~15% of the read cost).
         # Unshuffled batches are views into the window, which the caller may keep.
@@ -364,16 +517,18 @@ class _WindowReader:
         try:
             self._fill()
             while self.queue:
-                wi, drop, arrays, futs = self.queue.popleft()
+                wi, drop, arrays, futs, window = self.queue.popleft()
                 for f in futs:
                     f.result()
+                for f in self.placed:
+                    arrays[f] = _InPlace([x.result() for x in arrays[f]], window, self.chunk_rows)
                 self.in_flight -= len(futs) // max(1, len(self.ds.fields))
                 self._fill()
                 yield wi, drop, arrays
                 if self.spare is not None:  # the consumer has cut every batch of this window
-                    self.spare.append(arrays)
+                    self.spare.append({k: v for k, v in arrays.items() if k not in self.placed})
         finally:
-            for _, _, _, futs in self.queue:  # an abandoned epoch: do not read what nobody will use
+            for _, _, _, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
                 for f in futs:
                     f.cancel()
 
@@ -382,7 +537,7 @@ class _WindowReader:
             got = self.spare.pop()
             if len(got["index"]) == total:
                 return got
-        return {f: np.empty((total, *self.specs[f].shape), dtype=self.specs[f].dtype) for f in self.ds.fields}
+        return {f: np.empty((total, *self.specs[f].shape), dtype=self.specs[f].dtype) for f in self.dense}
 
     def _fill(self) -> None:
         """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
@@ -397,7 +552,40 @@ class _WindowReader:
             futs, off = [], 0
             for p in window:
                 futs += [self.pool.submit(self.ds._read_field, p, f, arrays[f][off:off + p.size])
-                         for f in self.ds.fields]
+                         for f in self.dense]
                 off += p.size
-            self.queue.append((wi, drop, arrays, futs))
+            for f in self.placed:  # futures of each piece's source; an _InPlace once all are done
+                arrays[f] = [self.pool.submit(self.ds._source, p, f) for p in window]
+                futs += arrays[f]
+            self.queue.append((wi, drop, arrays, futs, window))
             self.in_flight += len(window)
+
+
+#: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again
+#: costs about as much as copying them, so a version up to this size is mapped once per process.
+MAPPED_BYTES = 256 * 2**20
+
+
+class _ProcessState:
+    """What one process reads with: its own storage (an fsspec filesystem is neither fork- nor
+    loop-safe), the shard formats, mapped shard objects,
+    and its handle on the shared cache."""
+
+    def __init__(self, version: Version) -> None:
+        self.pid = os.getpid()
+        self.storage = version.storage.reopen()
+        self.formats: dict[str, ShardFormat | None] = {}
+        self.maps = MappedFiles(MAPPED_BYTES)
+        self.cache: SharedCache | None = None
+        self._shard_rows: list[int] | None = None
+
+    def shard_rows(self, version: Version) -> list[int]:
+        if self._shard_rows is None:
+            self._shard_rows = version.manifest.layout.shard_sizes()
+        return self._shard_rows
+
+
+def _default_cache_bytes() -> int:
+    """Half the free space where the shared cache lives."""
+    st = os.statvfs(default_root())
+    return max(1, st.f_bavail * st.f_frsize // 2)

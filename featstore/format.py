@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,11 @@ COMPRESSIONS = ("auto", "zstd", "none")
 #: probe batch: near-incompressible float32 (logits) decodes ~10x slower through zstd than as a
 #: plain copy, and the reader's decode competes with Model B for the same cores.
 AUTO_MIN_SAVING = 0.10
+#: The same rule for a local store, where bytes are cheap and CPU is what the reader spends:
+#: there an uncompressed array is gathered in place from the page cache (no decode at all),
+#: while zstd costs ~4x the reader's CPU per epoch on fp16 features that it shrinks by ~40%
+#: (docs/benchmarks.md, "compression on a local store"). So zstd only where it halves the bytes.
+LOCAL_AUTO_MIN_SAVING = 0.50
 #: Batch keys the reader adds itself; no stored array may take them.
 RESERVED_FIELDS = ("index",)
 ZARR_FORMAT = 3
@@ -66,15 +71,18 @@ def zstd_saving(stored: np.ndarray) -> float:
     return 1.0 - len(numcodecs.Zstd(ZSTD_LEVEL).encode(raw)) / len(raw)
 
 
-def choose_compression(policy: str, saving: float) -> str:
-    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``.
+def choose_compression(policy: str, saving: float, local: bool = False) -> str:
+    """``policy`` resolved for one array whose probe batch zstd shrinks by ``saving``, on a
+    local store (``local``: CPU matters more than bytes) or a remote one (bytes matter).
 
     >>> choose_compression("auto", 0.42), choose_compression("auto", 0.07)
     ('zstd', 'none')
+    >>> choose_compression("auto", 0.42, local=True), choose_compression("auto", 0.85, local=True)
+    ('none', 'zstd')
     """
     if check_compression(policy) != "auto":
         return policy
-    return "zstd" if saving >= AUTO_MIN_SAVING else "none"
+    return "zstd" if saving >= (LOCAL_AUTO_MIN_SAVING if local else AUTO_MIN_SAVING) else "none"
 
 
 def chunk_label(compression: str) -> str:
@@ -380,6 +388,12 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         if off == _EMPTY or int(off) < base or int(off) + int(size) > end:
             raise _damaged(ref, f"chunk {c} of the shard is missing or out of bounds")
         body = _check_crc(view[int(off) - base:int(off) - base + int(size)], f"chunk {c}", ref)
+        r0 = max(lo - c * fmt.chunk_rows, 0)
+        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
+        o0 = c * fmt.chunk_rows + r0 - lo
+        if fmt.compressed and r1 - r0 == fmt.chunk_rows and out[o0:o0 + r1 - r0].flags.c_contiguous:
+            _decode_into(zstd, body, out[o0:o0 + r1 - r0], c, ref)  # no temporary: the rows it fills
+            continue
         if fmt.compressed:
             try:
                 raw = zstd.decode(body)
@@ -392,8 +406,56 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         arr = np.frombuffer(raw, dtype=dtype)
         if arr.size != fmt.chunk_rows * row_items:
             raise _damaged(ref, f"chunk {c} holds {arr.size} values, expected {fmt.chunk_rows * row_items}")
-        r0 = max(lo - c * fmt.chunk_rows, 0)
-        r1 = min(hi - c * fmt.chunk_rows, fmt.chunk_rows)
-        o0 = c * fmt.chunk_rows + r0 - lo
         out[o0:o0 + r1 - r0] = arr.reshape(fmt.chunk_rows, *fmt.row_shape)[r0:r1]
     return out
+
+
+def _decode_into(zstd: Any, body: memoryview, dest: np.ndarray, c: int, ref: ChunkRef) -> None:
+    """Decompress one whole chunk straight into ``dest`` (exactly its size, or it is damaged)."""
+    if _zstd_content_size(body) != dest.nbytes:
+        raise _damaged(ref, f"chunk {c} does not hold {dest.nbytes} bytes of values")
+    try:
+        zstd.decode(body, out=dest.reshape(-1).view(np.uint8))
+    except Exception as exc:  # noqa: BLE001 - numcodecs raises plain errors on bad frames
+        raise _damaged(ref, f"chunk {c} does not decompress: {exc}") from exc
+
+
+def _zstd_content_size(frame: memoryview) -> int | None:
+    """The decompressed size a zstd frame header declares (None when it declares none)."""
+    if len(frame) < 6 or bytes(frame[:4]) != b"\x28\xb5\x2f\xfd":
+        return None
+    desc = frame[4]
+    fcs_flag, single, dict_flag = desc >> 6, (desc >> 5) & 1, desc & 3
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(frame) < pos + size:
+        return None
+    value = int.from_bytes(frame[pos:pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+def mapped_chunks(data: Any, fmt: ShardFormat, n_chunks: int, verify: Iterable[int],
+                  ref: ChunkRef = ChunkRef()) -> np.ndarray | None:
+    """The first ``n_chunks`` chunks of an uncompressed shard as one ``(chunks, chunk_rows,
+    *row_shape)`` array *on* ``data`` (a memory-mapped shard object: no copy), after checking
+    the crc32c of the index and of each chunk in ``verify``; None when the shard is compressed
+    or its chunks are not laid out back to back (read it with :func:`decode_shard_rows` then).
+
+    Raises :class:`CorruptChunk` naming ``ref`` on damage.
+    """
+    if fmt.compressed:
+        return None
+    view = memoryview(data)
+    index = shard_index(view, fmt, ref)
+    dtype = np.dtype(fmt.dtype)
+    row_bytes = int(np.prod(fmt.row_shape, dtype=np.int64)) * dtype.itemsize
+    stride = fmt.chunk_rows * row_bytes + 4  # each chunk's values, then its crc32c
+    want = np.arange(n_chunks, dtype=np.uint64) * np.uint64(stride)
+    if (n_chunks > len(index) or not np.array_equal(index[:n_chunks, 0], want)
+            or not np.all(index[:n_chunks, 1] == stride) or n_chunks * stride > len(view) - len(index) * 16 - 4):
+        return None
+    for c in verify:
+        _check_crc(view[c * stride:(c + 1) * stride], f"chunk {c}", ref)
+    inner = [dtype.itemsize * int(np.prod(fmt.row_shape[i + 1:], dtype=np.int64)) for i in range(len(fmt.row_shape))]
+    return np.ndarray((n_chunks, fmt.chunk_rows, *fmt.row_shape), dtype=dtype, buffer=view,
+                      strides=(stride, row_bytes, *inner))

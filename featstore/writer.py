@@ -76,7 +76,9 @@ class ComputeOptions:
         compression: ``"zstd"``, ``"none"`` or ``"auto"``: zstd for each array where it saves
             at least 10% of the bytes on the probe batch (fp16 features, labels), none where it
             does not (float32 logits are nearly incompressible, and zstd would slow every read
-            ~10x for a few percent of storage). The choice is recorded per array in the manifest.
+            ~10x for a few percent of storage). On a local store "auto" asks zstd to save 50%:
+            there the reader gathers uncompressed arrays in place from the page cache, and CPU,
+            not bytes, is what it spends. The choice is recorded per array in the manifest.
         tune_allocator: on CPU workers with glibc, keep freed memory for reuse while a shard
             task runs instead of mapping and zeroing fresh pages for every activation tensor
             (measured 2.5x on the demo CNN); see :mod:`featstore.allocator`.
@@ -229,7 +231,7 @@ class _Progress:
 
 
 def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outputs: Mapping[str, str],
-                 keep: Mapping[str, Any], compression: str) -> dict[str, ArraySpec]:
+                 keep: Mapping[str, Any], compression: str, local: bool) -> dict[str, ArraySpec]:
     arrays = {}
     for name, codec_name in outputs.items():
         shape, dtype, saving = probed[name]
@@ -237,12 +239,12 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outpu
             raise OutputMismatch(f"output {name!r} is {dtype}; Model A outputs must be floating point.")
         codec = output_codec(codec_name)
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "output",
-                                 choose_compression(compression, saving))
+                                 choose_compression(compression, saving, local))
     for name in keep:
         shape, dtype, saving = probed[name]
         codec = keep_codec(getattr(torch, dtype))
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "keep",
-                                 choose_compression(compression, saving))
+                                 choose_compression(compression, saving, local))
     return arrays
 
 
@@ -398,7 +400,7 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
            options: ComputeOptions, growth: Growth | None = None) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
-    arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression)
+    arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression, catalog.storage.is_local)
     if growth is not None:
         arrays = growth.adopt_arrays(arrays)
     row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]

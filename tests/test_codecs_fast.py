@@ -130,5 +130,8 @@ def test_auto_compression_keeps_zstd_only_where_it_pays():
     assert [F.choose_compression("auto", F.zstd_saving(x)) for x in (relu, logits, labels)] == \
         ["zstd", "none", "zstd"]
     assert F.choose_compression("zstd", 0.0) == "zstd" and F.choose_compression("none", 0.9) == "none"
+    # a local store weighs CPU over bytes: fp16 features (~40% saved) stay raw, labels do not
+    assert [F.choose_compression("auto", F.zstd_saving(x), local=True) for x in (relu, logits, labels)] == \
+        ["none", "none", "zstd"]
     with pytest.raises(InvalidInput, match="compression must be one of"):
         F.choose_compression("lz4", 0.5)

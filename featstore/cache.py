@@ -1,0 +1,390 @@
+"""Shard bytes held in place: mapped local files and a cache of decoded shards shared by every
+process on the machine. Reader side only (used by :mod:`featstore.dataset`).
+
+- :class:`MappedFiles`: read-only memory maps of local shard objects, kept open (least recently
+  used first out, up to a byte bound) because faulting a mapping's pages in again costs about
+  as much as copying them.
+- :class:`SharedCache`: decoded shards as files in one folder on ``/dev/shm`` (shared memory),
+  one copy for all DataLoader workers and ranks of the machine. Every process maps the same
+  file. The folder's files never exceed ``max_bytes``: an insert first evicts the least
+  recently used shards (by modification time, which a hit refreshes) under an exclusive lock.
+  An entry is written under a temporary name and renamed when whole, only after the decoder
+  checked every crc32c, so a reader never sees a torn or unverified shard.
+- Lifetime: each process using a folder holds a shared ``flock`` on its ``users.lock`` until it
+  exits; the process that leaves last (its exclusive lock succeeds) removes the folder. The
+  kernel drops the locks of a killed process, so a SIGKILLed worker never keeps a folder alive,
+  and a folder whose every user was killed is removed by the next process that opens any cache
+  under the same root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing import util as mp_util
+
+CACHE_KINDS = ("memory",)
+PREFIX = "featstore-cache-"
+_USERS = "users.lock"
+_EVICT = "evict.lock"
+_TMP = ".tmp-"
+
+
+def default_root() -> str:
+    """``/dev/shm`` where it exists (Linux shared memory), else the temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Where a :class:`SharedCache` lives and how much it may hold.
+
+    Attributes:
+        max_bytes: the folder's files never exceed this many bytes.
+        root: the folder's parent (None: :func:`default_root`, shared memory on Linux).
+    """
+
+    max_bytes: int
+    root: str | None = None
+
+    def folder(self, identity: str) -> str:
+        """The cache folder of one version: every process naming the same identity shares it."""
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+        return os.path.join(self.root or default_root(), PREFIX + digest)
+
+
+@contextlib.contextmanager
+def _flocked(path: str, how: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _unused(lock_path: str) -> bool:
+    """Whether no live process holds ``lock_path`` (a non-blocking exclusive lock succeeds)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(root: str) -> list[str]:
+    """Remove every cache folder under ``root`` that no live process uses (all its users were
+    killed); return the folders removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        folder = os.path.join(root, name)
+        lock = os.path.join(folder, _USERS)
+        if os.path.exists(lock) and _try_remove(folder):
+            removed.append(folder)
+    return removed
+
+
+def _try_remove(folder: str) -> bool:
+    """Remove ``folder`` if no process holds its users lock (checked under that lock)."""
+    try:
+        fd = os.open(os.path.join(folder, _USERS), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        # Newcomers re-check the lock file's inode after their shared lock, so removing the
+        # folder under our exclusive lock cannot strand one.
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+class MappedFiles:
+    """Read-only memory maps of local files, the most recently used kept open up to
+    ``max_bytes`` in all (thread-safe). Each map is returned as a ``memoryview``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> memoryview:
+        """The file's bytes, mapped (raises ``FileNotFoundError``)."""
+        with self._lock:
+            view = self._maps.get(path)
+            if view is not None:
+                self._maps.move_to_end(path)
+                return view
+        view = _map(path)
+        with self._lock:
+            if path not in self._maps:
+                self._maps[path] = view
+                self._bytes += len(view)
+            while self._bytes > self.max_bytes and len(self._maps) > 1:
+                _, old = self._maps.popitem(last=False)  # unmapped once its last array is freed
+                self._bytes -= len(old)
+        return view
+
+    def trim(self, max_bytes: int) -> None:
+        """Evict least recently used shards until the folder holds at most ``max_bytes``
+        (a reader with a smaller budget than an earlier one on the same version)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            entries, used = self._entries()
+            for _, size, path in sorted(entries):
+                if used <= max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                used -= size
+        self.drop_stale()
+
+    def clear(self) -> None:
+        """Forget every map (each is unmapped once no array uses it any more)."""
+        with self._lock:
+            self._maps.clear()
+            self._bytes = 0
+
+
+def _map(path: str, writable: bool = False) -> memoryview:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return memoryview(b"")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # Read maps are faulted in here, in a reader thread, not page by page in the batch gather.
+        flags = mmap.MAP_SHARED | (0 if writable else getattr(mmap, "MAP_POPULATE", 0))
+        return memoryview(mmap.mmap(fd, size, flags=flags, prot=prot))
+    finally:
+        os.close(fd)
+
+
+class SharedCache:
+    """Decoded shards shared by every process of the machine (see the module docstring).
+
+    >>> cache = SharedCache.open(CacheOptions(max_bytes=2**30), "s3://bucket/feats|cnn-a@3f2a")
+    >>> view = cache.get("features.3") or cache.put("features.3", nbytes, fill)
+    """
+
+    _open: dict[tuple[int, str], "SharedCache"] = {}
+    _open_lock = threading.Lock()
+
+    def __init__(self, folder: str, max_bytes: int) -> None:
+        self.folder, self.max_bytes = folder, int(max_bytes)
+        self._maps: dict[str, tuple[int, memoryview]] = {}  # key -> (inode, map) in this process
+        self._lock = threading.Lock()
+        self._users_fd = self._join()
+        mp_util.Finalize(None, _leave, args=(folder, self._users_fd), exitpriority=-10)
+
+    @classmethod
+    def open(cls, options: CacheOptions, identity: str) -> "SharedCache":
+        """This process's handle on the cache of ``identity`` (one per process and folder; the
+        first caller's ``max_bytes`` is the default budget of its inserts)."""
+        folder = options.folder(identity)
+        key = (os.getpid(), folder)
+        with cls._open_lock:
+            cache = cls._open.get(key)
+            if cache is None:
+                sweep_stale(os.path.dirname(folder))
+                cache = cls._open[key] = cls(folder, options.max_bytes)
+            return cache
+
+    def _join(self) -> int:
+        """Create the folder if needed and hold a shared lock on its users file until exit."""
+        lock = os.path.join(self.folder, _USERS)
+        while True:
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:  # the folder was removed between makedirs and open
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the last user removed the folder meanwhile: start over
+
+    def _path(self, key: str) -> str:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"bad cache key {key!r}")
+        return os.path.join(self.folder, key)
+
+    # -- reading ------------------------------------------------------------------------
+    def get(self, key: str) -> memoryview | None:
+        """The cached bytes of ``key`` (read-only, mapped), or None; a hit counts as a use."""
+        path = self._path(key)
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            with self._lock:
+                self._maps.pop(key, None)
+            return None
+        with self._lock:
+            held = self._maps.get(key)
+        if held is None or held[0] != ino:
+            try:
+                view = _map(path)
+            except FileNotFoundError:
+                return None
+            held = (ino, view)
+            with self._lock:
+                self._maps[key] = held
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)  # least recently used goes first
+        return held[1]
+
+    # -- writing ------------------------------------------------------------------------
+    def put(self, key: str, nbytes: int, fill: Callable[[memoryview], None],
+            max_bytes: int | None = None) -> memoryview | None:
+        """Store ``nbytes`` written by ``fill(buffer)`` under ``key`` and return them mapped;
+        None when they cannot fit (larger than the budget, or shared memory is full): the
+        caller then keeps its own copy. ``fill`` must raise on bad data: nothing is stored then.
+        ``max_bytes`` is this insert's budget for the whole folder (default: the handle's).
+        """
+        budget = self.max_bytes if max_bytes is None else int(max_bytes)
+        if nbytes <= 0 or nbytes > budget:
+            return None
+        path = self._path(key)
+        tmp = os.path.join(self.folder, f"{_TMP}{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        fd = self._reserve(tmp, nbytes, budget)
+        self.drop_stale()  # our maps of what was just evicted: free their memory now
+        if fd is None:
+            return None
+        try:
+            view = _map(tmp, writable=True)
+            fill(view)
+            os.rename(tmp, path)  # whole and verified: now visible to every process
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)  # drops the writer's lock on the temporary file
+        ro = view.toreadonly()
+        with self._lock:
+            self._maps[key] = (_ino(path), ro)
+        return ro
+
+    def _reserve(self, tmp: str, nbytes: int, budget: int) -> int | None:
+        """Evict until ``nbytes`` more fit, then create ``tmp`` at that size (locked while
+        written, so a crashed writer's file is recognised and removed)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            entries, used = self._entries()
+            for _, size, path in sorted(entries):
+                if used + nbytes <= budget:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                used -= size
+            if used + nbytes > budget:
+                return None
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # ENOSPC here, not SIGBUS on a write later
+            except OSError as exc:
+                os.close(fd)
+                os.unlink(tmp)
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    return None
+                raise
+            return fd
+
+    def _entries(self) -> tuple[list[tuple[int, int, str]], int]:
+        """(mtime, size, path) of every cached shard, and the bytes in use (temporary files
+        included; a crashed writer's are removed here)."""
+        entries, used = [], 0
+        for name in os.listdir(self.folder):
+            path = os.path.join(self.folder, name)
+            if name in (_USERS, _EVICT):
+                continue
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if name.startswith(_TMP):
+                if _unused(path):  # its writer died mid-write
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+                used += st.st_size
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, path))
+            used += st.st_size
+        return entries, used
+
+    def trim(self, max_bytes: int) -> None:
+        """Evict least recently used shards until the folder holds at most ``max_bytes``
+        (a reader with a smaller budget than an earlier one on the same version)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            entries, used = self._entries()
+            for _, size, path in sorted(entries):
+                if used <= max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                used -= size
+        self.drop_stale()
+
+    def clear(self) -> None:
+        """Remove every cached shard (processes that have one mapped keep it until they move on)."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            for _, _, path in self._entries()[0]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        with self._lock:
+            self._maps.clear()
+
+    def used_bytes(self) -> int:
+        """Bytes of the folder's files now (shards and inserts in progress)."""
+        return self._entries()[1]
+
+    def drop_stale(self) -> None:
+        """Unmap this process's view of every shard another process evicted."""
+        with self._lock:
+            for key, (ino, _) in list(self._maps.items()):
+                if _ino(self._path(key)) != ino:
+                    del self._maps[key]
+
+
+def _ino(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return -1
+
+
+def _leave(folder: str, fd: int) -> None:
+    """At process exit: drop this process's use; the last user removes the folder."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    _try_remove(folder)

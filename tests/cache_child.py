@@ -1,0 +1,70 @@
+"""A training process for test_cache: reads a version through 2 DataLoader workers with
+cache="memory", prints the cache folder, and then (by mode) ends normally, loses a worker to
+SIGKILL mid-epoch, or waits to be killed itself.
+
+    python -m tests.cache_child STORE_ROOT REF MODE      # MODE: normal | kill-worker | hang
+    python -m tests.cache_child STORE_ROOT REF rank R SYNC_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+import featstore
+
+
+def _wait_for(path: str) -> None:
+    deadline = time.monotonic() + 240
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.05)
+
+
+def rank(root: str, ref: str, r: int, sync: str) -> None:
+    """One of 2 ranks on this machine: epoch 0 decodes its half into the shared cache; after
+    both ranks are done and the store's chunks are gone, epoch 1 (other shards) still reads."""
+    ds = featstore.open_store(root).dataset(ref, batch_size=16, seed=4, rank=r, world_size=2,
+                                            cache="memory", cache_bytes=2**24)
+    first = [b["index"] for b in ds]
+    open(os.path.join(sync, f"done-{r}"), "w").close()
+    _wait_for(os.path.join(sync, "deleted"))  # the test removes the chunk objects
+    ds.set_epoch(1)
+    second = [b["index"] for b in ds]
+    print("read", sum(map(len, first)), sum(map(len, second)), flush=True)
+
+
+def main(root: str, ref: str, mode: str) -> None:
+    ds = featstore.open_store(root).dataset(ref, batch_size=16, seed=3, cache="memory", cache_bytes=2**24)
+    print(ds._shared_cache().folder, flush=True)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, timeout=120)
+    it = iter(loader)
+    next(it)
+    if mode == "kill-worker":
+        os.kill(it._workers[0].pid, signal.SIGKILL)  # the other worker and this process go on
+        try:
+            for _ in it:
+                pass
+        except RuntimeError as exc:  # "DataLoader worker (pid ...) exited unexpectedly"
+            print("worker lost:", exc, flush=True)
+        del it
+        return
+    n = 16 + sum(len(b["index"]) for b in it)
+    print("samples", n, flush=True)
+    if mode == "hang":
+        print("ready", flush=True)
+        time.sleep(600)
+    torch.set_num_threads(1)
+
+
+if __name__ == "__main__":
+    if sys.argv[3] == "rank":
+        rank(sys.argv[1], sys.argv[2], int(sys.argv[4]), sys.argv[5])
+    else:
+        main(*sys.argv[1:4])

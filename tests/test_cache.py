@@ -1,0 +1,259 @@
+"""The reader's in-place paths: mapped local shards and the shared decoded cache (cache="memory").
+
+Real parts only: real DataLoader worker processes, a real child process killed with SIGKILL,
+files in /dev/shm, damaged shard objects on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import featstore
+from featstore import ComputeOptions, CorruptChunk, InvalidInput
+from featstore.cache import CacheOptions, SharedCache, sweep_stale
+
+from .models import TinyA, VectorData
+
+N = 333
+SPP = 32
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Versions(dict):
+    """The same data three ways, each computed on first use: local zstd (decoded through the
+    cache), local uncompressed (mapped in place), and S3."""
+
+    def __init__(self, root: Path, client, endpoint: str) -> None:
+        super().__init__()
+        self.root, self.client, self.endpoint = root, client, endpoint
+
+    def __missing__(self, kind: str) -> featstore.Version:
+        if kind == "s3":
+            import uuid
+
+            import boto3
+
+            bucket = f"cache-{uuid.uuid4().hex[:10]}"
+            boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=bucket)
+            store = featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": self.endpoint})
+        else:
+            store = featstore.open_store(self.root / kind)
+        comp = {"zstd": "zstd", "raw": "none"}.get(kind, "auto")
+        self[kind] = store.compute("c/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
+                                   outputs={"features": "float16", "logits": "float32"},
+                                   samples_per_shard=SPP, batch_size=32, client=self.client,
+                                   options=ComputeOptions(progress=False, chunk_rows=16, compression=comp))
+        return self[kind]
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, dask_client, moto_endpoint):
+    return _Versions(tmp_path_factory.mktemp("cache"), dask_client, moto_endpoint)
+
+
+def batches(ds, workers: int = 0) -> list[dict[str, torch.Tensor]]:
+    if not workers:
+        return list(ds)
+    return list(DataLoader(ds, batch_size=None, num_workers=workers, timeout=120))
+
+
+def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def folder_of(ds) -> Path:
+    return Path(ds._shared_cache().folder)
+
+
+def entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("kind", ["zstd", "raw", "s3"])
+@pytest.mark.parametrize("shuffle,partition,world", [(True, None, 1), (False, None, 1), (True, "pad", 3),
+                                                      (True, "drop", 2), (False, "even", 2)])
+def test_cache_gives_identical_batches(versions, kind, shuffle, partition, world):
+    v = versions[kind]
+    for rank in range(world):
+        opts = dict(batch_size=20, shuffle=shuffle, seed=5, partition=partition, rank=rank, world_size=world)
+        plain = v.dataset(**opts)
+        cached = v.dataset(**opts, cache="memory", cache_bytes=2**24)
+        for epoch in (0, 1):  # epoch 1 is served from the cache
+            plain.set_epoch(epoch)
+            cached.set_epoch(epoch)
+            assert same(batches(cached), batches(plain)), (epoch, rank)
+
+
+def test_resume_with_cache_continues_like_without(versions):
+    v = versions["zstd"]
+    plain = list(v.dataset(batch_size=16, seed=9))
+    first = v.dataset(batch_size=16, seed=9, cache="memory", cache_bytes=2**24)
+    it = iter(first)
+    for _ in range(7):
+        next(it)
+    state = first.state_dict()
+    resumed = v.dataset(batch_size=16, seed=9, cache="memory", cache_bytes=2**24)
+    resumed.load_state_dict(state)
+    assert same(list(resumed), plain[7:])
+
+
+def test_budget_is_respected_and_oversized_shards_still_read(versions):
+    v = versions["zstd"]
+    shard = SPP * 5 * 4  # one logits shard, decoded (the largest entry)
+    big = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=2**24)
+    batches(big)  # fills the version's cache beyond the next reader's budget
+    assert big._shared_cache().used_bytes() > 3 * shard
+    ds = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=3 * shard)
+    ref = batches(v.dataset(batch_size=32, seed=1))
+    for _ in range(2):
+        assert same(batches(ds), ref)
+        cache = ds._shared_cache()
+        assert 0 < cache.used_bytes() <= 3 * shard
+    tiny = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=8)  # nothing fits
+    assert same(batches(tiny), ref)
+
+
+def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_path):
+    src = versions["zstd"]
+    root = tmp_path / "store"
+    shutil.copytree(src.storage.root, root)
+    v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    plain = v.dataset(batch_size=16, seed=2)
+    plain.set_epoch(1)
+    want = batches(plain, workers=2)
+
+    ds = v.dataset(batch_size=16, seed=2, cache="memory", cache_bytes=2**24)
+    batches(ds, workers=2)  # epoch 0: each worker decodes its own shards into the one folder
+    folder = folder_of(ds)
+    n_shards = -(-N // SPP)
+    assert entries(folder) == sorted(f"{f}.{s}" for f in ("features", "logits", "target") for s in range(n_shards))
+    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
+        shutil.rmtree(chunks)  # from now on, only the cache can serve
+    ds.set_epoch(1)
+    assert same(batches(ds, workers=2), want)  # new worker processes, other shards each
+
+
+def test_bad_options_are_refused(versions):
+    with pytest.raises(InvalidInput, match="cache must be one of"):
+        versions["raw"].dataset(cache="disk-please")
+    with pytest.raises(InvalidInput, match="cache_bytes"):
+        versions["raw"].dataset(cache="memory", cache_bytes=0)
+
+
+# -- lifetime: the folder goes with its last user ---------------------------------------------
+def child(root: str, ref: str, mode: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-m", "tests.cache_child", root, ref, mode, *extra], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_two_ranks_share_the_cache(versions, tmp_path):
+    src = versions["zstd"]
+    root = tmp_path / "store"
+    shutil.copytree(src.storage.root, root)
+    v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    ranks = [child(str(root), f"c/ds@{src.id}", "rank", str(r), str(sync)) for r in (0, 1)]
+    deadline = time.monotonic() + 240
+    while not all((sync / f"done-{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
+        time.sleep(0.05)
+    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
+        shutil.rmtree(chunks)  # epoch 1 can only be served by what the two ranks cached
+    (sync / "deleted").touch()
+    per_rank = -(-N // 2)  # partition "pad" for several ranks
+    for p in ranks:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        assert f"read {per_rank} {per_rank}" in out
+
+
+def private_copy(v, tmp_path: Path) -> featstore.Version:
+    """The version in a store of its own: a cache folder no other test (or this process) uses."""
+    shutil.copytree(v.storage.root, tmp_path / "store")
+    return featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
+
+
+@pytest.mark.parametrize("mode", ["normal", "kill-worker"])
+def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
+    v = private_copy(versions["zstd"], tmp_path)
+    proc = child(v.storage.root, f"c/ds@{v.id}", mode)
+    folder = Path(proc.stdout.readline().strip())
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert folder.name.startswith("featstore-cache-")
+    if mode == "kill-worker":
+        assert "worker lost" in out
+    else:
+        assert f"samples {N}" in out
+    assert not folder.exists()  # no leaked segment, also after a worker's SIGKILL
+
+
+def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
+    v = private_copy(versions["zstd"], tmp_path)
+    proc = child(v.storage.root, f"c/ds@{v.id}", "hang")
+    folder = Path(proc.stdout.readline().strip())
+    assert proc.stdout.readline().startswith("samples") and proc.stdout.readline().strip() == "ready"
+    assert entries(folder)  # decoded shards in shared memory
+    os.killpg(proc.pid, signal.SIGKILL)  # the process and its workers at once: nobody cleans up
+    proc.communicate(timeout=60)
+    assert folder.exists()
+    deadline = time.monotonic() + 30
+    while folder.exists() and time.monotonic() < deadline:  # the workers' locks go as they die
+        sweep_stale(str(folder.parent))  # what the next user's open does
+        time.sleep(0.05)
+    assert not folder.exists()
+
+
+def test_crashed_writer_temp_file_is_reclaimed(tmp_path):
+    opts = CacheOptions(max_bytes=4096, root=str(tmp_path))
+    cache = SharedCache(opts.folder("x"), opts.max_bytes)
+    orphan = Path(cache.folder) / ".tmp-a.0.dead"
+    orphan.write_bytes(b"\0" * 4000)  # no process holds its lock: its writer died
+    view = cache.put("b", 1000, lambda buf: buf.__setitem__(slice(None), b"\1" * 1000))
+    assert bytes(view[:2]) == b"\1\1" and not orphan.exists() and cache.used_bytes() == 1000
+
+
+# -- damage: detected on the mapped path and never cached --------------------------------------
+def flip(path: Path, at: float = 0.3) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x08
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
+    src = versions["raw"]
+    shutil.copytree(src.storage.root, tmp_path / "store")
+    store = featstore.open_store(tmp_path / "store")
+    v = store.open(f"c/ds@{src.id}")
+    assert v.manifest.arrays["logits"].compression == "none"
+    flip(Path(v.storage.path(v.key)) / "logits" / "c" / "4" / "0")
+    with pytest.raises(CorruptChunk, match="logits/c/4/0"):
+        list(v.dataset(batch_size=16, fields=("logits",)))
+    with pytest.raises(CorruptChunk, match="logits/c/4/0"):
+        batches(v.dataset(batch_size=16), workers=2)
+
+
+def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
+    src = versions["zstd"]
+    shutil.copytree(src.storage.root, tmp_path / "store")
+    v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
+    flip(Path(v.storage.path(v.key)) / "features" / "c" / "3" / "0", at=0.5)
+    ds = v.dataset(batch_size=16, cache="memory", cache_bytes=2**24)
+    for _ in range(2):  # the second time too: nothing bad was kept
+        with pytest.raises(CorruptChunk, match="features/c/3/0"):
+            list(ds)
+        assert "features.3" not in entries(folder_of(ds))
