@@ -127,43 +127,39 @@ def _try_remove(folder: str) -> bool:
 
 class MappedFiles:
     """Read-only memory maps of local files, the most recently used kept open up to
-    ``max_bytes`` in all (thread-safe). Each map is returned as a ``memoryview``."""
+    ``max_bytes`` in all (thread-safe). Each map is returned as a ``memoryview``.
+
+    Every ``get`` checks the file (one ``stat``, about a microsecond): a file deleted since it
+    was mapped raises ``FileNotFoundError`` (a deleted version reads as deleted, not from a
+    stale map), and a file replaced or rewritten is mapped afresh.
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._maps: OrderedDict[str, tuple[tuple[int, int, int], memoryview]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, path: str) -> memoryview:
         """The file's bytes, mapped (raises ``FileNotFoundError``)."""
+        st = os.stat(path)
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
         with self._lock:
-            view = self._maps.get(path)
-            if view is not None:
+            hit = self._maps.get(path)
+            if hit is not None and hit[0] == sig:
                 self._maps.move_to_end(path)
-                return view
+                return hit[1]
         view = _map(path)
         with self._lock:
-            if path not in self._maps:
-                self._maps[path] = view
-                self._bytes += len(view)
+            old = self._maps.pop(path, None)
+            if old is not None:
+                self._bytes -= len(old[1])
+            self._maps[path] = (sig, view)
+            self._bytes += len(view)
             while self._bytes > self.max_bytes and len(self._maps) > 1:
-                _, old = self._maps.popitem(last=False)  # unmapped once its last array is freed
-                self._bytes -= len(old)
+                _, (_, evicted) = self._maps.popitem(last=False)  # unmapped once its last array is freed
+                self._bytes -= len(evicted)
         return view
-
-    def trim(self, max_bytes: int) -> None:
-        """Evict least recently used shards until the folder holds at most ``max_bytes``
-        (a reader with a smaller budget than an earlier one on the same version)."""
-        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
-            entries, used = self._entries()
-            for _, size, path in sorted(entries):
-                if used <= max_bytes:
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                used -= size
-        self.drop_stale()
 
     def clear(self) -> None:
         """Forget every map (each is unmapped once no array uses it any more)."""
