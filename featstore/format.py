@@ -124,7 +124,8 @@ def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[s
                 compressors=zarr_codecs(a.compression), fill_value=0,
                 config={"write_empty_chunks": True},
                 dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
-                attributes={"featstore": {"codec": a.codec, "source": a.source}},
+                attributes={"featstore": {"codec": a.codec, "source": a.source,
+                                          **({"output": a.output, "part": a.part, **a.params} if a.output else {})}},
             )
         except zarr.errors.ContainsArrayError:
             pass  # a concurrent run created it a moment ago, from the same claim

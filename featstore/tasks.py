@@ -33,6 +33,7 @@ from .codecs import codec_by_name, keep_codec, output_codec
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
 from .format import open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
+from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .versions import read_receipts, version_key, write_receipt
@@ -185,13 +186,21 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: in
     return as_outputs(out, list(spec.outputs)), kept
 
 
+def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
+    """The per-sample shape Model A's output (or a kept field) ``name`` must have."""
+    if name in spec.arrays and not spec.arrays[name].output:
+        return spec.arrays[name].shape
+    # an output stored in parts: the shape A produced is recorded with each part
+    return next(tuple(a.params["row_shape"]) for a in spec.arrays.values() if a.output == name)
+
+
 def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
     for name, t in values.items():
-        want = spec.arrays[name]
-        if tuple(t.shape) != (rows, *want.shape):
+        want = _want_shape(spec, name)
+        if tuple(t.shape) != (rows, *want):
             raise OutputMismatch(
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
-                f"{(rows, *want.shape)} was expected (from the first batch); Model A's output "
+                f"{(rows, *want)} was expected (from the first batch); Model A's output "
                 "shape must not change between batches.")
         dtype = str(t.dtype).removeprefix("torch.")
         if spec.dtypes and dtype != spec.dtypes[name]:
@@ -200,9 +209,24 @@ def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, sta
                 f"batch had {spec.dtypes[name]}; Model A's output dtype must not change between batches.")
 
 
+def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor, start: int,
+                  encoded: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
+    """Encode an output stored in parts (sparse soft labels, int8): one array per part, the
+    codec's error statistics with the first part's."""
+    parts, error = codec.encode(t, start, name)
+    for i, (part, arr) in enumerate(parts.items()):
+        key = part_array(name, part)
+        encoded[key], stats[key] = arr, value_stats(torch.from_numpy(unpadded(part, arr)))
+        if i == 0:
+            stats[key]["codec_error"] = error
+
+
 def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tuple[dict, dict]:
     encoded, stats = {}, {}
     for name, t in values.items():
+        if name in spec.outputs and is_parts_codec(spec.outputs[name]):
+            _encode_parts(name, parts_codec(spec.outputs[name]), t, start, encoded, stats)
+            continue
         want = spec.arrays[name]
         codec = codec_by_name(want.codec)
         bad_rows: list[int] = []
@@ -496,6 +520,8 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
     outs, kept = _forward(spec, net, _fetch(dataset, 0, min(n, spec.batch_size, PROBE_ROWS)), 0)
     out = {}
     for name, t in {**outs, **kept}.items():
+        if name in outs and is_parts_codec(spec.outputs[name]):
+            out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))
         try:
             codec = output_codec(spec.outputs[name]) if name in outs else keep_codec(t.dtype)
             saving = zstd_saving(codec.cast(t))
@@ -503,6 +529,16 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
             saving = 1.0
         out[name] = (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
     return out
+
+
+def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """zstd's saving on each part of an output stored in parts (none where the codec cannot
+    encode the probe batch: the driver raises that error with the whole story)."""
+    try:
+        parts, _ = codec.encode(t, 0, name)
+    except InvalidInput:
+        return {}
+    return {part_array(name, p): (tuple(a.shape[1:]), str(a.dtype), zstd_saving(a)) for p, a in parts.items()}
 
 
 def release_models(run_key: str) -> None:

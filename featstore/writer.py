@@ -32,6 +32,7 @@ from .format import RESERVED_FIELDS, check_compression, choose_compression, chun
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
 from .monitor import RunState
 from .names import check_field, check_name
+from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
 from .stats import summarize
 from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
 from .versions import Catalog, Claim, Version
@@ -131,7 +132,8 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         outputs = {"features": "float32"}
     if not isinstance(outputs, Mapping) or not outputs:
         raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
-    outputs = {check_field(k): output_codec(v).name for k, v in outputs.items()}
+    outputs = {check_field(k): parts_codec(v).name if is_parts_codec(v) else output_codec(v).name
+               for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
     clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & set(RESERVED_FIELDS))
     if clash:
@@ -222,6 +224,9 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outpu
         shape, dtype, saving = probed[name]
         if not getattr(torch, dtype).is_floating_point:
             raise OutputMismatch(f"output {name!r} is {dtype}; Model A outputs must be floating point.")
+        if is_parts_codec(codec_name):
+            arrays.update(_part_specs(name, parts_codec(codec_name), probed, compression))
+            continue
         codec = output_codec(codec_name)
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "output",
                                  choose_compression(compression, saving))
@@ -231,6 +236,20 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outpu
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "keep",
                                  choose_compression(compression, saving))
     return arrays
+
+
+def _part_specs(name: str, codec: PartsCodec, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
+                compression: str) -> dict[str, ArraySpec]:
+    """The arrays of an output stored in parts; raises here, before anything is written, when
+    the codec cannot store the output the probe saw (K larger than the class count, ...)."""
+    shape = probed[name][0]
+    out = {}
+    for ps in codec.parts(shape, name):
+        key = part_array(name, ps.part)
+        saving = probed[key][2] if key in probed else 1.0
+        out[key] = ArraySpec(codec.name, ps.dtype, ps.shape, "output", choose_compression(compression, saving),
+                             output=name, part=ps.part, params=codec.params(shape))
+    return out
 
 
 def _libraries() -> dict[str, str]:
@@ -259,7 +278,10 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         input_key: which field of an item goes into A (key, index, callable, or None: the item).
         keep: per-sample fields stored beside A's outputs (``["target"]`` or ``{"label": 1}``).
         outputs: ``{output name: codec}``; A returns one tensor (one name) or a dict of them.
-            Codecs: ``float32`` (exact), ``float16`` (a cast), ``bfloat16``.
+            Codecs: ``float32`` (exact), ``float16`` (a cast), ``bfloat16``; soft labels
+            stored sparsely ``topk:K[@T]``, ``topp:P:MIN_K[:CAP][@T]``, ``sample:S[@T]``, and
+            ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.partcodecs`
+            and :mod:`featstore.kd`.
         batch_size: samples per forward of A.
         samples_per_shard: rows per Zarr shard (one object); None picks ~16 MiB shards.
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
