@@ -159,7 +159,7 @@ class PartsCodec:
         error = _sparse_error(logp, ids, vals, counts, self.rule)
         lead = (x.shape[0], *x.shape[1:-1], self.k)
         out = {"ids": _store_ids(ids, specs["ids"].dtype).reshape(lead),
-               "values": vals.clamp(min=_FP16_MIN).to(torch.float16).numpy().reshape(lead)}
+               "values": _fp16_logp(vals, ids).numpy().reshape(lead)}
         if counts is not None:
             out["counts"] = counts.numpy().astype(specs["counts"].dtype).reshape(lead)
         return out, error
@@ -173,6 +173,11 @@ class PartsCodec:
         if part == "counts":
             return torch.from_numpy(np.ascontiguousarray(stored).astype(np.int64))
         return torch.from_numpy(np.ascontiguousarray(stored))
+
+
+def _fp16_logp(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Kept log-probabilities as float16 (below -65504 is probability 0 anyway), padding -inf."""
+    return torch.where(ids >= 0, vals.clamp(min=_FP16_MIN), -math.inf).to(torch.float16)
 
 
 def ids_dtype(classes: int, output: str = "output") -> str:
@@ -238,7 +243,7 @@ def _sparse_error(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, cou
                   rule: str) -> dict[str, Any]:
     """Per-batch error statistics: mass kept, entries kept, KL(teacher || reconstruction)."""
     kept = ids >= 0
-    stored = vals.clamp(min=_FP16_MIN).to(torch.float16).float().masked_fill(~kept, -math.inf)
+    stored = _fp16_logp(vals, ids).float()
     p_kept = stored.exp()
     mass = torch.exp(torch.gather(logp, 1, ids.clamp(min=0))).masked_fill(~kept, 0).sum(dim=-1)
     n_kept = kept.sum(dim=-1)
