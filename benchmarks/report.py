@@ -334,9 +334,25 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         "![benchmark](benchmarks.png)",
         "",
     ]
-    with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
-        f.write("\n".join(lines))
+    path = os.path.join(out_dir, "benchmarks.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + _kept_sections(path))
+    os.replace(path + ".tmp", path)
     _plot(res, os.path.join(out_dir, "benchmarks.png"))
+
+
+def _kept_sections(path: str) -> str:
+    """Sections other benchmarks own (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``, such as
+    ``python -m benchmarks.softlabels``'s), carried over when this report rewrites the file."""
+    import re
+
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        old = f.read()
+    found = re.findall(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", old, flags=re.S)
+    blocks = [re.search(rf"<!-- {n}:begin -->.*?<!-- {n}:end -->", old, flags=re.S).group(0) for n in found]
+    return "".join("\n\n" + b for b in blocks) + ("\n" if blocks else "")
 
 
 def _plot(res: dict[str, Any], path: str) -> None:
