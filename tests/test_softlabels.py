@@ -246,9 +246,13 @@ def test_plain_zarr_opens_the_parts(local_store):
     g = zarr.open_group(v.url, mode="r")
     ids = g["logits.ids"]
     assert ids.dtype == np.uint16 and ids.shape == (200, 5)
-    assert ids.metadata.dimension_names[0] == "sample"
     assert ids.attrs["featstore"]["rule"] == "uniform_tail"
     assert np.array_equal(ids[:].astype(np.int64), v.load()["logits.ids"].numpy())
+    import xarray as xr  # in the test extra
+
+    ds = xr.open_zarr(v.url, consolidated=False, zarr_format=3)
+    assert ds["logits.ids"].dims == ds["logits.values"].dims == ("sample", "logits_k")
+    assert ds["logits.values"].dtype == np.float16 and ds.sizes["sample"] == 200
 
 
 def test_compute_time_errors_leave_no_committed_version(local_store):
