@@ -164,8 +164,9 @@ def run_codec(store: featstore.FeatureStore, codec: str, teacher: torch.nn.Modul
     xt, yt, teacher_test = test
     accs, agrees, eces = [], [], []
     for s in range(prof.students):
+        student = distill(v, xkd, prof.student_epochs, s)
         with torch.no_grad():
-            out = distill(v, xkd, prof.student_epochs, s)(xt)
+            out = student(xt)
         accs.append(float((out.argmax(-1) == yt).float().mean()))
         agrees.append(float((out.argmax(-1) == teacher_test.argmax(-1)).float().mean()))
         eces.append(ece(out, yt))
@@ -177,12 +178,25 @@ def run_codec(store: featstore.FeatureStore, codec: str, teacher: torch.nn.Modul
                _encode_ms(codec, logits), mean(accs), mean(agrees), mean(eces), {k: e for k, e in err.items() if e})
 
 
-def measure(prof: Profile) -> dict[str, Any]:
+def _teacher(x: torch.Tensor, y: torch.Tensor, prof: Profile, cache: str | None) -> torch.nn.Module:
+    """Train the teacher, or load the one an earlier run of the same profile saved in ``cache``."""
+    path = os.path.join(cache, f"teacher-{prof.n_teacher}-{prof.teacher_epochs}.pt") if cache else None
+    if path and os.path.exists(path):
+        net = mlp(256)
+        net.load_state_dict(torch.load(path, weights_only=True))
+        return net.eval().requires_grad_(False)
+    net = train_teacher(x, y, prof.teacher_epochs)
+    if path:
+        torch.save(net.state_dict(), path)
+    return net
+
+
+def measure(prof: Profile, cache: str | None = None) -> dict[str, Any]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     c = centres()
     (xtr, ytr), (xkd, _), (xte, yte) = draw(c, prof.n_teacher, 1), draw(c, prof.n_transfer, 2), draw(c, prof.n_test, 3)
     t0 = time.perf_counter()
-    teacher = train_teacher(xtr, ytr, prof.teacher_epochs)
+    teacher = _teacher(xtr, ytr, prof, cache)
     with torch.no_grad():
         tt = teacher(xte)
     head = {"profile": asdict(prof), "classes": CLASSES, "noise": NOISE, "teacher_train_s": time.perf_counter() - t0,
@@ -264,9 +278,10 @@ def write_section(md_path: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sets, one student seed")
+    ap.add_argument("--cache", help="a folder to keep the trained teacher in between runs")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
-    res = measure(QUICK if args.quick else Profile())
+    res = measure(QUICK if args.quick else Profile(), args.cache)
     with open(os.path.join(args.out, "benchmarks-softlabels.json"), "w") as f:
         json.dump(res, f, indent=1)
     write_section(os.path.join(args.out, "benchmarks.md"), section(res))
