@@ -22,8 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from .errors import InvalidInput
-
-RULES = ("uniform_tail", "renormalize", "counts")
+from .partcodecs import RULES, reconstruct, sparse_weights
 
 
 def _form(batch: Mapping[str, torch.Tensor], name: str) -> str:
@@ -51,29 +50,16 @@ def _rule(form: str, rule: str | None) -> str:
 
 
 def _sparse(batch: Mapping[str, torch.Tensor], name: str, classes: int) -> tuple[torch.Tensor, ...]:
-    """(ids clamped to valid columns, kept mask, teacher weights over the kept slots)."""
+    """Rows of a sparse output: ids ``[rows, slots]`` (-1 unused), log-probs (-inf unused), counts."""
     ids = batch[f"{name}.ids"]
     ids = ids.reshape(-1, ids.shape[-1]).long()
-    kept = ids >= 0
     if bool((ids >= classes).any()):
         raise InvalidInput(f"{name}.ids holds class ids up to {int(ids.max())}, but num_classes is {classes}.")
+    kept = ids >= 0
     logp = batch[f"{name}.values"].reshape(ids.shape).float().masked_fill(~kept, -math.inf)
     counts = batch.get(f"{name}.counts")
     counts = None if counts is None else counts.reshape(ids.shape).float() * kept
-    return ids.clamp(min=0), kept, logp, counts
-
-
-def _weights(kept: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None, rule: str,
-             classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher probability on each kept slot and the per-class probability of the tail."""
-    if rule == "counts":
-        w = counts / counts.sum(dim=-1, keepdim=True).clamp(min=1)
-        return w, torch.zeros(w.shape[0])
-    p = logp.exp()
-    if rule == "renormalize":
-        return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30), torch.zeros(p.shape[0])
-    rest = (classes - kept.sum(dim=-1)).clamp(min=1)
-    return p, (1.0 - p.sum(dim=-1)).clamp(min=0) / rest
+    return ids, logp, counts
 
 
 def densify(batch: Mapping[str, torch.Tensor], name: str, num_classes: int, *, rule: str | None = None,
@@ -93,11 +79,7 @@ def densify(batch: Mapping[str, torch.Tensor], name: str, num_classes: int, *, r
         return torch.softmax(batch[name].float() / t, dim=-1)
     rule = _rule(form, rule)
     lead = batch[f"{name}.ids"].shape[:-1]
-    ids, kept, logp, counts = _sparse(batch, name, num_classes)
-    w, tail = _weights(kept, logp, counts, rule, num_classes)
-    dense = tail[:, None].repeat(1, num_classes)
-    dense[kept.nonzero(as_tuple=True)[0], ids[kept]] = 0.0
-    dense.scatter_add_(1, ids, w * kept)
+    dense = reconstruct(*_sparse(batch, name, num_classes), num_classes, rule)
     return dense.reshape(*lead, num_classes)
 
 
@@ -121,24 +103,27 @@ def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], nam
         teacher = batch[name].float().reshape(-1, classes)
         logp = torch.log_softmax(teacher / t, dim=-1)
         return (logp.exp() * (logp - logq)).sum(-1).mean() * t * t
-    rule = _rule(form, rule)
-    ids, kept, logp, counts = _sparse(batch, name, classes)
+    ids, logp, counts = _sparse(batch, name, classes)
     if ids.shape[0] != logq.shape[0]:
         raise InvalidInput(f"student_logits has {logq.shape[0]} rows, {name!r} has {ids.shape[0]}.")
-    w, tail = _weights(kept, logp, counts, rule, classes)
-    q_kept = torch.gather(logq, 1, ids)
-    if rule == "counts":
-        # unbiased: E[sum_i counts_i/S * f(i)] = sum_i p_i f(i) for f = log p - log q
-        loss = (w * (logp.masked_fill(~kept, 0) - q_kept)).masked_fill(~kept, 0).sum(-1)
-        return loss.mean() * t * t
+    return _sparse_kl(logq, ids, logp, counts, _rule(form, rule)).mean() * t * t
+
+
+def _sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None,
+               rule: str) -> torch.Tensor:
+    """Per row, KL(teacher rebuilt by ``rule`` || student) from the kept slots and a closed form
+    for the tail, never a dense teacher tensor."""
+    kept = ids >= 0
+    w, tail = sparse_weights(ids, logp, counts, logq.shape[-1], rule)
+    q_kept = torch.gather(logq, 1, ids.clamp(min=0)).masked_fill(~kept, 0)
     if rule == "renormalize":
         logp = torch.log(w.clamp(min=1e-30))
-    w = w * kept
-    cross = -(w * q_kept.masked_fill(~kept, 0)).sum(-1)
-    ent = (w * logp.masked_fill(~kept, 0)).sum(-1)
-    # the tail: every class not kept gets probability `tail`; sum of logq over them in closed form
-    rest_logq = logq.sum(-1) - q_kept.masked_fill(~kept, 0).sum(-1)
-    n_rest = classes - kept.sum(-1)
-    cross = cross - tail * rest_logq
-    ent = ent + torch.where(tail > 0, n_rest * tail * torch.log(tail.clamp(min=1e-30)), torch.zeros_like(tail))
-    return (ent + cross).mean() * t * t
+    kl = (w * (logp.masked_fill(~kept, 0) - q_kept)).sum(-1)
+    if rule == "counts":
+        # unbiased: E[sum_i counts_i/S * f(i)] = sum_i p_i f(i) for f = log p - log q
+        return kl
+    # every class not kept has probability `tail`: sum_rest tail * (log tail - log q)
+    rest_logq = logq.sum(-1) - q_kept.sum(-1)
+    n_rest = logq.shape[-1] - kept.sum(-1)
+    return kl + torch.where(tail > 0, n_rest * tail * torch.log(tail.clamp(min=1e-30)) - tail * rest_logq,
+                            torch.zeros_like(tail))

@@ -258,35 +258,43 @@ def _sparse_error(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, cou
     return out
 
 
-def reconstruct(ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None, classes: int,
-                rule: str) -> torch.Tensor:
-    """The dense distribution ``[rows, classes]`` a rule rebuilds from sparse rows (float32).
+RULES = ("uniform_tail", "renormalize", "counts")
 
-    ``uniform_tail``: kept probabilities, the rest of the mass spread evenly over the other
-    classes; ``renormalize``: kept probabilities scaled to sum to 1; ``counts``: counts / their sum.
+
+def sparse_weights(ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None, classes: int,
+                   rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one home of the reconstruction rules: for sparse rows ``[rows, slots]`` (ids -1 in
+    unused slots), the teacher probability of each slot (0 in unused ones) and the probability
+    of each class that was not kept, ``[rows]``.
+
+    ``uniform_tail``: the kept probabilities as stored, the missing mass ``1 - sum`` spread evenly
+    over the other classes; ``renormalize``: the kept probabilities scaled to sum to 1, no tail;
+    ``counts`` (sample): ``counts / sum(counts)`` on the drawn ids, no tail (unbiased on average).
     """
     kept = ids >= 0
-    idx = ids.clamp(min=0)
+    none = torch.zeros(ids.shape[0])
     if rule == "counts":
         if counts is None:
             raise InvalidInput("the 'counts' rule needs the counts of a sample:S output.")
         w = counts.float() * kept
-        w = w / w.sum(dim=-1, keepdim=True).clamp(min=1)
-        return torch.zeros(ids.shape[0], classes).scatter_add_(1, idx, w)
+        return w / w.sum(dim=-1, keepdim=True).clamp(min=1), none
+    if rule not in RULES:
+        raise InvalidInput(f"unknown reconstruction rule {rule!r}; use one of {RULES}.")
     p = logp.float().exp().masked_fill(~kept, 0)
     if rule == "renormalize":
-        return torch.zeros(ids.shape[0], classes).scatter_add_(1, idx, p / p.sum(-1, keepdim=True).clamp(min=1e-30))
-    if rule != "uniform_tail":
-        raise InvalidInput(f"unknown reconstruction rule {rule!r}; use 'uniform_tail', 'renormalize' or 'counts'.")
-    tail = (1.0 - p.sum(dim=-1)).clamp(min=0) / (classes - kept.sum(dim=-1)).clamp(min=1)
+        return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30), none
+    return p, (1.0 - p.sum(dim=-1)).clamp(min=0) / (classes - kept.sum(dim=-1)).clamp(min=1)
+
+
+def reconstruct(ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None, classes: int,
+                rule: str) -> torch.Tensor:
+    """The dense distribution ``[rows, classes]`` (float32) ``rule`` rebuilds from sparse rows
+    (see :func:`sparse_weights`)."""
+    w, tail = sparse_weights(ids, logp, counts, classes, rule)
+    kept = ids >= 0
     dense = tail[:, None].repeat(1, classes)
-    return _put(dense, idx, kept, p)
-
-
-def _put(dense: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``dense`` with the kept classes set to ``p`` (padding slots leave their column alone)."""
-    rows = torch.arange(dense.shape[0])[:, None].expand_as(idx)
-    dense[rows[kept], idx[kept]] = p[kept]
+    rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+    dense[rows[kept], ids[kept]] = w[kept]
     return dense
 
 
