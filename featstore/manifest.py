@@ -15,7 +15,7 @@ from typing import Any
 
 from .codecs import codec_by_name
 from .errors import FeatstoreError, IncompatibleFormat
-from .names import check_field, check_name, check_version_id, is_version_id
+from .names import check_name, check_version_id, is_version_id
 from .partcodecs import check_array_name, check_part, is_parts_codec, part_array
 
 SCHEMA = "featstore.manifest"
@@ -160,10 +160,6 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{value!r} is not an integer")
     return value
-
-
-def _field(name: Any) -> str:
-    return check_field(name)
 
 
 @dataclass(frozen=True)
