@@ -118,6 +118,7 @@ class TaskSpec:
     dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
     tune_allocator: bool = True
     serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
+    collate: Any = None  # the user's collate for A's input batch (None: default_collate)
 
     @property
     def key(self) -> str:
@@ -158,12 +159,22 @@ def _fetch(dataset: Any, start: int, stop: int) -> list[Any]:
     return [dataset[i] for i in range(start, stop)]
 
 
+def _to_device(x: Any, device: torch.device) -> Any:
+    """A's input batch on the worker's device: a tensor, or the tensors of a dict (a collate's
+    ``{"input_ids": ..., "attention_mask": ...}``)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, Mapping):
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    return x
+
+
 def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: int) -> tuple[dict, dict]:
     from torch.utils.data import default_collate
 
     device = worker_device()
     try:
-        x = default_collate([select(it, spec.input_key, "input") for it in items])
+        x = (spec.collate or default_collate)([select(it, spec.input_key, "input") for it in items])
         kept = {n: torch.as_tensor(default_collate([select(it, k, "field") for it in items]))
                 for n, k in spec.keep.items()}
     except FeatstoreError:
@@ -171,7 +182,7 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, items: list[Any], start: in
     except Exception as exc:  # noqa: BLE001 - user datasets raise anything
         raise ComputeFailed(f"collating dataset items [{start}, {start + len(items)}) failed: "
                             f"{type(exc).__name__}: {exc}") from exc
-    x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+    x = _to_device(x, device)
     try:
         with torch.inference_mode():
             if spec.autocast:

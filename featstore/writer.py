@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,11 @@ class ComputeOptions:
             and task stream move once per shard and a lost worker costs one shard; the fetch,
             forward and write stages still overlap inside the task (compute time measured
             unchanged, see docs/monitoring.md). None: a few long tasks (two per worker).
+        collate: builds Model A's input batch from the list of a batch's inputs (what
+            ``input_key`` selects), e.g. padding token sequences of different lengths and adding
+            an attention mask; None: ``torch.utils.data.default_collate``. Part of the
+            fingerprint (by source). A's outputs must still have one per-sample shape, so pad to
+            a fixed length (per-token outputs are stored padded; ragged storage is not supported yet).
     """
 
     dataset_id: str | None = None
@@ -86,6 +91,7 @@ class ComputeOptions:
     compression: str = "auto"
     tune_allocator: bool = True
     shards_per_task: int | None = 1
+    collate: Callable[[list[Any]], Any] | None = None
 
     def __post_init__(self) -> None:
         check_compression(self.compression)
@@ -166,6 +172,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         # Compression never changes the values, but it changes the stored bytes (and digests).
         "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
         "autocast": options.autocast,
+        # only when set, so every fingerprint computed before collate existed stays the same
+        **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
     }
 
 
@@ -346,7 +354,8 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         base = TaskSpec(catalog.storage, req.name, vid, run_key, req.input_key, req.keep, req.outputs, {},
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                         cluster.torch_threads(), TOPIC,
-                        tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward)
+                        tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward,
+                        collate=options.collate)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{vid}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options)

@@ -267,3 +267,58 @@ def test_compute_time_errors_leave_no_committed_version(local_store):
         with pytest.raises(VersionNotFound):
             local_store.open(name)
 
+
+
+# -- per-token outputs of token sequences, through the user's collate ---------------------------
+class Tokens(torch.utils.data.Dataset):
+    """Token sequences of lengths 5-11 (vocabulary 64)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.seqs = [torch.randint(1, 64, (int(k),), generator=g) for k in torch.randint(5, 12, (n,), generator=g)]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i):
+        return {"input": self.seqs[i]}
+
+
+class TinyLM(torch.nn.Module):
+    """Per-token next-token logits over a 64-token vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, batch):
+        return self.out(self.emb(batch["input_ids"])) * batch["attention_mask"][..., None]
+
+
+def pad_to_12(seqs):
+    ids = torch.zeros(len(seqs), 12, dtype=torch.long)
+    mask = torch.zeros(len(seqs), 12)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_token_sequences_need_a_collate_and_store_per_token_soft_labels(local_store):
+    from featstore import ComputeFailed
+
+    data = Tokens(40)
+    with pytest.raises(ComputeFailed, match="collating"):
+        local_store.compute("lm/a", model=TinyLM(), dataset=data, outputs={"logits": "topk:5"}, batch_size=8,
+                            options=QUIET)
+    v = local_store.compute("lm/a", model=TinyLM(), dataset=data, outputs={"logits": "topk:5"}, batch_size=8,
+                            options=ComputeOptions(progress=False, collate=pad_to_12))
+    assert v.manifest.arrays["logits.ids"].shape == (12, 5) and "collate" in v.manifest.fingerprint_parts
+    got = v[3:7]
+    with torch.no_grad():
+        ref = TinyLM()(pad_to_12(data.seqs[3:7]))
+    want, _, _ = _batch("topk:5", ref)
+    assert torch.equal(got["logits.ids"][:, :5], want["logits.ids"][:, :5])  # real tokens of every row
+    student = torch.zeros(4, 12, 64, requires_grad=True)
+    loss = kd.kd_loss(student, got, "logits")  # per token rows: [4 * 12, 64]
+    assert math.isfinite(float(loss.detach()))
