@@ -82,6 +82,12 @@ def test_topk_keeps_the_k_largest_log_probs_at_the_temperature():
     assert error["mass_min"] == pytest.approx(float(mass.min()), rel=1e-5)
     assert error["mass_sum"] == pytest.approx(float(mass.sum()), rel=1e-5)
     assert sum(error["mass_hist"]) == 64 and error["kept_sum"] == 640
+    # the recorded KL (closed form) is KL(teacher || the uniform-tail reconstruction)
+    logp = torch.log_softmax(x / 2, -1)
+    dense = kd.densify(batch, "logits", 300)
+    want_kl = (logp.exp() * (logp - dense.log())).sum(-1)
+    assert error["kl_sum"] == pytest.approx(float(want_kl.sum()), rel=1e-3)
+    assert error["kl_max"] == pytest.approx(float(want_kl.max()), rel=1e-3)
 
 
 def test_topp_keeps_the_smallest_set_reaching_p_between_min_k_and_cap():
