@@ -345,9 +345,25 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         lines += [section(res["reader"], res["command"], load_note()), ""]
     path = os.path.join(out_dir, "benchmarks.md")
     text, gpu = "\n".join(lines), gpu_section(path)  # the GPU check's section is written by its own script
-    with open(path, "w") as f:
-        f.write(replace_section(text, gpu) if gpu else text)
+    text = (replace_section(text, gpu) if gpu else text) + _kept_sections(path)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
     _plot(res, os.path.join(out_dir, "benchmarks.png"))
+
+
+def _kept_sections(path: str) -> str:
+    """Sections other benchmarks own (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``, such as
+    ``python -m benchmarks.softlabels``'s), carried over when this report rewrites the file."""
+    import re
+
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        old = f.read()
+    found = re.findall(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", old, flags=re.S)
+    blocks = [re.search(rf"<!-- {n}:begin -->.*?<!-- {n}:end -->", old, flags=re.S).group(0) for n in found]
+    return "".join("\n\n" + b for b in blocks) + ("\n" if blocks else "")
 
 
 def _plot(res: dict[str, Any], path: str) -> None:

@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, mapped_chunks, shard_format
+from .partcodecs import assemble, expand_fields
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
 from .versions import Version, deleted_while_reading
 
@@ -149,7 +150,8 @@ class FeatureDataset(IterableDataset):
         super().__init__()
         self.version = version
         self.options = replace(options or ReaderOptions(), **option_fields)
-        fields = self.options.fields or tuple(version.manifest.arrays)
+        # an output stored in parts (``logits`` -> logits.ids, logits.values) is read whole
+        fields = expand_fields(version.manifest.arrays, self.options.fields or tuple(version.manifest.arrays))
         missing = sorted(set(fields) - set(version.manifest.arrays))
         if missing:
             raise InvalidInput(f"version {version.id} has no arrays {missing}; it has "
@@ -481,7 +483,7 @@ class FeatureDataset(IterableDataset):
     def _to_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         out = {f: self.version.decode(f, arrays[f]) for f in self.fields}
         out["index"] = torch.from_numpy(np.ascontiguousarray(arrays["index"]))
-        return out
+        return assemble(self.version.manifest.arrays, out)
 
     def __repr__(self) -> str:
         return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"

@@ -131,11 +131,21 @@ def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[s
                 chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
                 compressors=zarr_codecs(a.compression), fill_value=0,
                 config={"write_empty_chunks": True},
-                dimension_names=("sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))),
-                attributes={"featstore": {"codec": a.codec, "source": a.source}},
+                dimension_names=_dimension_names(name, a),
+                attributes={"featstore": {"codec": a.codec, "source": a.source,
+                                          **({"output": a.output, "part": a.part, **a.params} if a.output else {})}},
             )
         except zarr.errors.ContainsArrayError:
             pass  # a concurrent run created it a moment ago, from the same claim
+
+
+def _dimension_names(name: str, a: ArraySpec) -> tuple[str, ...]:
+    """``sample`` then ``<name>_1, ...``; the parts of a sparse output share their last axis
+    (``logits_k``), so xarray lines ``logits.ids`` and ``logits.values`` up."""
+    dims = ["sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))]
+    if a.output and a.part in ("ids", "values", "counts"):
+        dims = ["sample", *(f"{a.output}_{i}" for i in range(1, len(a.shape))), f"{a.output}_k"]
+    return tuple(dims)
 
 
 def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.Array]:

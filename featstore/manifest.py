@@ -9,15 +9,16 @@ with :class:`IncompatibleFormat` saying what to do.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .codecs import codec_by_name
 from .errors import FeatstoreError, IncompatibleFormat
-from .names import check_field, check_name, check_version_id, is_version_id
+from .names import check_name, check_version_id, is_version_id
+from .partcodecs import check_array_name, check_part, is_parts_codec, part_array
 
 SCHEMA = "featstore.manifest"
 #: Newest manifest schema: 2 keeps per-shard digests out of the manifest (see ShardRecords);
@@ -104,6 +105,41 @@ class ArraySpec:
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
     source: str  # "output" (Model A) or "keep" (a dataset field)
     compression: str = "zstd"
+    #: For one part of an output stored as several arrays (:mod:`featstore.partcodecs`: sparse
+    #: soft labels, int8): the output's name, this array's part (``ids``, ``values``, ``counts``,
+    #: ``scale``; ``""`` for int8's values) and how to read the parts back (representation,
+    #: temperature, reconstruction rule, classes). Empty for a plain array; manifests before
+    #: these existed hold only plain arrays.
+    output: str = ""
+    part: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """As stored (lists, not tuples); the part fields only where set, so a plain array's
+        JSON is what featstore wrote before they existed."""
+        d = json.loads(json.dumps(asdict(self)))
+        if not self.output:
+            for k in ("output", "part", "params"):
+                d.pop(k)
+        return d
+
+    @classmethod
+    def from_json(cls, k: str, v: Mapping[str, Any]) -> "ArraySpec":
+        """Parse and check one manifest entry (raises ``ValueError``/:class:`IncompatibleFormat`)."""
+        spec = cls(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
+                   str(v["source"]), str(v.get("compression", "zstd")), str(v.get("output", "")),
+                   str(v.get("part", "")), dict(v.get("params", {})))
+        if spec.output or is_parts_codec(spec.codec):
+            check_part(spec.codec, spec.part, spec.dtype, f"array {k!r}")
+            if part_array(spec.output, spec.part) != k or spec.source != "output":
+                raise ValueError(f"array {k!r} is not part {spec.part!r} of output {spec.output!r}")
+        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep"):
+            raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
+        if spec.compression not in ("zstd", "none"):
+            raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
+        if any(d < 1 for d in spec.shape):
+            raise ValueError(f"array {k!r} has shape {spec.shape}")
+        return spec
 
 
 @dataclass(frozen=True)
@@ -124,7 +160,7 @@ class ShardReceipt:
         check_schema(obj, RECEIPT_SCHEMA, OBJECT_VERSION, where, required=False)
         try:
             r = cls(_int(obj["index"]), _int(obj["start"]), _int(obj["stop"]),
-                    {_field(k): _digest(v) for k, v in obj["digests"].items()},
+                    {check_array_name(k): _digest(v) for k, v in obj["digests"].items()},
                     dict(obj.get("stats", {})))
         except (KeyError, TypeError, ValueError, AttributeError, FeatstoreError) as exc:
             raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete "
@@ -138,10 +174,6 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{value!r} is not an integer")
     return value
-
-
-def _field(name: Any) -> str:
-    return check_field(name)
 
 
 @dataclass(frozen=True)
@@ -203,6 +235,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k not in ("shards", "records", "bases", "dataset_sample")}
+        d["arrays"] = {n: a.to_json() for n, a in self.arrays.items()}
         d["schema"], d["schema_version"] = SCHEMA, self.schema_version
         if self.shards is not None:
             d["shards"] = [asdict(r) for r in self.shards]
@@ -222,17 +255,7 @@ class Manifest:
         check_schema(obj, SCHEMA, SCHEMA_VERSION, where)
         try:
             layout = Layout(**{k: _int(obj["layout"][k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")})
-            arrays = {}
-            for k, v in obj["arrays"].items():
-                spec = ArraySpec(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
-                                 str(v["source"]), str(v.get("compression", "zstd")))
-                if codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep"):
-                    raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
-                if spec.compression not in ("zstd", "none"):
-                    raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
-                if any(d < 1 for d in spec.shape):
-                    raise ValueError(f"array {k!r} has shape {spec.shape}")
-                arrays[_field(k)] = spec
+            arrays = {check_array_name(k): ArraySpec.from_json(k, v) for k, v in obj["arrays"].items()}
             m = cls(
                 id=check_version_id(obj["id"]), name=check_name(obj["name"]),
                 fingerprint=_digest(obj["fingerprint"]),
@@ -335,7 +358,7 @@ class ShardRecords:
         per = _int(obj["per_object"])
         if per < 1:
             raise ValueError(f"per_object {per}")
-        return cls(tuple(_field(f) for f in obj["fields"]), per, tuple(_digest(d) for d in obj["objects"]))
+        return cls(tuple(check_array_name(f) for f in obj["fields"]), per, tuple(_digest(d) for d in obj["objects"]))
 
 
 def _record_dtype(fields: Sequence[str]) -> np.dtype:
@@ -479,7 +502,7 @@ class Pending:
     @classmethod
     def of(cls, layout: Layout, arrays: dict[str, ArraySpec]) -> "Pending":
         """The claim a run makes for ``layout`` and ``arrays``."""
-        return cls(layout, json.loads(json.dumps({n: asdict(a) for n, a in arrays.items()})))
+        return cls(layout, {n: a.to_json() for n, a in arrays.items()})
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": PENDING_SCHEMA, "schema_version": OBJECT_VERSION,

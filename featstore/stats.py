@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .codecs import Codec
+from .partcodecs import finalize_error, merge_error
 
 #: Sample ids with NaN/Inf recorded per output.
 NONFINITE_KEPT = 1000
@@ -79,6 +80,7 @@ def merge_stats(a: dict | None, b: dict) -> dict:
         "sum": a["sum"] + b["sum"], "finite": a["finite"] + b["finite"],
         **({"max_abs_error": max(a.get("max_abs_error", 0.0), b.get("max_abs_error", 0.0))}
            if "max_abs_error" in a or "max_abs_error" in b else {}),
+        **({"codec_error": merge_error(a.get("codec_error"), b["codec_error"])} if "codec_error" in b else {}),
         **({"nonfinite_samples": (a.get("nonfinite_samples", []) + b.get("nonfinite_samples", []))[:NONFINITE_KEPT]}
            if "nonfinite_samples" in a or "nonfinite_samples" in b else {}),
     }
@@ -88,6 +90,8 @@ def finalize_stats(s: dict) -> dict:
     """Add the mean and drop the running sum."""
     out = {k: v for k, v in s.items() if k not in ("sum", "finite")}
     out["mean"] = s["sum"] / s["finite"] if s["finite"] else None
+    if "codec_error" in s:
+        out["codec_error"] = finalize_error(s["codec_error"])
     return out
 
 

@@ -37,6 +37,7 @@ from .devices import task_device
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
 from .format import chunk_key, open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
+from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .transfer import HostBatch, Offloader, pin, to_device
@@ -122,6 +123,7 @@ class TaskSpec:
     dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
     tune_allocator: bool = True
     serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
+    collate: Any = None  # the user's collate for A's input batch (None: default_collate)
 
     @property
     def key(self) -> str:
@@ -161,7 +163,7 @@ def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tupl
     from torch.utils.data import default_collate
 
     try:
-        x = default_collate([select(it, spec.input_key, "input") for it in items])
+        x = (spec.collate or default_collate)([select(it, spec.input_key, "input") for it in items])
         kept = {n: torch.as_tensor(default_collate([select(it, k, "field") for it in items]))
                 for n, k in spec.keep.items()}
     except FeatstoreError:
@@ -189,13 +191,21 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: i
     return as_outputs(out, list(spec.outputs))
 
 
+def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
+    """The per-sample shape Model A's output (or a kept field) ``name`` must have."""
+    if name in spec.arrays and not spec.arrays[name].output:
+        return spec.arrays[name].shape
+    # an output stored in parts: the shape A produced is recorded with each part
+    return next(tuple(a.params["row_shape"]) for a in spec.arrays.values() if a.output == name)
+
+
 def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
     for name, t in values.items():
-        want = spec.arrays[name]
-        if tuple(t.shape) != (rows, *want.shape):
+        want = _want_shape(spec, name)
+        if tuple(t.shape) != (rows, *want):
             raise OutputMismatch(
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
-                f"{(rows, *want.shape)} was expected (from the first batch); Model A's output "
+                f"{(rows, *want)} was expected (from the first batch); Model A's output "
                 "shape must not change between batches.")
         dtype = str(t.dtype).removeprefix("torch.")
         if spec.dtypes and dtype != spec.dtypes[name]:
@@ -204,9 +214,24 @@ def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, sta
                 f"batch had {spec.dtypes[name]}; Model A's output dtype must not change between batches.")
 
 
+def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor, start: int,
+                  encoded: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
+    """Encode an output stored in parts (sparse soft labels, int8): one array per part, the
+    codec's error statistics with the first part's."""
+    parts, error = codec.encode(t, start, name)
+    for i, (part, arr) in enumerate(parts.items()):
+        key = part_array(name, part)
+        encoded[key], stats[key] = arr, value_stats(torch.from_numpy(unpadded(part, arr)))
+        if i == 0:
+            stats[key]["codec_error"] = error
+
+
 def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tuple[dict, dict]:
     encoded, stats = {}, {}
     for name, t in values.items():
+        if name in spec.outputs and is_parts_codec(spec.outputs[name]):
+            _encode_parts(name, parts_codec(spec.outputs[name]), t, start, encoded, stats)
+            continue
         want = spec.arrays[name]
         codec = codec_by_name(want.codec)
         bad_rows: list[int] = []
@@ -528,6 +553,8 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
         outs = _forward(spec, net, x, 0, rows, device)
     out = {}
     for name, t in {**outs, **kept}.items():
+        if name in outs and is_parts_codec(spec.outputs[name]):
+            out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))
         try:
             codec = output_codec(spec.outputs[name]) if name in outs else keep_codec(t.dtype)
             saving = zstd_saving(codec.cast(t))
@@ -535,6 +562,16 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
             saving = 1.0
         out[name] = (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
     return out
+
+
+def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """zstd's saving on each part of an output stored in parts (none where the codec cannot
+    encode the probe batch: the driver raises that error with the whole story)."""
+    try:
+        parts, _ = codec.encode(t, 0, name)
+    except InvalidInput:
+        return {}
+    return {part_array(name, p): (tuple(a.shape[1:]), str(a.dtype), zstd_saving(a)) for p, a in parts.items()}
 
 
 def release_models(run_key: str) -> None:

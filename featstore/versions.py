@@ -42,6 +42,7 @@ from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pe
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
                        ref_target, tag_json, tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
+from .partcodecs import assemble, parts_codec
 from .storage import Storage
 
 log = logging.getLogger("featstore")
@@ -466,7 +467,10 @@ class Version:
 
     def decode(self, field: str, stored: np.ndarray) -> torch.Tensor:
         """Stored values -> the tensor a reader gets (see :mod:`featstore.codecs`)."""
-        return codec_by_name(self.manifest.arrays[field].codec).decode(stored)
+        spec = self.manifest.arrays[field]
+        if spec.output:  # one part of an output stored in parts: ids as int64, -1 in unused slots
+            return parts_codec(spec.codec).decode_part(spec.part, stored)
+        return codec_by_name(spec.codec).decode(stored)
 
     def __getitem__(self, index: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
         """Random access: a dict of tensors (one per array) plus ``index``."""
@@ -492,7 +496,7 @@ class Version:
             first = int(rows.min()) if rows.size else 0
             out = {f: self.decode(f, self._read(f, rows, first)) for f in self.manifest.arrays}
         out["index"] = torch.from_numpy(rows.astype(np.int64))
-        return out
+        return assemble(self.manifest.arrays, out)
 
     def load(self) -> dict[str, torch.Tensor]:
         """The whole version in RAM as tensors (the classic in-memory cache, from the store)."""

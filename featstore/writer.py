@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from .incremental import Growth, plan_growth
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
 from .monitor import RunState
 from .names import check_field, check_name
+from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
 from .stats import summarize
 from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
 from .versions import Catalog, Claim, ReceiptRuns, Version
@@ -86,6 +87,11 @@ class ComputeOptions:
             and task stream move once per shard and a lost worker costs one shard; the fetch,
             forward and write stages still overlap inside the task (compute time measured
             unchanged, see docs/monitoring.md). None: a few long tasks (two per worker).
+        collate: builds Model A's input batch from the list of a batch's inputs (what
+            ``input_key`` selects), e.g. padding token sequences of different lengths and adding
+            an attention mask; None: ``torch.utils.data.default_collate``. Part of the
+            fingerprint (by source). A's outputs must still have one per-sample shape, so pad to
+            a fixed length (per-token outputs are stored padded; ragged storage is not supported yet).
     """
 
     dataset_id: str | None = None
@@ -100,6 +106,7 @@ class ComputeOptions:
     compression: str = "auto"
     tune_allocator: bool = True
     shards_per_task: int | None = 1
+    collate: Callable[[list[Any]], Any] | None = None
 
     def __post_init__(self) -> None:
         check_compression(self.compression)
@@ -146,7 +153,8 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         outputs = {"features": "float32"}
     if not isinstance(outputs, Mapping) or not outputs:
         raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
-    outputs = {check_field(k): output_codec(v).name for k, v in outputs.items()}
+    outputs = {check_field(k): parts_codec(v).name if is_parts_codec(v) else output_codec(v).name
+               for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
     clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & set(RESERVED_FIELDS))
     if clash:
@@ -179,6 +187,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         # Compression never changes the values, but it changes the stored bytes (and digests).
         "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
         "autocast": options.autocast,
+        # only when set, so every fingerprint computed before collate existed stays the same
+        **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
     }
 
 
@@ -237,6 +247,9 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outpu
         shape, dtype, saving = probed[name]
         if not getattr(torch, dtype).is_floating_point:
             raise OutputMismatch(f"output {name!r} is {dtype}; Model A outputs must be floating point.")
+        if is_parts_codec(codec_name):
+            arrays.update(_part_specs(name, parts_codec(codec_name), probed, compression))
+            continue
         codec = output_codec(codec_name)
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "output",
                                  choose_compression(compression, saving, local))
@@ -246,6 +259,20 @@ def _spec_arrays(probed: Mapping[str, tuple[tuple[int, ...], str, float]], outpu
         arrays[name] = ArraySpec(codec.name, codec.stored, shape, "keep",
                                  choose_compression(compression, saving, local))
     return arrays
+
+
+def _part_specs(name: str, codec: PartsCodec, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
+                compression: str) -> dict[str, ArraySpec]:
+    """The arrays of an output stored in parts; raises here, before anything is written, when
+    the codec cannot store the output the probe saw (K larger than the class count, ...)."""
+    shape = probed[name][0]
+    out = {}
+    for ps in codec.parts(shape, name):
+        key = part_array(name, ps.part)
+        saving = probed[key][2] if key in probed else 1.0
+        out[key] = ArraySpec(codec.name, ps.dtype, ps.shape, "output", choose_compression(compression, saving),
+                             output=name, part=ps.part, params=codec.params(shape))
+    return out
 
 
 def _libraries() -> dict[str, str]:
@@ -274,7 +301,10 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         input_key: which field of an item goes into A (key, index, callable, or None: the item).
         keep: per-sample fields stored beside A's outputs (``["target"]`` or ``{"label": 1}``).
         outputs: ``{output name: codec}``; A returns one tensor (one name) or a dict of them.
-            Codecs: ``float32`` (exact), ``float16`` (a cast), ``bfloat16``.
+            Codecs: ``float32`` (exact), ``float16`` (a cast), ``bfloat16``; soft labels
+            stored sparsely ``topk:K[@T]``, ``topp:P:MIN_K[:CAP][@T]``, ``sample:S[@T]``, and
+            ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.partcodecs`
+            and :mod:`featstore.kd`.
         batch_size: samples per forward of A.
         samples_per_shard: rows per Zarr shard (one object); None picks ~16 MiB shards.
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
@@ -377,7 +407,8 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         base = TaskSpec(catalog.storage, req.name, vid, run_key, req.input_key, req.keep, req.outputs, {},
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                         cluster.torch_threads(), TOPIC,
-                        tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward)
+                        tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward,
+                        collate=options.collate)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options, growth)
