@@ -537,9 +537,6 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
     return receipts
 
 
-PROBE_ROWS = 64
-
-
 def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[tuple[int, ...], str, float]]:
     """Run A on the first samples (one small batch) on a worker.
 
