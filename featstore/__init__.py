@@ -11,14 +11,15 @@ stream them into Model B's training loop.
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .errors import (ComputeFailed, CorruptChunk, EmptyDataset, FeatstoreError, IncompatibleFormat,
-                     InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput, OutputMismatch,
-                     StoreConflict, StoreUnavailable, VersionNotFound)
+                     InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment, NonFiniteOutput,
+                     OutputMismatch, SourceMismatch, StoreConflict, StoreUnavailable, VersionNotFound)
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
     "ComputeFailed", "ComputeOptions", "CorruptChunk", "EmptyDataset", "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
-    "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
+    "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
+    "SourceMismatch", "StoreConflict",
     "StoreUnavailable", "Version", "VersionNotFound", "open_store", "__version__",
 ]

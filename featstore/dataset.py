@@ -4,6 +4,10 @@ Each (rank, DataLoader worker) pair reads only its own span of the epoch's plan
 (:mod:`featstore.plan`), with reads issued ahead on a thread pool so S3 latency hides behind
 Model B's step, and yields ready batches: ``{array: tensor, ..., "index": tensor}``. The store is
 opened lazily inside each worker process, so it is safe under fork and spawn.
+
+A version with augmented views is read one view per epoch (:func:`featstore.views.epoch_view`),
+and its batches carry ``"view"``. ``source=`` joins the student's own input: each row's
+``source[index]``, augmented with that (index, view)'s seed, beside A's stored outputs.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import CorruptChunk, InvalidInput
-from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, shard_format
+from .errors import CorruptChunk, InvalidInput, SourceMismatch
+from .fingerprint import dataset_digest, describe_key
+from .format import ChunkRef, ShardFormat, decode_shard_rows, shard_format
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
 from .versions import Version
+from .views import VIEW_FIELD, SourceJoin, check_view_mode, epoch_seeds, epoch_view, normalize_fields, view_seeds
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,11 @@ class ReaderOptions:
         shuffle_window: samples permuted together (spans several chunks and shards); None:
             four shards.
         prefetch: shard pieces read ahead, concurrently.
-        fields: the arrays to read (None: all).
+        fields: the arrays to read (None: all but the views' ``view_seed``).
+        view: with a version computed with views, which view each epoch reads: ``"epoch"``
+            (the default: a seeded permutation of the K views per cycle of K epochs, so K
+            epochs read every view of every sample once), an int (always that view) or
+            ``"random"`` (one drawn per seed and epoch). Must stay None without views.
     """
 
     batch_size: int = 256
@@ -52,6 +62,7 @@ class ReaderOptions:
     shuffle_window: int | None = None
     prefetch: int = 4
     fields: tuple[str, ...] | None = None
+    view: str | int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -91,11 +102,14 @@ class FeatureDataset(IterableDataset):
     """
 
     def __init__(self, version: Version, *, rank: int | None = None, world_size: int | None = None,
-                 options: ReaderOptions | None = None, **option_fields: Any) -> None:
+                 options: ReaderOptions | None = None, source: Any = None, augment: Any = None,
+                 source_fields: Any = None, source_id: str | None = None, **option_fields: Any) -> None:
+        """``source``/``augment``/``source_fields``/``source_id``: see :class:`ViewReading`."""
         super().__init__()
         self.version = version
         self.options = replace(options or ReaderOptions(), **option_fields)
-        fields = self.options.fields or tuple(version.manifest.arrays)
+        self._viewing = ViewReading(version, self.options, source, augment, source_fields, source_id)
+        fields = self.options.fields or tuple(f for f, a in version.manifest.arrays.items() if a.source != "seed")
         missing = sorted(set(fields) - set(version.manifest.arrays))
         if missing:
             raise InvalidInput(f"version {version.id} has no arrays {missing}; it has "
@@ -225,6 +239,7 @@ class FeatureDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
         role, skipped = self._role_and_skip(worker, num_workers)
         plan = self.plan(role, num_workers)
+        self._viewing.start_epoch(self.epoch)
         if info is None:
             self._yielded = skipped
         cid = self.rank * max(1, num_workers) + role
@@ -242,8 +257,8 @@ class FeatureDataset(IterableDataset):
             # each process.
             self._formats, self._formats_pid = {}, os.getpid()
             self._storage = self.version.storage.reopen()
-        if field not in self._formats:
-            self._formats[field] = shard_format(self.version.array(field))
+        if field not in self._formats:  # every view has the same layout: one format per field
+            self._formats[field] = shard_format(self._viewing.reading.array(field))
         return self._formats[field]
 
     def _read_field(self, piece: Piece, field: str, out: np.ndarray) -> None:
@@ -256,10 +271,11 @@ class FeatureDataset(IterableDataset):
         """
         start = piece.shard * self.version.manifest.layout.samples_per_shard
         fmt = self._shard_format(field)
+        reading = self._viewing.reading
         if fmt is None:
-            out[...] = self.version.read_rows(field, start + piece.lo, start + piece.hi)
+            out[...] = reading.read_rows(field, start + piece.lo, start + piece.hi)
             return
-        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        ref = ChunkRef(self.version.ref, field, reading.chunk_key(field, piece.shard))
         data = self._storage.read_bytes(f"{self.version.key}/{ref.chunk}")
         if not data:
             raise CorruptChunk.damaged(ref.version, field, ref.chunk, "is missing" if data is None else "is empty")
@@ -310,7 +326,7 @@ class FeatureDataset(IterableDataset):
     def _to_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         out = {f: self.version.decode(f, arrays[f]) for f in self.fields}
         out["index"] = torch.from_numpy(np.ascontiguousarray(arrays["index"]))
-        return out
+        return self._viewing.add(out)
 
     def __repr__(self) -> str:
         return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"
@@ -380,3 +396,96 @@ class _WindowReader:
                 off += p.size
             self.queue.append((wi, drop, arrays, futs))
             self.in_flight += len(window)
+
+
+class ViewReading:
+    """What a :class:`FeatureDataset` adds for views and for the source join, in one place.
+
+    Per epoch it picks the view to read (:meth:`start_epoch`: :attr:`reading` is the version
+    bound to that view) and completes each batch (:meth:`add`): ``"view"``, and with
+    ``source`` the student's input, rebuilt as ``augment(source[index], generator)`` with that
+    row's seed: the view's seed with views (the pixels A saw), else a fresh seed per
+    (reader seed, epoch, index). ``source_fields`` picks the item's fields (None: all of a dict
+    item but those the batch already holds, ``input`` for a tensor, ``field<i>`` for a tuple).
+    Before any batch, ``source`` must
+    match the dataset the version was computed on (its length and sampled content digest, or
+    ``source_id`` where the version was computed with ``dataset_id``), and with views
+    ``augment`` must be the one the version was computed with: :class:`SourceMismatch` if not.
+    """
+
+    def __init__(self, version: Version, options: ReaderOptions, source: Any, augment: Any,
+                 source_fields: Any, source_id: str | None) -> None:
+        self.version = version
+        self.mode = check_view_mode(options.view, version.views)
+        self.seed = options.seed
+        self.view: int | None = None
+        self.reading = version
+        self.epoch = 0
+        self.join = None
+        if source is None:
+            if augment is not None or source_fields is not None:
+                raise InvalidInput("augment= and source_fields= need source= (the dataset to join).")
+            return
+        check_source(version, source, source_id)
+        if version.views is not None:
+            if augment is None:
+                raise InvalidInput(f"{version.ref} holds augmented views: pass augment= (the function it "
+                                   "was computed with) so the joined input is the view A saw.")
+            if describe_key(augment) != version.manifest.views.augment:
+                raise SourceMismatch(f"augment is not the function {version.ref} was computed with (its "
+                                     "source differs); pass that same function, or recompute the views.")
+        self.join = SourceJoin(source, augment, normalize_fields(source_fields))
+
+    def start_epoch(self, epoch: int) -> None:
+        """Pick this epoch's view (and the version bound to it)."""
+        self.epoch = epoch
+        if self.mode is not None:
+            self.view = epoch_view(self.version.views, self.mode, self.seed, epoch)
+            self.reading = self.version.view(self.view)
+
+    def add(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``"view"`` and the joined source fields. With ``source_fields=None`` the item's fields
+        the batch already holds (a kept ``target``) are left out; a named field that clashes
+        with a stored one is refused."""
+        if self.view is not None:
+            batch[VIEW_FIELD] = torch.full(batch["index"].shape, self.view, dtype=torch.int64)
+        if self.join is None:
+            return batch
+        index = batch["index"].numpy()
+        seeds = None
+        if self.join.augment is not None:
+            seeds = (epoch_seeds(self.seed, self.epoch, index) if self.view is None
+                     else view_seeds(self.version.manifest.views.seed, self.view, index))
+        joined = self.join.rows(index, seeds)
+        clash = sorted(set(joined) & set(batch))
+        if self.join.fields is None:
+            joined = {k: t for k, t in joined.items() if k not in batch}
+        elif clash:
+            raise InvalidInput(f"source fields {clash} clash with the batch's stored fields; rename them "
+                               "with source_fields={'new_name': key}.")
+        batch.update(joined)
+        return batch
+
+
+def check_source(version: Version, source: Any, source_id: str | None = None) -> None:
+    """Raise :class:`SourceMismatch` unless ``source`` is the dataset ``version`` was computed on.
+
+    >>> check_source(store.open("cnn-a/train"), train_set)   # silent when they match
+    """
+    want = version.manifest.fingerprint_parts.get("dataset", {})
+    try:
+        n = len(source)
+    except TypeError:
+        raise InvalidInput("source must be a map-style dataset with __len__ and __getitem__.") from None
+    if n != want.get("length"):
+        raise SourceMismatch(f"source has {n} items but {version.ref} was computed on {want.get('length')}: "
+                             "rows would not align. Pass the dataset the version was computed on.")
+    if "id" in want:
+        if source_id is not None and source_id != want["id"]:
+            raise SourceMismatch(f"source_id {source_id!r} is not the dataset_id {want['id']!r} that "
+                                 f"{version.ref} was computed with.")
+        return  # computed with a dataset_id: only its length can be checked without source_id
+    if dataset_digest(source)["digest"] != want.get("digest"):
+        raise SourceMismatch(f"source is not the dataset {version.ref} was computed on (its sampled "
+                             "content digest differs): rows would silently misalign. Pass that dataset "
+                             "(same items in the same order), or recompute the version on this one.")

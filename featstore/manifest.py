@@ -86,22 +86,29 @@ class ArraySpec:
     codec: str
     dtype: str
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
-    source: str  # "output" (Model A) or "keep" (a dataset field)
+    source: str  # "output" (Model A), "keep" (a dataset field) or "seed" (a view's replay seeds)
     compression: str = "zstd"
 
 
 @dataclass(frozen=True)
 class ShardReceipt:
-    """What a finished shard task reports: its rows and a digest of each array's stored bytes."""
+    """What a finished shard task reports: its rows and a digest of each array's stored bytes.
+
+    ``view`` is the augmented view the shard belongs to (None in a version without views: the
+    key is then left out of the JSON, so those receipts are unchanged)."""
 
     index: int
     start: int
     stop: int
     digests: dict[str, str]
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    view: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "schema": RECEIPT_SCHEMA, "schema_version": OBJECT_VERSION}
+        d = asdict(self)
+        if self.view is None:
+            del d["view"]
+        return {**d, "schema": RECEIPT_SCHEMA, "schema_version": OBJECT_VERSION}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str = "a shard receipt") -> "ShardReceipt":
@@ -109,11 +116,11 @@ class ShardReceipt:
         try:
             r = cls(_int(obj["index"]), _int(obj["start"]), _int(obj["stop"]),
                     {_field(k): _digest(v) for k, v in obj["digests"].items()},
-                    dict(obj.get("stats", {})))
+                    dict(obj.get("stats", {})), None if obj.get("view") is None else _int(obj["view"]))
         except (KeyError, TypeError, ValueError, AttributeError, FeatstoreError) as exc:
             raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete "
                                      "it and rerun compute (the shard is recomputed).") from exc
-        if not 0 <= r.start < r.stop:
+        if not 0 <= r.start < r.stop or (r.view is not None and r.view < 0):
             raise IncompatibleFormat(f"{where} has an empty or negative row range [{r.start}, {r.stop}).")
         return r
 
@@ -149,6 +156,26 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class ViewsSpec:
+    """The augmented views of a version: ``count`` views per sample, view ``v`` of sample ``i``
+    being ``augment(dataset[i], Generator().manual_seed(seed(i, v)))`` under the named seed
+    ``policy`` (see :mod:`featstore.views`) with the version's ``seed``; ``augment`` is the
+    augment's identity (a digest of its source), which the reader's join checks."""
+
+    count: int
+    seed: int
+    policy: str
+    augment: Any
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ViewsSpec":
+        spec = cls(_int(obj["count"]), _int(obj["seed"]), str(obj["policy"]), obj["augment"])
+        if spec.count < 1:
+            raise ValueError(f"views count {spec.count} is not positive")
+        return spec
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs to know about one committed version."""
 
@@ -163,13 +190,24 @@ class Manifest:
     created_at: str
     timings: dict[str, float]
     libraries: dict[str, str]
+    views: ViewsSpec | None = None  # None: one un-augmented view (the key is then left out)
 
     @property
     def n_samples(self) -> int:
         return self.layout.n_samples
 
+    def unit_order(self) -> list[tuple[int | None, int]]:
+        """Every (view, shard) unit of the version, in manifest order (view None: no views)."""
+        views: list[int | None] = [None] if self.views is None else list(range(self.views.count))
+        return [(v, i) for v in views for i in range(self.layout.n_shards)]
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.views is None:
+            del d["views"]
+        for r in d["shards"]:
+            if r.get("view") is None:
+                r.pop("view", None)
         d["schema"], d["schema_version"] = SCHEMA, SCHEMA_VERSION
         return d
 
@@ -187,7 +225,7 @@ class Manifest:
             for k, v in obj["arrays"].items():
                 spec = ArraySpec(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
                                  str(v["source"]), str(v.get("compression", "zstd")))
-                if codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep"):
+                if codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep", "seed"):
                     raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
                 if spec.compression not in ("zstd", "none"):
                     raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
@@ -203,6 +241,7 @@ class Manifest:
                 shards=tuple(ShardReceipt.from_json(s, f"{where}, shard {i}") for i, s in enumerate(obj["shards"])),
                 created_at=str(obj["created_at"]), timings=dict(obj["timings"]),
                 libraries={str(k): str(v) for k, v in obj["libraries"].items()},
+                views=None if obj.get("views") is None else ViewsSpec.from_json(obj["views"]),
             )
         except IncompatibleFormat:
             raise
@@ -213,8 +252,8 @@ class Manifest:
             raise IncompatibleFormat(f"{where} has an empty layout or no arrays; delete it and recompute.")
         if not m.fingerprint.startswith(m.id):
             raise IncompatibleFormat(f"{where}: id {m.id} is not its fingerprint's prefix; delete it.")
-        tiles = [(r.index, r.start, r.stop) for r in m.shards]
-        if tiles != [(i, *layout.shard_range(i)) for i in range(layout.n_shards)] or any(
+        tiles = [(r.view, r.index, r.start, r.stop) for r in m.shards]
+        if tiles != [(v, i, *layout.shard_range(i)) for v, i in m.unit_order()] or any(
                 set(r.digests) != set(arrays) for r in m.shards):
             raise IncompatibleFormat(f"{where}: its shards do not tile the layout or miss arrays; "
                                      "the manifest is damaged. Delete the version and recompute.")

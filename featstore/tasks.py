@@ -29,7 +29,8 @@ from .format import open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
-from .versions import version_key, write_receipt
+from .versions import version_key, view_key, write_receipt
+from .views import SEED_FIELD, ViewDataset, view_seeds
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
@@ -104,10 +105,29 @@ class TaskSpec:
     topic: str
     dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
     tune_allocator: bool = True
+    view: int | None = None  # the augmented view these shards belong to (None: no views)
+    augment: Any = None  # fn(item, generator) -> item, with views
+    augment_seed: int = 0
 
     @property
     def key(self) -> str:
-        return version_key(self.name, self.vid)
+        """The group the shards are written to: the version's, or its view's."""
+        return view_key(version_key(self.name, self.vid), self.view)
+
+
+def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
+    """The dataset as Model A sees it: with views, each item augmented with its view seed."""
+    if spec.view is None:
+        return dataset
+    return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
+
+
+def _seed_field(spec: TaskSpec, b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """With views, each row's replay seed, stored beside the outputs (plain Zarr readers and
+    other tools can replay a view without featstore)."""
+    if spec.view is None:
+        return {}
+    return {SEED_FIELD: torch.from_numpy(view_seeds(spec.augment_seed, spec.view, np.arange(b0, b1)))}
 
 
 def worker_device() -> torch.device:
@@ -224,7 +244,7 @@ def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
     for name, buf in buffers.items():
         arrays[name][start:stop] = buf
         digests[name] = shard_digest(buf)
-    receipt = ShardReceipt(index, start, stop, digests, stats)
+    receipt = ShardReceipt(index, start, stop, digests, stats, view=spec.view)
     # The receipt is written only after every array of the shard is stored: it is the marker.
     write_receipt(spec.storage, spec.key, receipt)
     return receipt
@@ -277,7 +297,7 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
     """
     net = worker_model(model, spec.model_key, spec.threads)
     with tuned_allocator(spec.tune_allocator and worker_device().type == "cpu"):
-        return _run_shards(spec, net, dataset, shards)
+        return _run_shards(spec, net, _as_seen(spec, dataset), shards)
 
 
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int]) -> list[dict]:
@@ -308,7 +328,8 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                     batch_jobs: list[Future] = []
                 outs, kept = _forward(spec, net, items, b0)
                 _progress(spec.topic, b1 - b0)  # from the task's thread: Dask knows the worker there
-                job = pool.submit(_store_batch, spec, {**outs, **kept}, b0, b1, start, buffers, stats)
+                job = pool.submit(_store_batch, spec, {**outs, **kept, **_seed_field(spec, b0, b1)},
+                                  b0, b1, start, buffers, stats)
                 waiting.append(job)
                 batch_jobs.append(job)
                 if last:
@@ -339,7 +360,7 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
     bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
     """
     net = worker_model(model, spec.model_key, spec.threads)
-    outs, kept = _forward(spec, net, _fetch(dataset, 0, min(n, spec.batch_size, PROBE_ROWS)), 0)
+    outs, kept = _forward(spec, net, _fetch(_as_seen(spec, dataset), 0, min(n, spec.batch_size, PROBE_ROWS)), 0)
     out = {}
     for name, t in {**outs, **kept}.items():
         try:

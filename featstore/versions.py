@@ -6,6 +6,8 @@ Layout under the store root (``_``-prefixed folders can never collide with a nam
     <name>/_versions/<id>/_pending.json             the claim: layout and arrays the first run fixed
     <name>/_versions/<id>/_receipts/<shard>.json    one per finished shard (resume markers)
     <name>/_versions/<id>/manifest.json             written last, create-if-absent: the commit
+    <name>/_versions/<id>/_views/<v>/...            with views: view v's arrays and _receipts,
+                                                    laid out like a version without views
     <name>/_tags/<tag>.json                         {"version": <id>}: the only mutable pointers
 
 A version id is the first 16 hex digits of its fingerprint, so the same inputs always land on
@@ -17,6 +19,7 @@ find finished shards) -> shard tasks write data and :func:`write_receipt` -> :me
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -31,10 +34,11 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import chunk_key, create_arrays, open_array, shard_digest
+from .format import chunk_key, create_arrays, create_views_group, open_array, shard_digest, view_path
 from .manifest import ArraySpec, Layout, Manifest, Pending, ShardReceipt, canonical_json, tag_json, tag_target
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .storage import Storage
+from .views import view_seed
 
 log = logging.getLogger("featstore")
 
@@ -56,6 +60,15 @@ def version_key(name: str, vid: str) -> str:
 def tag_key(name: str, tag: str) -> str:
     """The store key of a tag object."""
     return f"{check_name(name)}/_tags/{check_tag(tag)}.json"
+
+
+def view_key(vkey: str, view: int | None) -> str:
+    """The key of the group holding view ``view``'s arrays and receipts (``vkey`` itself for None).
+
+    >>> view_key("cnn-a/train/_versions/0123456789abcdef", 2)
+    'cnn-a/train/_versions/0123456789abcdef/_views/2'
+    """
+    return vkey if view is None else f"{vkey}/{view_path(view)}"
 
 
 def receipt_key(vkey: str, index: int) -> str:
@@ -101,12 +114,15 @@ class Version:
         self.manifest = manifest
         self._arrays: dict[str, zarr.Array] = {}
         self._pid = -1
+        self._view: int | None = None  # the view this object reads (see view())
+        self._views: dict[int, Version] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage, "manifest": self.manifest}
+        return {"storage": self.storage, "manifest": self.manifest, "view": self._view}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["storage"], state["manifest"])  # type: ignore[misc]
+        self._view = state.get("view")
 
     def __repr__(self) -> str:
         return f"<Version {self.name}@{self.id} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
@@ -144,8 +160,48 @@ class Version:
         """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr."""
         return self.storage.child_url(self.key)
 
+    @property
+    def data_key(self) -> str:
+        """The key of the group whose arrays this object reads: the version's, or its view's."""
+        return view_key(self.key, self._view)
+
     def __len__(self) -> int:
         return self.manifest.n_samples
+
+    # -- augmented views ----------------------------------------------------------------
+    @property
+    def views(self) -> int | None:
+        """How many augmented views per sample the version holds (None: computed without views)."""
+        return None if self.manifest.views is None else self.manifest.views.count
+
+    def view(self, view: int) -> "Version":
+        """This version reading view ``view``: ``version.view(2)[10:20]``, ``.load()``, ...
+
+        Views are laid out like a version without views, so everything that reads one works.
+        """
+        if self.views is None or isinstance(view, bool) or not isinstance(view, (int, np.integer)) \
+                or not 0 <= int(view) < self.views:
+            raise InvalidInput(f"view {view!r} does not exist: {self.ref} has "
+                               f"{'no views' if self.views is None else f'views 0..{self.views - 1}'}.")
+        if int(view) not in self._views:
+            bound = copy.copy(self)
+            bound._arrays, bound._pid, bound._view, bound._views = {}, -1, int(view), {}
+            self._views[int(view)] = bound
+        return self._views[int(view)]
+
+    def view_seed(self, index: int, view: int) -> int:
+        """The seed of view ``view`` of sample ``index``: Model A ran on exactly
+        ``augment(dataset[index], torch.Generator().manual_seed(version.view_seed(index, view)))``.
+
+        >>> v.view_seed(10, 3)
+        5812337108410417153
+        """
+        if self.manifest.views is None:
+            raise InvalidInput(f"{self.ref} was computed without views; it has no view seeds.")
+        if not 0 <= view < self.manifest.views.count or not 0 <= index < len(self):
+            raise IndexError(f"(index {index}, view {view}) is out of range for {len(self)} samples "
+                             f"and {self.manifest.views.count} views")
+        return view_seed(self.manifest.views.seed, index, view)
 
     # -- reading ------------------------------------------------------------------------
     def array(self, field: str) -> zarr.Array:
@@ -156,9 +212,13 @@ class Version:
             if field not in self.manifest.arrays:
                 raise KeyError(f"version {self.id} has no array {field!r}; it has "
                                f"{sorted(self.manifest.arrays)}")
+            if self.views is not None and self._view is None:
+                raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
+                                   "version.view(v) or version[v, rows].")
+            key = self.data_key
             self._arrays[field] = open_array(
-                self.storage.zarr_store(self.key, read_only=True), field, self.manifest.arrays[field],
-                self.manifest.layout, self.ref, lambda: self.storage.read_bytes(f"{self.key}/{field}/zarr.json"))
+                self.storage.zarr_store(key, read_only=True), field, self.manifest.arrays[field],
+                self.manifest.layout, self.ref, lambda: self.storage.read_bytes(f"{key}/{field}/zarr.json"))
         return self._arrays[field]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
@@ -195,15 +255,22 @@ class Version:
         return first_row // spp
 
     def chunk_key(self, field: str, shard: int) -> str:
-        """The key of shard ``shard`` of ``field`` inside the version (one object per shard)."""
-        return chunk_key(field, shard, len(self.manifest.arrays[field].shape))
+        """The key of shard ``shard`` of ``field`` inside the version (one object per shard;
+        under ``_views/<v>/`` when this object reads a view)."""
+        key = chunk_key(field, shard, len(self.manifest.arrays[field].shape))
+        return key if self._view is None else f"{view_path(self._view)}/{key}"
 
     def decode(self, field: str, stored: np.ndarray) -> torch.Tensor:
         """Stored values -> the tensor a reader gets (see :mod:`featstore.codecs`)."""
         return codec_by_name(self.manifest.arrays[field].codec).decode(stored)
 
-    def __getitem__(self, index: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
-        """Random access: a dict of tensors (one per array) plus ``index``."""
+    def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+        """Random access: a dict of tensors (one per array) plus ``index``; ``version[v, rows]``
+        reads view ``v`` of a version with views (and adds ``view``)."""
+        if isinstance(index, tuple) and len(index) == 2 and self.views is not None:
+            out = self.view(index[0])[index[1]]
+            out["view"] = torch.full(out["index"].shape, int(index[0]), dtype=torch.int64)
+            return out
         n = len(self)
         if isinstance(index, (int, np.integer)):
             i = int(index) + (n if index < 0 else 0)
@@ -252,10 +319,11 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
 
         it = tqdm(receipts, desc=f"verify {version.ref}", unit="shard")
     for r in it:
+        source = version if r.view is None else version.view(r.view)
         for field, digest in r.digests.items():
-            where = f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop})"
+            where = f"{source.chunk_key(field, r.index)} (rows {r.start}-{r.stop})"
             try:
-                got = shard_digest(version.read_rows(field, r.start, r.stop))
+                got = shard_digest(source.read_rows(field, r.start, r.stop))
             except CorruptChunk as exc:
                 problems.append(f"{where}: {exc}")
                 continue
@@ -272,6 +340,7 @@ class Claim:
     layout: Layout
     arrays: dict[str, ArraySpec]
     done: frozenset[int]
+    done_views: frozenset[tuple[int, int]] = frozenset()  # finished (view, shard) units, with views
 
 
 def _sans_compression(specs: Any) -> Any:
@@ -443,7 +512,8 @@ class Catalog:
         return deleted
 
     # -- the lifecycle of a version being computed ----------------------------------------
-    def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> Claim:
+    def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec],
+              views: int | None = None) -> Claim:
         """Claim the version folder (or join the run that claimed it): the layout and arrays to
         use, and the shards already finished.
 
@@ -452,7 +522,8 @@ class Catalog:
         (create-if-absent) and so fixes the layout; every later run (a resume, or a concurrent
         run) adopts it: same fingerprint, same content, the layout only cuts it into shards.
         Shards with a receipt are skipped; the rest may be written by several runs at once,
-        with the same bytes.
+        with the same bytes. With ``views`` the arrays are created in every view's group and
+        the unit of work (and of receipts) is the (view, shard).
         """
         key = version_key(name, vid)
         where = self.storage.child_url(f"{key}/{PENDING}")
@@ -471,11 +542,18 @@ class Catalog:
             log.warning(
                 "%s: another run fixed the layout (%d samples per shard); using it instead of %d",
                 key, claimed.layout.samples_per_shard, layout.samples_per_shard)
-        create_arrays(self.storage.zarr_store(key, read_only=False), claimed.layout, adopted,
-                      self.storage.child_url(key))
-        done = {i for i, r in read_receipts(self.storage, key).items()
-                if (r.start, r.stop) == claimed.layout.shard_range(i) and set(r.digests) == set(adopted)}
-        return Claim(claimed.layout, adopted, frozenset(done))
+        if views is None:
+            return Claim(claimed.layout, adopted, frozenset(self._prepare(key, claimed.layout, adopted)))
+        create_views_group(self.storage.zarr_store(key, read_only=False))
+        units = {(v, i) for v in range(views)
+                 for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
+        return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
+
+    def _prepare(self, key: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> set[int]:
+        """Create (or check) the arrays of the group at ``key``; return its finished shards."""
+        create_arrays(self.storage.zarr_store(key, read_only=False), layout, arrays, self.storage.child_url(key))
+        return {i for i, r in read_receipts(self.storage, key).items()
+                if (r.start, r.stop) == layout.shard_range(i) and set(r.digests) == set(arrays)}
 
     def _pending(self, key: str, mine: Pending, where: str) -> Pending:
         """Create the claim, or read the one another run created first."""
@@ -485,17 +563,22 @@ class Catalog:
         # None: removed by a run that committed in between; that commit will be adopted.
         return mine if obj is None else Pending.from_json(obj, where)
 
-    def collect_receipts(self, name: str, vid: str, layout: Layout,
-                         fresh: Sequence[ShardReceipt]) -> list[ShardReceipt]:
-        """Every shard's receipt for the commit: this run's, and earlier runs' from the store."""
+    def collect_receipts(self, name: str, vid: str, layout: Layout, fresh: Sequence[ShardReceipt],
+                         views: int | None = None) -> list[ShardReceipt]:
+        """Every (view, shard) unit's receipt for the commit, in manifest order: this run's, and
+        earlier runs' from the store."""
         key = version_key(name, vid)
-        by_index = {r.index: r for r in fresh}
-        missing = [i for i in range(layout.n_shards) if i not in by_index]
-        by_index.update(read_receipts(self.storage, key, missing))
-        for i in missing:
-            if i not in by_index:
-                raise ComputeFailed(f"shard {i} of {key} has no receipt after the run; rerun compute.")
-        return [by_index[i] for i in range(layout.n_shards)]
+        out = []
+        for view in [None] if views is None else range(views):
+            vk = view_key(key, view)
+            by_index = {r.index: r for r in fresh if r.view == view}
+            missing = [i for i in range(layout.n_shards) if i not in by_index]
+            by_index.update(read_receipts(self.storage, vk, missing))
+            for i in missing:
+                if i not in by_index:
+                    raise ComputeFailed(f"shard {i} of {vk} has no receipt after the run; rerun compute.")
+            out += [by_index[i] for i in range(layout.n_shards)]
+        return out
 
     def commit(self, manifest: Manifest) -> Version:
         """Make the version visible: its data durable first, then the manifest, created

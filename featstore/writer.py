@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,11 +28,12 @@ from .codecs import keep_codec, output_codec
 from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
-from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
+from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec
 from .names import check_field, check_name
 from .stats import summarize
 from .tasks import TaskSpec, probe, release_models, run_shards, select
 from .versions import Catalog, Claim, Version
+from .views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
 
 log = logging.getLogger("featstore")
 
@@ -101,6 +102,9 @@ class _Request:
     outputs: dict[str, str]
     batch_size: int
     samples_per_shard: int | None
+    views: int | None = None
+    augment: Any = None
+    augment_seed: int = 0
 
 
 def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
@@ -113,7 +117,8 @@ def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Mapping[str, Any],
               outputs: Mapping[str, str] | None, batch_size: int, samples_per_shard: int | None,
-              options: "ComputeOptions") -> _Request:
+              options: "ComputeOptions", views: int | None = None, augment: Any = None,
+              augment_seed: int = 0) -> _Request:
     """Check every argument before anything runs; bad input raises with what to change."""
     check_name(name)
     if outputs is None:
@@ -122,7 +127,8 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
     outputs = {check_field(k): output_codec(v).name for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
-    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & set(RESERVED_FIELDS))
+    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set())
+    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & reserved)
     if clash:
         raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -135,11 +141,38 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         raise InvalidInput("dataset must be a map-style dataset with __len__ and __getitem__.") from None
     if n == 0:
         raise EmptyDataset("the dataset is empty; there is nothing to compute. Check its path or filter.")
-    first = dataset[0]
+    first = _first_seen(dataset, n, views, augment, augment_seed)
     select(first, input_key, "input")
     for k in keep_map.values():
         select(first, k, "keep field")
-    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard)
+    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
+                    views, augment, augment_seed)
+
+
+def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_seed: int) -> Any:
+    """The first item as Model A will see it, after checking the views arguments; with views,
+    ``augment`` is replayed twice on two items and must give the same bytes both times."""
+    if views is None:
+        if augment is not None:
+            raise InvalidInput("augment= needs views=K (K augmented views per sample are computed and "
+                               "stored); for one augmented view pass views=1.")
+        return dataset[0]
+    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
+        raise InvalidInput(f"views must be a positive int (augmented views per sample), got {views!r}.")
+    if not callable(augment):
+        raise InvalidInput("views=K needs augment=fn, where fn(item, generator) -> item draws all its "
+                           "randomness from the torch.Generator it is given.")
+    if isinstance(augment_seed, bool) or not isinstance(augment_seed, int):
+        raise InvalidInput(f"augment_seed must be an int, got {augment_seed!r}.")
+    check_replayable(dataset, augment, augment_seed, sorted({0, n // 2}))
+    return replay(augment, dataset[0], view_seed(augment_seed, 0, 0))
+
+
+def views_spec(req: _Request) -> ViewsSpec | None:
+    """The views part of the fingerprint and the manifest (None without views)."""
+    if req.views is None:
+        return None
+    return ViewsSpec(req.views, req.augment_seed, SEED_POLICY, describe_key(req.augment))
 
 
 def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
@@ -153,6 +186,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         # Compression never changes the values, but it changes the stored bytes (and digests).
         "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
         "autocast": options.autocast,
+        # Only with views, so versions without them keep their ids.
+        **({} if req.views is None else {"views": asdict(views_spec(req))}),
     }
 
 
@@ -231,7 +266,8 @@ def _libraries() -> dict[str, str]:
 def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-            options: ComputeOptions | None = None) -> Version:
+            options: ComputeOptions | None = None, views: int | None = None, augment: Any = None,
+            augment_seed: int = 0) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -248,6 +284,13 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
             or a scheduler address.
         options: :class:`ComputeOptions`.
+        views: K augmented views per sample (None: the items as they are, one view). View ``v``
+            of sample ``i`` is ``augment(dataset[i], torch.Generator().manual_seed(s))`` with
+            ``s = version.view_seed(i, v)``; A runs on it and every stored array (outputs,
+            ``keep`` fields, which may name extra fields ``augment`` returns) is stored per view.
+        augment: ``fn(item, generator) -> item``; all its randomness must come from
+            ``generator`` (checked: two replays must agree, else :class:`NondeterministicAugment`).
+        augment_seed: the version's seed, from which every (sample, view) seed derives.
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -258,7 +301,8 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     """
     options = options or ComputeOptions()
     t0 = time.perf_counter()
-    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options)
+    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
+                    views, augment, augment_seed)
     parts = _fingerprint_parts(req, model, dataset, options)
     fp = fingerprint(parts)
     vid = fp[:16]
@@ -267,15 +311,16 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         log.info("version %s@%s already committed; nothing to compute", name, vid)
         return existing
     run = _run(catalog, req, vid, model, dataset, client, options)
-    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts)
+    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, req.views)
     manifest = Manifest(
         id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=run.claim.layout,
         arrays=run.claim.arrays, stats=summarize((r.stats for r in receipts), run.claim.arrays),
-        shards=tuple(ShardReceipt(r.index, r.start, r.stop, r.digests) for r in receipts),
+        shards=tuple(ShardReceipt(r.index, r.start, r.stop, r.digests, view=r.view) for r in receipts),
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
                  "shards_computed": len(run.receipts)},
         libraries=_libraries(),
+        views=views_spec(req),
     )
     return catalog.commit(manifest)
 
@@ -303,15 +348,16 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         base = TaskSpec(catalog.storage, req.name, vid, run_key, req.input_key, req.keep, req.outputs, {},
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                         cluster.torch_threads(), f"featstore-progress-{vid}",
-                        tune_allocator=options.tune_allocator)
+                        tune_allocator=options.tune_allocator, view=None if req.views is None else 0,
+                        augment=req.augment, augment_seed=req.augment_seed)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{vid}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options)
-        spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout,
-                           "dtypes": {k: d for k, (_, d, _) in probed.items()}})
-        todo = [i for i in range(claim.layout.n_shards) if i not in claim.done]
-        done_rows = sum(b - a for a, b in map(claim.layout.shard_range, claim.done))
-        log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(claim.done))
+        dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
+        spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout, "dtypes": dtypes})
+        todo, done = _units(claim, req.views)
+        done_rows = sum(b - a for a, b in (claim.layout.shard_range(i) for _, i in done))
+        log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(done))
         t_compute = time.perf_counter()
         receipts = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options)
     finally:
@@ -326,9 +372,38 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression)."""
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression)
+    if req.views is not None:  # replay seeds: random 63-bit integers, which zstd cannot shrink
+        arrays[SEED_FIELD] = ArraySpec(keep_codec(torch.int64).name, keep_codec(torch.int64).stored, (), "seed",
+                                       choose_compression(options.compression, 0.0))
     row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
     layout = choose_layout(req.n, row_bytes, req.samples_per_shard, options.chunk_rows, options.target_shard_bytes)
-    return catalog.claim(req.name, vid, layout, arrays)
+    return catalog.claim(req.name, vid, layout, arrays, req.views)
+
+
+Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume
+
+
+def _units(claim: Claim, views: int | None) -> tuple[list[Unit], list[Unit]]:
+    """The (view, shard) units still to compute and those already finished."""
+    n = claim.layout.n_shards
+    if views is None:
+        return ([(None, i) for i in range(n) if i not in claim.done], [(None, i) for i in sorted(claim.done)])
+    every = [(v, i) for v in range(views) for i in range(n)]
+    return [u for u in every if u not in claim.done_views], sorted(claim.done_views)
+
+
+def task_groups(units: Sequence[Unit], per_task: int) -> list[tuple[int | None, list[int]]]:
+    """Runs of at most ``per_task`` consecutive units of one view: one Dask task each.
+
+    >>> task_groups([(0, 0), (0, 1), (0, 2), (1, 0)], 2)
+    [(0, [0, 1]), (0, [2]), (1, [0])]
+    """
+    groups: list[tuple[int | None, list[int]]] = []
+    for view, shard in units:
+        if not groups or groups[-1][0] != view or len(groups[-1][1]) >= per_task:
+            groups.append((view, []))
+        groups[-1][1].append(shard)
+    return groups
 
 
 def _result(future: Any) -> Any:
@@ -341,7 +416,7 @@ def _result(future: Any) -> Any:
         raise ComputeFailed(f"compute task {future.key} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[int], done_rows: int,
+def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[Unit], done_rows: int,
                resources: dict | None, options: ComputeOptions) -> list[ShardReceipt]:
     """Submit the shard tasks (a few long ones per worker) and gather their receipts."""
     from distributed import as_completed
@@ -354,15 +429,15 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo
     n_workers = max(1, len(workers(client)))
     # Few, long tasks: the write of a task's last shard cannot overlap the next forward.
     per_task = max(1, -(-len(todo) // (2 * n_workers)))
-    groups = [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
-    bar = _Progress(spec.layout.n_samples, done_rows, spec.name, options.progress)
+    views = 1 + max(-1 if v is None else v for v, _ in todo)
+    bar = _Progress(spec.layout.n_samples * max(1, views), done_rows, spec.name, options.progress)
     client.subscribe_topic(spec.topic, bar)
     futures = []
     try:
         with span(f"featstore-compute-{spec.name}"):
-            for g in groups:
-                key = f"featstore-shards-{spec.vid}-{g[0]:06d}-{g[-1]:06d}"
-                futures.append(client.submit(run_shards, spec, model_f, data_f, g, key=key,
+            for view, g in task_groups(todo, per_task):
+                key = f"featstore-shards-{spec.vid}{'' if view is None else f'-v{view}'}-{g[0]:06d}-{g[-1]:06d}"
+                futures.append(client.submit(run_shards, replace(spec, view=view), model_f, data_f, g, key=key,
                                              resources=resources, pure=False, retries=0))
             receipts = []
             for fut in as_completed(futures):
