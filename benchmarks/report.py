@@ -334,9 +334,25 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         "![benchmark](benchmarks.png)",
         "",
     ]
-    with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
-        f.write("\n".join(lines))
+    path = os.path.join(out_dir, "benchmarks.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + _kept_sections(path))
     _plot(res, os.path.join(out_dir, "benchmarks.png"))
+
+
+#: Sections other benchmarks write into benchmarks.md (between their markers): kept on rewrite.
+KEPT_SECTIONS = (("<!-- views-benchmark:start -->", "<!-- views-benchmark:end -->"),)
+
+
+def _kept_sections(path: str) -> str:
+    """The marked sections of the current ``path`` (written by other benchmarks), to re-append."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        text = f.read()
+    kept = [start + text.split(start, 1)[1].split(end, 1)[0] + end
+            for start, end in KEPT_SECTIONS if start in text and end in text]
+    return "".join("\n" + k + "\n" for k in kept)
 
 
 def _plot(res: dict[str, Any], path: str) -> None:

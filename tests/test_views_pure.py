@@ -68,7 +68,9 @@ def test_check_view_mode_accepts(mode, views, expect):
     assert check_view_mode(mode, views) == expect
 
 
-@pytest.mark.parametrize("mode, views", [(0, None), ("epoch", None), (4, 4), (-1, 4), ("first", 4), (True, 4), (1.0, 4)])
+@pytest.mark.parametrize("mode, views", [
+    (0, None), ("epoch", None), (4, 4), (-1, 4), ("first", 4), (True, 4), (1.0, 4),
+])
 def test_check_view_mode_refuses(mode, views):
     with pytest.raises(InvalidInput):
         check_view_mode(mode, views)
@@ -95,7 +97,8 @@ def test_view_dataset_replays_bit_identically():
     data = _data()
     vd = ViewDataset(data, _aug, seed=3, view=2)
     again = [_aug(data[i], torch.Generator().manual_seed(view_seed(3, i, 2))) for i in range(len(data))]
-    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(vd.__getitems__(list(range(10))), again))
+    got = vd.__getitems__(list(range(10)))
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(got, again, strict=True))
     assert torch.equal(vd[4]["input"], again[4]["input"])
     assert not torch.equal(ViewDataset(data, _aug, 3, 1)[4]["input"], vd[4]["input"])
 
