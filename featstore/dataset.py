@@ -214,6 +214,8 @@ class FeatureDataset(IterableDataset):
         if (saved.batch_size, saved.seed, saved.shuffle, state["world_size"]) != (
                 self.options.batch_size, self.options.seed, self.options.shuffle, self.world_size):
             raise InvalidInput("batch_size, seed, shuffle and world_size must match the saved state.")
+        if saved.view != self.options.view:  # the epoch's view would differ: another sequence
+            raise InvalidInput(f"view must match the saved state ({saved.view!r}).")
         self.epoch = int(state["epoch"])
         self._resume = {"epoch": self.epoch, "batches_seen": int(state["batches_seen"])}
 

@@ -359,7 +359,8 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
         done_rows = sum(b - a for a, b in (claim.layout.shard_range(i) for _, i in done))
         log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(done))
         t_compute = time.perf_counter()
-        receipts = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options)
+        receipts = _run_tasks(cluster, spec, model_f, data_f, todo, done_rows, resources, options,
+                              req.n * (req.views or 1))
     finally:
         cluster.close()
         release_models(run_key)
@@ -417,7 +418,7 @@ def _result(future: Any) -> Any:
 
 
 def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo: list[Unit], done_rows: int,
-               resources: dict | None, options: ComputeOptions) -> list[ShardReceipt]:
+               resources: dict | None, options: ComputeOptions, total_rows: int) -> list[ShardReceipt]:
     """Submit the shard tasks (a few long ones per worker) and gather their receipts."""
     from distributed import as_completed
 
@@ -429,8 +430,7 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, model_f: Any, data_f: Any, todo
     n_workers = max(1, len(workers(client)))
     # Few, long tasks: the write of a task's last shard cannot overlap the next forward.
     per_task = max(1, -(-len(todo) // (2 * n_workers)))
-    views = 1 + max(-1 if v is None else v for v, _ in todo)
-    bar = _Progress(spec.layout.n_samples * max(1, views), done_rows, spec.name, options.progress)
+    bar = _Progress(total_rows, done_rows, spec.name, options.progress)
     client.subscribe_topic(spec.topic, bar)
     futures = []
     try:
