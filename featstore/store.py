@@ -69,7 +69,7 @@ class FeatureStore(Catalog):
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
-        :class:`~featstore.dataset.ViewReading`.
+        :class:`~featstore.viewreading.ViewReading`.
 
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
