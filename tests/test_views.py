@@ -199,3 +199,19 @@ def test_augment_calls_count_one_per_view_and_sample(tmp_path, dask_client):
     # 2 views x N samples, plus the replay check (2 items twice), the validation item and the
     # probe batch of view 0 (16 rows)
     assert calls == 2 * N + 4 + 1 + 16
+
+
+def test_verify_and_the_reader_name_a_damaged_view_shard(tmp_path, dask_client):
+    store = featstore.open_store(tmp_path / "store")
+    v = compute(store, dask_client)
+    bad = f"{view_path(1)}/{v.chunk_key('logits', 1)}"
+    path = tmp_path / "store" / v.key / bad
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = v.verify()
+    assert len(problems) == 1 and problems[0].startswith(bad)
+    assert v.view(0).load()["logits"].shape == (N, 5)  # the other views are intact
+    with pytest.raises(featstore.CorruptChunk) as info:
+        epochs(v.dataset(batch_size=16, view=1), 0, range(1))
+    assert info.value.chunk == bad
