@@ -200,10 +200,12 @@ def from_store(ds: featstore.FeatureDataset) -> Batches:
     return epoch_batches
 
 
-def evaluate(student: nn.Module, teacher: nn.Module, test: Digits) -> tuple[float, float]:
+def evaluate(student: nn.Module, teacher: nn.Module, test: Digits) -> tuple[float, float, list[int]]:
+    """Held-out accuracy, top-1 agreement with the teacher, and which test images were right."""
     with torch.no_grad():
         s, t = student(test.images).argmax(1), teacher(test.images).argmax(1)
-    return float((s == test.targets).float().mean()), float((s == t).float().mean())
+    right = (s == test.targets).to(torch.int64)
+    return float(right.float().mean()), float((s == t).float().mean()), right.tolist()
 
 
 def stored_bytes(version: featstore.Version) -> int:
@@ -221,6 +223,7 @@ class Row:
     accuracy: float
     agreement: float
     bytes_per_sample: float
+    right: list[int]  # per held-out image: 1 if the student got it right (for paired comparisons)
 
     @property
     def total_s(self) -> float:
@@ -238,13 +241,15 @@ def store_row(label: str, store: featstore.FeatureStore, teacher: nn.Module, tra
     ds = store.dataset(version, batch_size=setup.batch, seed=setup.seed, source=train, augment=augment,
                        source_fields=["image"])
     student, train_s = distill(from_store(ds), len(train), setup)
-    acc, agree = evaluate(student, teacher, test)
-    return Row(label, views, compute_s, train_s, acc, agree, stored_bytes(version) / len(train))
+    acc, agree, right = evaluate(student, teacher, test)
+    return Row(label, views, compute_s, train_s, acc, agree, stored_bytes(version) / len(train), right)
 
 
 def run(setup: Setup) -> dict:
     import distributed  # noqa: F401 - a one-time import per process, not part of any compute
 
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    t0 = time.perf_counter()
     torch.set_num_threads(1)
     train, test = load_digits(setup)
     teacher, teacher_s = train_teacher(train, setup)
@@ -252,21 +257,32 @@ def run(setup: Setup) -> dict:
     print(f"teacher: {teacher_s:.1f} s, held-out accuracy {teacher_acc:.4f}", flush=True)
     rows = []
     student, train_s = distill(online(teacher, train, setup), len(train), setup)
-    rows.append(Row("(a) online: teacher every step", None, 0.0, train_s, *evaluate(student, teacher, test), 0.0))
-    print(rows[-1], flush=True)
+    acc, agree, right = evaluate(student, teacher, test)
+    rows.append(Row("(a) online: teacher every step", None, 0.0, train_s, acc, agree, 0.0, right))
+    print(rows[-1].approach, rows[-1].total_s, rows[-1].accuracy, flush=True)
     with tempfile.TemporaryDirectory(prefix="featstore-views-") as root:
         store = featstore.open_store(os.path.join(root, "store"))
         rows.append(store_row("(b) featstore, 1 un-augmented view", store, teacher, train, test, setup, None))
-        print(rows[-1], flush=True)
+        print(rows[-1].approach, rows[-1].total_s, rows[-1].accuracy, flush=True)
         for k in setup.views:
             rows.append(store_row(f"(c) featstore, K={k} views", store, teacher, train, test, setup, k))
-            print(rows[-1], flush=True)
+            print(rows[-1].approach, rows[-1].total_s, rows[-1].accuracy, flush=True)
     return {"setup": asdict(setup), "teacher_s": teacher_s, "teacher_accuracy": teacher_acc,
             "n_train": len(train), "n_test": len(test), "rows": [asdict(r) | {"total_s": r.total_s} for r in rows],
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
+            "started": started, "minutes": (time.perf_counter() - t0) / 60, "load_average": os.getloadavg()}
 
 
 # -- report -----------------------------------------------------------------------------------
+def paired_delta(row: dict, base: dict) -> tuple[float, float]:
+    """Accuracy difference to ``base`` in points, and 1.96 standard errors of it, paired over the
+    same held-out images (only images one got right and the other wrong move the difference)."""
+    diff = [a - b for a, b in zip(row["right"], base["right"], strict=True)]
+    n = len(diff)
+    mean = sum(diff) / n
+    var = sum((d - mean) ** 2 for d in diff) / max(1, n - 1)
+    return 100 * mean, 100 * 1.96 * (var / n) ** 0.5
+
+
 def verdict(result: dict) -> list[str]:
     """The issue's targets, checked on this run's rows."""
     rows = result["rows"]
@@ -274,15 +290,15 @@ def verdict(result: dict) -> list[str]:
     b = next(r for r in rows if r["views"] is None and r is not a)
     views = [r for r in rows if r["views"] is not None]
     close = [r for r in views if r["accuracy"] >= a["accuracy"] - 0.01]
-    lines = [f"- (b) 1 un-augmented view: {100 * (b['accuracy'] - a['accuracy']):+.1f} points of accuracy "
-             f"and {100 * (b['agreement'] - a['agreement']):+.1f} points of agreement vs (a)."]
+    lines = [f"- (b) 1 un-augmented view: {paired_delta(b, a)[0]:+.1f} ± {paired_delta(b, a)[1]:.1f} points of "
+             f"accuracy and {100 * (b['agreement'] - a['agreement']):+.1f} points of agreement vs (a)."]
     if close:
         best = max(close, key=lambda r: a["total_s"] / r["total_s"])
         speed = a["total_s"] / best["total_s"]
         met = "met" if speed >= 2 else "missed"
-        lines.append(f"- Best K within 1 point of (a): K={best['views']} "
-                     f"({100 * (best['accuracy'] - a['accuracy']):+.1f} points), {speed:.2f}x less wall time "
-                     f"than (a): target (>= 2x) **{met}**.")
+        delta, err = paired_delta(best, a)
+        lines.append(f"- Best K within 1 point of (a): K={best['views']} ({delta:+.1f} ± {err:.1f} points), "
+                     f"{speed:.2f}x less wall time than (a): target (>= 2x) **{met}**.")
     else:
         lines.append("- No K came within 1 point of (a)'s accuracy in this run: target **missed**.")
     return lines
@@ -294,8 +310,9 @@ def markdown(result: dict) -> str:
         MARK_START,
         "## Distillation with augmentation: views vs the teacher online (issue 9)",
         "",
-        f"Generated by `python -m benchmarks.views` (started {result['started']}, load average "
-        f"{result['load_average'][0]:.1f} on 2 cores shared with other jobs; torch on one thread). "
+        f"Generated by `python -m benchmarks.views` (started {result['started']}, {result['minutes']:.1f} min, "
+        f"load average {result['load_average'][0]:.1f} at the end, on 2 cores shared with other jobs; torch on "
+        "one thread). "
         f"scikit-learn's handwritten digits ({result['n_train']} train / {result['n_test']} held-out "
         f"images, upsampled to 16x16), augmented with random crops, shifts and flips. Teacher: a CNN "
         f"of width {s['teacher_width']} trained here for {s['teacher_epochs']} epochs "
@@ -304,14 +321,18 @@ def markdown(result: dict) -> str:
         "loop in every row; featstore rows read with 0 DataLoader workers and join the student's "
         "augmented input in the reader (`source=`, `augment=`).",
         "",
-        "| approach | compute s | training s | total s | vs (a) | held-out acc | agreement | stored bytes/sample |",
-        "|---|---|---|---|---|---|---|---|",
+        "| approach | compute s | training s | total s | (a)'s time / this | held-out acc | acc vs (a), points "
+        "| agreement | stored bytes/sample |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    a_total = result["rows"][0]["total_s"]
+    a = result["rows"][0]
     body = [f"| {r['approach']} | {r['compute_s']:.1f} | {r['train_s']:.1f} | {r['total_s']:.1f} | "
-            f"{a_total / r['total_s']:.2f}x | {r['accuracy']:.3f} | {r['agreement']:.3f} | "
-            f"{r['bytes_per_sample']:.0f} |" for r in result["rows"]]
+            f"{a['total_s'] / r['total_s']:.2f}x | {r['accuracy']:.3f} | "
+            + ("" if r is a else "{:+.1f} ± {:.1f}".format(*paired_delta(r, a)))
+            + f" | {r['agreement']:.3f} | {r['bytes_per_sample']:.0f} |" for r in result["rows"]]
     notes = ["", *verdict(result), "",
+             "One seed per row: ± is 1.96 standard errors of the accuracy difference, paired over the "
+             "same held-out images (the student's own seed-to-seed spread is not in it). "
              "Compute includes featstore's embedded Dask start-up and the replay check; K views cost K "
              "teacher forwards per sample once, where (a) pays one per sample every epoch. Bytes per "
              "sample are the whole version (all K views, float32 logits, labels, seeds, metadata); an "
