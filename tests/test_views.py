@@ -219,3 +219,33 @@ def test_verify_and_the_reader_name_a_damaged_view_shard(tmp_path, dask_client):
         epochs(v.dataset(batch_size=16, view=1), 0, range(1))
     assert info.value.chunk == bad
 
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_each_view_reads_its_own_objects_through_the_memory_cache(versions, kind):
+    # one shared cache per version: entries are per (view, shard), so view 1 never gets view 0's
+    v = versions[kind]
+    try:
+        for view in (0, 1, 0):
+            ds = v.dataset(batch_size=N, shuffle=False, view=view, cache="memory", cache_bytes=2**24)
+            (batch,) = epochs(ds, 0, range(1))[0]
+            want = v.view(view).load()
+            assert torch.equal(batch["index"], want["index"]) and set(batch["view"].tolist()) == {view}
+            for name in ("logits", "features", "seen"):
+                assert torch.equal(batch[name], want[name]), (view, name)
+        assert not torch.equal(v.view(0).load()["seen"], v.view(1).load()["seen"])
+    finally:
+        ds.clear_cache()
+
+
+def test_views_and_extends_are_refused_together(tmp_path, dask_client):
+    store = featstore.open_store(tmp_path / "store")
+    plain = store.compute("tiny/views", model=TinyA(), dataset=VectorData(2 * SPP), keep=["target"],
+                          outputs=OUT, samples_per_shard=SPP, client=dask_client,
+                          options=ComputeOptions(progress=False))
+    with pytest.raises(InvalidInput, match="not supported yet"):
+        compute(store, dask_client, extends=plain.ref)
+    with_views = compute(store, dask_client, data=VectorData(2 * SPP))
+    with pytest.raises(InvalidInput, match="not supported yet"):
+        store.compute("tiny/views", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
+                      client=dask_client, extends=with_views.ref, options=ComputeOptions(progress=False))
+    assert {v.id for v in store.versions("tiny/views")} == {plain.id, with_views.id}  # nothing else committed
