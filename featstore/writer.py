@@ -526,11 +526,15 @@ class _ViewRuns:
         self.spec, self.runs = spec, {}
 
     def add(self, receipts: Any) -> None:
+        """One task's receipts (a task's shards are all of one view), folded as they come."""
+        by_view: dict[int | None, list[ShardReceipt]] = {}
         for r in receipts:
-            if r.view not in self.runs:
-                home = view_key(version_key(self.spec.name, self.spec.vid), r.view)
-                self.runs[r.view] = ReceiptRuns(self.spec.storage, home)
-            self.runs[r.view].add([r])
+            by_view.setdefault(r.view, []).append(r)
+        for view, rs in by_view.items():
+            if view not in self.runs:
+                home = view_key(version_key(self.spec.name, self.spec.vid), view)
+                self.runs[view] = ReceiptRuns(self.spec.storage, home)
+            self.runs[view].add(rs)
 
 
 def _result(future: Any) -> Any:
