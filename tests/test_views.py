@@ -24,11 +24,12 @@ OUT = {"features": "float16", "logits": "float32"}
 TOL = {"features": 2e-3, "logits": 1e-5}
 
 
-def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, model_id=None, **kw):
+def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, model_id=None, shards_per_task=1, **kw):
     return store.compute("tiny/views", model=model or TinyA(), dataset=data or VectorData(N),
                          keep={"target": "target", "seen": "input", "flip": "flip"}, outputs=OUT,
                          samples_per_shard=SPP, batch_size=16, client=client, views=views, augment=augment,
-                         augment_seed=7, options=ComputeOptions(progress=False, chunk_rows=16, model_id=model_id), **kw)
+                         augment_seed=7, options=ComputeOptions(progress=False, chunk_rows=16, model_id=model_id,
+                                                                shards_per_task=shards_per_task), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +250,23 @@ def test_views_and_extends_are_refused_together(tmp_path, dask_client):
         store.compute("tiny/views", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
                       client=dask_client, extends=with_views.ref, options=ComputeOptions(progress=False))
     assert {v.id for v in store.versions("tiny/views")} == {plain.id, with_views.id}  # nothing else committed
+
+
+def test_view_receipts_compact_into_runs_and_a_resume_reads_them(tmp_path, dask_client, monkeypatch):
+    import featstore.versions
+
+    monkeypatch.setattr(featstore.versions, "RUN_EVERY", 2)  # the driver folds receipts as tasks finish
+    store = featstore.open_store(tmp_path / "store")
+    first = compute(store, dask_client, model_id="tiny-a", shards_per_task=3)
+    runs = {view: [n for n in store.storage.list_dirs(f"{view_key(first.key, view)}/_receipts")
+                   if n.startswith("run-")] for view in range(K)}
+    assert all(names == ["run-000000-000002.json"] for names in runs.values()), runs  # one task per view
+    view = next(v for v, names in runs.items() if names)
+    shard = int(runs[view][0].split("-")[1])
+    store.storage.delete(f"{first.key}/manifest.json")
+    forget_receipts(store.storage, view_key(first.key, view), [shard])  # the run keeps the others
+    log = tmp_path / "forwards.log"
+    again = compute(store, dask_client, model=CountingA(str(log)), model_id="tiny-a", shards_per_task=3)
+    rows = [int(x) for x in log.read_text().split()]
+    assert sum(rows) - rows[0] == min(SPP, N - shard * SPP)  # that one (view, shard) unit, after the probe
+    assert again.id == first.id and again.verify() == []
