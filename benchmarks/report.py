@@ -352,9 +352,15 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
     _plot(res, os.path.join(out_dir, "benchmarks.png"))
 
 
+#: Sections other benchmarks write into benchmarks.md between start/end markers of their own
+#: (not the ``NAME:begin``/``NAME:end`` form): kept on rewrite too.
+KEPT_SECTIONS = (("<!-- views-benchmark:start -->", "<!-- views-benchmark:end -->"),)
+
+
 def _kept_sections(path: str) -> str:
     """Sections other benchmarks own (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``, such as
-    ``python -m benchmarks.softlabels``'s), carried over when this report rewrites the file."""
+    ``python -m benchmarks.softlabels``'s, and the pairs of :data:`KEPT_SECTIONS`, such as
+    ``python -m benchmarks.views``'s), carried over when this report rewrites the file."""
     import re
 
     if not os.path.exists(path):
@@ -363,6 +369,8 @@ def _kept_sections(path: str) -> str:
         old = f.read()
     found = re.findall(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", old, flags=re.S)
     blocks = [re.search(rf"<!-- {n}:begin -->.*?<!-- {n}:end -->", old, flags=re.S).group(0) for n in found]
+    blocks += [start + old.split(start, 1)[1].split(end, 1)[0] + end
+               for start, end in KEPT_SECTIONS if start in old and end in old.split(start, 1)[1]]
     return "".join("\n\n" + b for b in blocks) + ("\n" if blocks else "")
 
 

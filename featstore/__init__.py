@@ -11,9 +11,9 @@ stream them into Model B's training loop.
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset, FeatstoreError,
-                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NonFiniteOutput,
-                     OutputMismatch, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable,
-                     VersionNotFound)
+                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
+                     NonFiniteOutput, OutputMismatch, SourceMismatch, StoreConflict, StoreFull, StorePermissionDenied,
+                     StoreUnavailable, VersionNotFound)
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
@@ -21,7 +21,7 @@ __all__ = [
     "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "EmptyDataset",
     "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
-    "MissingInputKey", "NonFiniteOutput", "OutputMismatch", "ReaderOptions", "StoreConflict",
-    "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version", "VersionNotFound", "open_store",
-    "__version__",
+    "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
+    "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version",
+    "VersionNotFound", "open_store", "__version__",
 ]

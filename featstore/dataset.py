@@ -4,6 +4,10 @@ Each (rank, DataLoader worker) pair reads only its own span of the epoch's plan
 (:mod:`featstore.plan`), with reads issued ahead on a thread pool so S3 latency hides behind
 Model B's step, and yields ready batches: ``{array: tensor, ..., "index": tensor}``. The store is
 opened lazily inside each worker process, so it is safe under fork and spawn.
+
+A version with augmented views is read one view per epoch (:func:`featstore.views.epoch_view`),
+and its batches carry ``"view"``. ``source=`` joins the student's own input: each row's
+``source[index]``, augmented with that (index, view)'s seed, beside A's stored outputs.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
 from .errors import CorruptChunk, InvalidInput
-from .format import ChunkRef, ShardFormat, chunk_key, decode_shard_rows, mapped_chunks, shard_format
+from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format
 from .partcodecs import assemble, expand_fields
 from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
 from .versions import Version, deleted_while_reading
+from .viewreading import ViewReading
 
 
 @dataclass(frozen=True)
@@ -43,13 +48,17 @@ class ReaderOptions:
         shuffle_window: samples permuted together (spans several chunks and shards); None:
             four shards.
         prefetch: shard pieces read ahead, concurrently.
-        fields: the arrays to read (None: all).
+        fields: the arrays to read (None: all but the views' ``view_seed``).
         cache: ``"memory"`` keeps decoded shards in shared memory (``/dev/shm``), one copy for
             every DataLoader worker and rank on the machine: once the version fits, later epochs
             read no storage and decode nothing. Uncompressed arrays of a local store are not
             copied into it: they are read in place from the page cache (already one shared copy).
         cache_bytes: the cache's budget (its files never exceed it; least recently used shards
             go first). None: half the free space of ``/dev/shm`` when the cache is opened.
+        view: with a version computed with views, which view each epoch reads: ``"epoch"``
+            (the default: a seeded permutation of the K views per cycle of K epochs, so K
+            epochs read every view of every sample once), an int (always that view) or
+            ``"random"`` (one drawn per seed and epoch). Must stay None without views.
     """
 
     batch_size: int = 256
@@ -62,6 +71,7 @@ class ReaderOptions:
     fields: tuple[str, ...] | None = None
     cache: str | None = None
     cache_bytes: int | None = None
+    view: str | int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -146,12 +156,16 @@ class FeatureDataset(IterableDataset):
     """
 
     def __init__(self, version: Version, *, rank: int | None = None, world_size: int | None = None,
-                 options: ReaderOptions | None = None, **option_fields: Any) -> None:
+                 options: ReaderOptions | None = None, source: Any = None, augment: Any = None,
+                 source_fields: Any = None, source_id: str | None = None, **option_fields: Any) -> None:
+        """``source``/``augment``/``source_fields``/``source_id``: see :class:`ViewReading`."""
         super().__init__()
         self.version = version
         self.options = replace(options or ReaderOptions(), **option_fields)
+        self._viewing = ViewReading(version, self.options, source, augment, source_fields, source_id)
         # an output stored in parts (``logits`` -> logits.ids, logits.values) is read whole
-        fields = expand_fields(version.manifest.arrays, self.options.fields or tuple(version.manifest.arrays))
+        fields = expand_fields(version.manifest.arrays, self.options.fields or tuple(
+            f for f, a in version.manifest.arrays.items() if a.source != "seed"))
         missing = sorted(set(fields) - set(version.manifest.arrays))
         if missing:
             raise InvalidInput(f"version {version.id} has no arrays {missing}; it has "
@@ -269,6 +283,8 @@ class FeatureDataset(IterableDataset):
         if (saved.batch_size, saved.seed, saved.shuffle, state["world_size"]) != (
                 self.options.batch_size, self.options.seed, self.options.shuffle, self.world_size):
             raise InvalidInput("batch_size, seed, shuffle and world_size must match the saved state.")
+        if saved.view != self.options.view:  # the epoch's view would differ: another sequence
+            raise InvalidInput(f"view must match the saved state ({saved.view!r}).")
         self.epoch = int(state["epoch"])
         workers = state.get("num_workers")  # absent from states saved before it was recorded
         self._shared[4] = 0 if workers is None else int(workers) + 1
@@ -310,6 +326,7 @@ class FeatureDataset(IterableDataset):
         self._check_workers(num_workers)
         role, skipped = self._role_and_skip(worker, num_workers)
         plan = self.plan(role, num_workers)
+        self._viewing.start_epoch(self.epoch)
         if info is None:
             self._yielded = skipped
         cid = self.rank * max(1, num_workers) + role
@@ -333,7 +350,8 @@ class FeatureDataset(IterableDataset):
         """The field's shard format when the fast path can read it (cached per process)."""
         formats = self._proc.formats
         if field not in formats:
-            formats[field] = shard_format(self.version.array(field))
+            # every view has the same layout: one format per field
+            formats[field] = shard_format(self._viewing.reading.array(field))
         return formats[field]
 
     def _in_place(self, field: str) -> bool:
@@ -366,7 +384,8 @@ class FeatureDataset(IterableDataset):
     def _object(self, ref: ChunkRef, shard: int) -> Any:
         """One shard object's bytes: mapped for a local store (no copy), else read whole."""
         st = self._proc
-        key = self.version.object_key(ref.array, shard)  # a base's folder for an inherited shard
+        # a base's folder for an inherited shard; this epoch's view's group with views
+        key = self._viewing.reading.object_key(ref.array, shard)
         if st.storage.is_local:
             try:
                 data: Any = st.maps.get(st.storage.path(key))
@@ -387,7 +406,7 @@ class FeatureDataset(IterableDataset):
         per machine into the shared cache."""
         fmt = self._shard_format(field)
         assert fmt is not None
-        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         n = -(-self._proc.shard_rows(self.version)[piece.shard] // fmt.chunk_rows)
         if self._proc.storage.is_local and not fmt.compressed:
             todo = list(range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)))
@@ -407,7 +426,7 @@ class FeatureDataset(IterableDataset):
                               out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref)
 
         cache = self._shared_cache() if self.options.cache is not None else None
-        key = f"{ref.array}.{shard}"
+        key = f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
         view = cache.get(key) if cache is not None else None
         if view is None and cache is not None:
             view = cache.put(key, int(np.prod(shape)) * dtype.itemsize,
@@ -429,13 +448,14 @@ class FeatureDataset(IterableDataset):
         """
         start = piece.shard * self.version.manifest.layout.samples_per_shard
         fmt = self._shard_format(field)
+        reading = self._viewing.reading  # this epoch's view (the version itself without views)
         if fmt is None:
-            out[...] = self.version.read_rows(field, start + piece.lo, start + piece.hi)
+            out[...] = reading.read_rows(field, start + piece.lo, start + piece.hi)
             return
         if not self._proc.storage.is_local:  # whole object, or by range for a few chunks
-            self.version.read_shard_rows(self._proc.storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
+            reading.read_shard_rows(self._proc.storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
             return
-        ref = ChunkRef(self.version.ref, field, chunk_key(field, piece.shard, len(fmt.row_shape)))
+        ref = ChunkRef(self.version.ref, field, reading.chunk_key(field, piece.shard))
         decode_shard_rows(self._object(ref, piece.shard), fmt, piece.lo, piece.hi, out, ref)
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
@@ -483,7 +503,7 @@ class FeatureDataset(IterableDataset):
     def _to_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         out = {f: self.version.decode(f, arrays[f]) for f in self.fields}
         out["index"] = torch.from_numpy(np.ascontiguousarray(arrays["index"]))
-        return assemble(self.version.manifest.arrays, out)
+        return self._viewing.add(assemble(self.version.manifest.arrays, out))
 
     def __repr__(self) -> str:
         return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"

@@ -47,6 +47,16 @@ class DatasetMismatch(InvalidInput):
     model, outputs or codecs differ from the parent's."""
 
 
+class NondeterministicAugment(InvalidInput):
+    """An ``augment`` gave two different results for the same seed: it draws randomness from
+    somewhere other than the ``torch.Generator`` it is given, so its views cannot be replayed."""
+
+
+class SourceMismatch(InvalidInput):
+    """The ``source`` dataset given to the reader is not the dataset the version was computed on
+    (or the ``augment`` is not the one it was computed with): rows would silently misalign."""
+
+
 # -- the caller must pick another version / name ---------------------------------------------
 class VersionNotFound(FeatstoreError, KeyError):
     """No committed version, tag or feature set by that name."""

@@ -8,7 +8,9 @@ and numbers, because Dask sends events with msgpack. Nothing here imports Dask o
 Kinds, each with ``run`` (the run id) and ``kind``:
 
 - ``run``: the driver starts a run: ``name``, ``version``, ``samples``, ``samples_per_shard``,
-  ``shards_done`` (indices finished by an earlier run), ``url`` (the store, without secrets).
+  ``shards_done`` (indices finished by an earlier run), ``url`` (the store, without secrets);
+  with augmented views also ``views`` (K): ``samples`` is then per view, and every ``shard``
+  number is view-major, ``view * shards_per_view + shard``.
 - ``batch``: a task's Model A finished a batch of ``shard``: ``worker``, ``samples``.
 - ``shard-start``: a task started a shard: ``worker``, ``shard``, ``device``, plus GPU
   memory/utilisation (``gpu_mem``, ``gpu_mem_total`` bytes, ``gpu_util`` percent) where known.
@@ -28,11 +30,11 @@ KINDS = ("run", "batch", "shard-start", "shard", "end")
 
 
 def run_started(run: str, name: str, version: str, samples: int, samples_per_shard: int,
-                shards_done: list[int], url: str) -> dict[str, Any]:
+                shards_done: list[int], url: str, views: int | None = None) -> dict[str, Any]:
     """The driver's first event of a run (the page learns the totals from it)."""
     return {"kind": "run", "run": run, "name": name, "version": version, "samples": int(samples),
             "samples_per_shard": int(samples_per_shard), "shards_done": [int(i) for i in shards_done],
-            "url": url}
+            "url": url, **({} if views is None else {"views": int(views)})}
 
 
 def batch_done(run: str, worker: str, shard: int, samples: int) -> dict[str, Any]:

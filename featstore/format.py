@@ -6,6 +6,9 @@
   zstd where zstd pays (:func:`choose_compression`). Missing chunks are never read as the fill
   value (:class:`StrictStore`), and an all-fill shard is still stored (``write_empty_chunks``).
 - **Keys.** Shard ``s`` of field ``f`` is the object ``f/c/<s>/0/...`` (:func:`chunk_key`).
+- **Views.** A version with K augmented views holds view ``v`` in the group ``_views/<v>``
+  (:func:`view_path`), laid out exactly like a version without views (same arrays, shards and
+  keys under that prefix), so an epoch that reads one view reads a single-view version's bytes.
 - **Digests.** A shard's digest is the sha256 of its stored values (:func:`shard_digest`).
 - **The fast decoder.** :func:`decode_shard_rows` reads rows straight out of one shard object's
   bytes, without zarr's event loop (the reader's hot path); :func:`shard_format` says whether an
@@ -42,6 +45,8 @@ AUTO_MIN_SAVING = 0.10
 LOCAL_AUTO_MIN_SAVING = 0.50
 #: Batch keys the reader adds itself; no stored array may take them.
 RESERVED_FIELDS = ("index",)
+#: The group of a version's augmented views ("_" never starts a field name, so it cannot clash).
+VIEWS_GROUP = "_views"
 ZARR_FORMAT = 3
 ALLOWED_CODECS = frozenset({"sharding_indexed", "bytes", "zstd", "crc32c"})
 
@@ -100,6 +105,18 @@ def chunk_key(field: str, shard: int, ndim: int) -> str:
     return "/".join([field, "c", str(shard), *["0"] * ndim])
 
 
+def view_path(view: int) -> str:
+    """The group, inside a version, holding augmented view ``view`` (view-major: every sample's
+    view ``v`` together, in arrays of the same layout as a version without views).
+
+    >>> view_path(3)
+    '_views/3'
+    """
+    if isinstance(view, bool) or not isinstance(view, int) or view < 0:
+        raise InvalidInput(f"a view is a non-negative int, got {view!r}")
+    return f"{VIEWS_GROUP}/{view}"
+
+
 def shard_digest(values: np.ndarray) -> str:
     """sha256 of a shard's stored values (what receipts record and ``verify`` recomputes)."""
     return hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest()
@@ -146,6 +163,17 @@ def _dimension_names(name: str, a: ArraySpec) -> tuple[str, ...]:
     if a.output and a.part in ("ids", "values", "counts"):
         dims = ["sample", *(f"{a.output}_{i}" for i in range(1, len(a.shape))), f"{a.output}_k"]
     return tuple(dims)
+
+
+def create_views_group(store: zarr.abc.store.Store) -> None:
+    """Create the version's group and its views group (each view's group comes with its arrays,
+    from :func:`create_arrays`), tolerating a concurrent run that created them first."""
+    for mode in ("a", "r+"):
+        try:
+            zarr.open_group(store, mode=mode).require_group(VIEWS_GROUP)
+            return
+        except zarr.errors.ContainsGroupError:
+            continue  # a concurrent run created the root between look and create
 
 
 def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.Array]:

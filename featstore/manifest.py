@@ -103,7 +103,7 @@ class ArraySpec:
     codec: str
     dtype: str
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
-    source: str  # "output" (Model A) or "keep" (a dataset field)
+    source: str  # "output" (Model A), "keep" (a dataset field) or "seed" (a view's replay seeds)
     compression: str = "zstd"
     #: For one part of an output stored as several arrays (:mod:`featstore.partcodecs`: sparse
     #: soft labels, int8): the output's name, this array's part (``ids``, ``values``, ``counts``,
@@ -133,7 +133,7 @@ class ArraySpec:
             check_part(spec.codec, spec.part, spec.dtype, f"array {k!r}")
             if part_array(spec.output, spec.part) != k or spec.source != "output":
                 raise ValueError(f"array {k!r} is not part {spec.part!r} of output {spec.output!r}")
-        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep"):
+        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep", "seed"):
             raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
         if spec.compression not in ("zstd", "none"):
             raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
@@ -144,16 +144,27 @@ class ArraySpec:
 
 @dataclass(frozen=True)
 class ShardReceipt:
-    """What a finished shard task reports: its rows and a digest of each array's stored bytes."""
+    """What a finished shard task reports: its rows and a digest of each array's stored bytes.
+
+    ``view`` is the augmented view the shard belongs to (None in a version without views: the
+    key is then left out of the JSON, so those receipts are unchanged)."""
 
     index: int
     start: int
     stop: int
     digests: dict[str, str]
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    view: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The receipt's fields as JSON (``view`` only where set), without the schema fields."""
+        d = asdict(self)
+        if self.view is None:
+            del d["view"]
+        return d
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "schema": RECEIPT_SCHEMA, "schema_version": OBJECT_VERSION}
+        return {**self.body(), "schema": RECEIPT_SCHEMA, "schema_version": OBJECT_VERSION}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str = "a shard receipt") -> "ShardReceipt":
@@ -161,11 +172,11 @@ class ShardReceipt:
         try:
             r = cls(_int(obj["index"]), _int(obj["start"]), _int(obj["stop"]),
                     {check_array_name(k): _digest(v) for k, v in obj["digests"].items()},
-                    dict(obj.get("stats", {})))
+                    dict(obj.get("stats", {})), None if obj.get("view") is None else _int(obj["view"]))
         except (KeyError, TypeError, ValueError, AttributeError, FeatstoreError) as exc:
             raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete "
                                      "it and rerun compute (the shard is recomputed).") from exc
-        if not 0 <= r.start < r.stop:
+        if not 0 <= r.start < r.stop or (r.view is not None and r.view < 0):
             raise IncompatibleFormat(f"{where} has an empty or negative row range [{r.start}, {r.stop}).")
         return r
 
@@ -198,6 +209,27 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class ViewsSpec:
+    """The augmented views of a version: ``count`` views per sample, view ``v`` of sample ``i``
+    being ``augment(dataset[i], Generator().manual_seed(seed(i, v)))`` under the named seed
+    ``policy`` (see :mod:`featstore.views`) with the version's ``seed``; ``augment`` is the
+    augment's identity (a digest of its source), which the reader's join checks."""
+
+    count: int
+    seed: int
+    policy: str
+    augment: Any
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ViewsSpec":
+        """Parse and check the manifest's ``views`` entry (raises ``ValueError``)."""
+        spec = cls(_int(obj["count"]), _int(obj["seed"]), str(obj["policy"]), obj["augment"])
+        if spec.count < 1:
+            raise ValueError(f"views count {spec.count} is not positive")
+        return spec
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs to know about one committed version."""
 
@@ -219,10 +251,23 @@ class Manifest:
     bases: tuple[Base, ...] = ()
     #: Sampled content digest of the whole dataset (what ``extends`` checks a child against).
     dataset_sample: str | None = None
+    #: K augmented views per sample (schema 2 only; None: one un-augmented view, the key is then
+    #: left out). Records and receipts are then per (view, shard) unit, view-major.
+    views: ViewsSpec | None = None
 
     @property
     def n_samples(self) -> int:
         return self.layout.n_samples
+
+    @property
+    def n_units(self) -> int:
+        """Records of the version: one per shard, or per (view, shard) with views."""
+        return self.layout.n_shards * (1 if self.views is None else self.views.count)
+
+    def unit_order(self) -> list[tuple[int | None, int]]:
+        """Every (view, shard) unit of the version, in records order (view None: no views)."""
+        views: list[int | None] = [None] if self.views is None else list(range(self.views.count))
+        return [(v, i) for v in views for i in range(self.layout.n_shards)]
 
     @property
     def schema_version(self) -> int:
@@ -234,15 +279,18 @@ class Manifest:
         return range(self.bases[-1].stop if self.bases else 0, self.layout.n_shards)
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("shards", "records", "bases", "dataset_sample")}
+        per_shard = ("shards", "records", "bases", "dataset_sample", "views")
+        d = {k: v for k, v in asdict(self).items() if k not in per_shard}
         d["arrays"] = {n: a.to_json() for n, a in self.arrays.items()}
         d["schema"], d["schema_version"] = SCHEMA, self.schema_version
         if self.shards is not None:
-            d["shards"] = [asdict(r) for r in self.shards]
+            d["shards"] = [r.body() for r in self.shards]
             return d
         d["records"] = None if self.records is None else self.records.to_json()
         d["bases"] = [b.to_json() for b in self.bases]
         d["dataset_sample"] = self.dataset_sample
+        if self.views is not None:
+            d["views"] = asdict(self.views)
         return d
 
     @classmethod
@@ -297,7 +345,8 @@ def _per_shard_parts(obj: dict[str, Any], where: str) -> dict[str, Any]:
     sample = obj.get("dataset_sample")
     return {"records": ShardRecords.from_json(obj["records"]),
             "bases": tuple(Base.from_json(b) for b in obj.get("bases", [])),
-            "dataset_sample": None if sample is None else _digest(sample)}
+            "dataset_sample": None if sample is None else _digest(sample),
+            "views": None if obj.get("views") is None else ViewsSpec.from_json(obj["views"])}
 
 
 def _check_tiles(shards: tuple[ShardReceipt, ...], layout: Layout, arrays: dict[str, ArraySpec], where: str) -> None:
@@ -315,8 +364,10 @@ def _check_v2(m: Manifest, where: str) -> None:
     problems = []
     if rec is None or set(rec.fields) != set(m.arrays) or len(rec.fields) != len(m.arrays):
         problems.append("its shard records do not name exactly its arrays")
-    elif len(rec.objects) != -(-n // rec.per_object):
-        problems.append(f"{len(rec.objects)} records objects for {n} shards of {rec.per_object}")
+    elif len(rec.objects) != -(-m.n_units // rec.per_object):
+        problems.append(f"{len(rec.objects)} records objects for {m.n_units} shards of {rec.per_object}")
+    if m.views is not None and m.bases:
+        problems.append("a version with views has no bases")
     pos = 0
     for b in m.bases:
         if b.first != pos or b.stop <= b.first or b.stop > n - 1 or b.n_samples < b.stop * m.layout.samples_per_shard:
@@ -386,7 +437,8 @@ def _stats_dict(vals: list[float]) -> dict[str, Any]:
 
 def encode_records(receipts: Sequence[ShardReceipt], fields: Sequence[str],
                    per_object: int = RECORDS_PER_OBJECT) -> list[bytes]:
-    """The records objects of ``receipts`` (shards 0..n-1, in order), ``per_object`` each."""
+    """The records objects of ``receipts`` (shards 0..n-1, or every view's shards view-major,
+    in order), ``per_object`` each."""
     table = np.zeros(len(receipts), dtype=_record_dtype(fields))
     for j, f in enumerate(fields):
         digests = bytes.fromhex("".join(r.digests[f] for r in receipts))
@@ -396,10 +448,13 @@ def encode_records(receipts: Sequence[ShardReceipt], fields: Sequence[str],
     return [table[lo:lo + per_object].tobytes() for lo in range(0, len(receipts), per_object)]
 
 
-def decode_records(data: bytes, records: ShardRecords, first: int, layout: Layout, where: str) -> list[ShardReceipt]:
-    """The receipts held by one records object whose first record is shard ``first``."""
+def decode_records(data: bytes, records: ShardRecords, first: int, layout: Layout, where: str,
+                   views: int | None = None) -> list[ShardReceipt]:
+    """The receipts held by one records object whose first record is unit ``first`` (the
+    shard, or with ``views`` the view-major (view, shard) unit)."""
     width = records.record_bytes
-    count = min(records.per_object, layout.n_shards - first)
+    n = layout.n_shards
+    count = min(records.per_object, n * (views or 1) - first)
     if len(data) != width * count:
         raise IncompatibleFormat(f"{where} holds {len(data)} bytes, not {count} records of {width}; it is "
                                  "damaged. Delete the version and recompute.")
@@ -413,7 +468,8 @@ def decode_records(data: bytes, records: ShardRecords, first: int, layout: Layou
     for k in range(count):
         digests = {f: hexes[j][k] for j, f in enumerate(records.fields)}
         st = {f: _stats_dict(stats[j][k]) for j, f in enumerate(records.fields)}
-        out.append(ShardReceipt(first + k, *layout.shard_range(first + k), digests, {f: v for f, v in st.items() if v}))
+        view, index = divmod(first + k, n) if views is not None else (None, first + k)
+        out.append(ShardReceipt(index, *layout.shard_range(index), digests, {f: v for f, v in st.items() if v}, view))
     return out
 
 
@@ -446,7 +502,7 @@ class ReceiptRun:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": RECEIPT_RUN_SCHEMA, "schema_version": OBJECT_VERSION,
-                "receipts": [asdict(r) for r in self.receipts]}
+                "receipts": [r.body() for r in self.receipts]}
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> "ReceiptRun":

@@ -42,6 +42,7 @@ class RunState:
     version: str = "?"
     samples: int = 0
     samples_per_shard: int = 1
+    views: int = 1  # augmented views: shards are numbered view-major over every view's shards
     url: str = ""
     started: float = 0.0
     ended: float | None = None
@@ -68,17 +69,24 @@ class RunState:
 
     def _start(self, msg: dict[str, Any], now: float) -> None:
         self.name, self.version, self.url = str(msg["name"]), str(msg["version"]), str(msg.get("url", ""))
-        self.samples, self.started = int(msg["samples"]), now
+        self.views = max(1, int(msg.get("views", 1)))
+        self.samples, self.started = int(msg["samples"]) * self.views, now
         self.samples_per_shard = max(1, int(msg["samples_per_shard"]))
-        n = -(-self.samples // self.samples_per_shard)
+        n = self.views * -(-self.view_samples // self.samples_per_shard)
         self.shard_state, self.shard_samples = [TODO] * n, [0] * n
         for i in msg.get("shards_done", ()):
             if 0 <= int(i) < n:
                 self.shard_state[int(i)], self.shard_samples[int(i)] = DONE, self.shard_len(int(i))
 
+    @property
+    def view_samples(self) -> int:
+        """Samples per view (all of them without views)."""
+        return self.samples // self.views
+
     def shard_len(self, i: int) -> int:
-        """Samples in shard ``i``."""
-        return max(0, min(self.samples_per_shard, self.samples - i * self.samples_per_shard))
+        """Samples in shard ``i`` (of its view, with views)."""
+        i %= -(-self.view_samples // self.samples_per_shard) or 1
+        return max(0, min(self.samples_per_shard, self.view_samples - i * self.samples_per_shard))
 
     def _shard_event(self, kind: str, msg: dict[str, Any], now: float) -> None:
         i = int(msg.get("shard", -1))

@@ -49,7 +49,8 @@ class FeatureStore(Catalog):
     def compute(self, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-                options: ComputeOptions | None = None, extends: str | CoreVersion | None = None) -> Version:
+                options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
+                views: int | None = None, augment: Any = None, augment_seed: int = 0) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.writer.compute` for every argument.
@@ -63,13 +64,19 @@ class FeatureStore(Catalog):
         """
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
-                       client=client, options=options, extends=extends)
+                       client=client, options=options, extends=extends, views=views, augment=augment,
+                       augment_seed=augment_seed)
 
     def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).
 
+        ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
+        own input to every batch, augmented exactly as Model A saw it; see
+        :class:`~featstore.viewreading.ViewReading`.
+
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
         """
         return FeatureDataset(self.open(ref), **options)
 

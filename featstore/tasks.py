@@ -41,7 +41,8 @@ from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec, unp
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .transfer import HostBatch, Offloader, pin, to_device
-from .versions import read_receipts, version_key, write_receipt
+from .versions import read_receipts, version_key, view_key, write_receipt
+from .views import SEED_FIELD, ViewDataset, view_seeds
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
@@ -124,10 +125,34 @@ class TaskSpec:
     tune_allocator: bool = True
     serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
     collate: Any = None  # the user's collate for A's input batch (None: default_collate)
+    view: int | None = None  # the augmented view these shards belong to (None: no views)
+    augment: Any = None  # fn(item, generator) -> item, with views
+    augment_seed: int = 0
 
     @property
     def key(self) -> str:
-        return version_key(self.name, self.vid)
+        """The group the shards are written to: the version's, or its view's."""
+        return view_key(version_key(self.name, self.vid), self.view)
+
+    def unit(self, index: int) -> int:
+        """Shard ``index`` as the progress events number it: with views, view-major over every
+        view's shards (so the dashboard counts each (view, shard) once)."""
+        return index if self.view is None else self.view * self.layout.n_shards + index
+
+
+def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
+    """The dataset as Model A sees it: with views, each item augmented with its view seed."""
+    if spec.view is None:
+        return dataset
+    return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
+
+
+def _seed_field(spec: TaskSpec, b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """With views, each row's replay seed, stored beside the outputs (plain Zarr readers and
+    other tools can replay a view without featstore)."""
+    if spec.view is None:
+        return {}
+    return {SEED_FIELD: torch.from_numpy(view_seeds(spec.augment_seed, spec.view, np.arange(b0, b1)))}
 
 
 def worker_model(model: Any, key: str, threads: int, device: torch.device) -> torch.nn.Module:
@@ -274,7 +299,7 @@ def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
     for name, buf in buffers.items():
         arrays[name][start:stop] = buf
         digests[name] = shard_digest(buf)
-    receipt = ShardReceipt(index, start, stop, digests, stats)
+    receipt = ShardReceipt(index, start, stop, digests, stats, view=spec.view)
     # The receipt is written only after every array of the shard is stored: it is the marker.
     write_receipt(spec.storage, spec.key, receipt)
     return receipt
@@ -295,6 +320,7 @@ class _Reporter:
             self.worker = None
         self.address = getattr(self.worker, "address", "local")
         self.run, self.topic = spec.model_key, spec.topic
+        self.unit = spec.unit
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.worker is not None:
@@ -344,7 +370,7 @@ def _in_task_context(pool: ThreadPoolExecutor, label: str, fn: Any, *args: Any) 
 def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
     stats = receipt.stats or {}
     return shard_written(
-        report.run, report.address, receipt.index, sum(b.nbytes for b in buffers.values()),
+        report.run, report.address, report.unit(receipt.index), sum(b.nbytes for b in buffers.values()),
         sum(int(s.get("nan", 0)) + int(s.get("inf", 0)) for s in stats.values()),
         max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
@@ -406,7 +432,7 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
         _WARM.hold(tune)
         try:
             with tuned_allocator(tune):
-                computed = _run_shards(spec, net, dataset, todo, device)
+                computed = _run_shards(spec, net, _as_seen(spec, dataset), todo, device)
         finally:
             _WARM.linger()
     return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
@@ -510,11 +536,12 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                     buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
                     stats = {}
                     batch_jobs: list[Future] = []
-                    report.send(shard_started(report.run, report.address, index, dev_info))
+                    report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
                     outs = _forward(spec, net, x, b0, b1 - b0, device)
-                report.send(batch_done(report.run, report.address, index, b1 - b0))
-                host = offload.to_host({**outs, **kept})  # on CUDA: starts the copies, returns at once
+                report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
+                # on CUDA: starts the copies, returns at once
+                host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
                 job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, buffers, stats)
                 waiting.append(job)
                 batch_jobs.append(job)
@@ -546,7 +573,7 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        x, kept = _collate(spec, _fetch(dataset, 0, rows), 0, pinned=False)
+        x, kept = _collate(spec, _fetch(_as_seen(spec, dataset), 0, rows), 0, pinned=False)
         outs = _forward(spec, net, x, 0, rows, device)
     out = {}
     for name, t in {**outs, **kept}.items():

@@ -9,6 +9,8 @@ Layout under the store root (``_``-prefixed folders can never collide with a nam
     <name>/_versions/<id>/_records/<k>-<sha>.bin    per-shard digests and stats (schema 2)
     <name>/_versions/<id>/_refs/<sha>.json          "an incremental child reads shards from here"
     <name>/_versions/<id>/manifest.json             written last, create-if-absent: the commit
+    <name>/_versions/<id>/_views/<v>/...            with views: view v's arrays and _receipts,
+                                                    laid out like a version without views
     <name>/_tags/<tag>.json                         {"version": <id>}: the only mutable pointers
 
 A version id is the first 16 hex digits of its fingerprint, so the same inputs always land on
@@ -20,6 +22,7 @@ find finished shards) -> shard tasks write data and :func:`write_receipt` -> :me
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -36,14 +39,15 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import (ChunkRef, ShardFormat, chunk_key, create_arrays, decode_shard_rows, open_array,
-                     shard_digest, shard_index, shard_index_bytes)
+from .format import (ChunkRef, ShardFormat, chunk_key, create_arrays, create_views_group, decode_shard_rows,
+                     open_array, shard_digest, shard_index, shard_index_bytes, view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
                        ref_target, tag_json, tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .partcodecs import assemble, parts_codec
 from .storage import Storage
+from .views import view_seed
 
 log = logging.getLogger("featstore")
 
@@ -79,6 +83,15 @@ def tag_key(name: str, tag: str) -> str:
 def ref_key(vkey: str, name: str, vid: str) -> str:
     """The key of the marker that version ``name@vid`` reads shards from folder ``vkey``."""
     return f"{vkey}/{REFS}/{hashlib.sha256(f'{name}@{vid}'.encode()).hexdigest()[:24]}.json"
+
+
+def view_key(vkey: str, view: int | None) -> str:
+    """The key of the group holding view ``view``'s arrays and receipts (``vkey`` itself for None).
+
+    >>> view_key("cnn-a/train/_versions/0123456789abcdef", 2)
+    'cnn-a/train/_versions/0123456789abcdef/_views/2'
+    """
+    return vkey if view is None else f"{vkey}/{view_path(view)}"
 
 
 def receipt_key(vkey: str, index: int) -> str:
@@ -244,7 +257,8 @@ def read_records(storage: Storage, vkey: str, manifest: Manifest, ref: str) -> l
         if data is None or hashlib.sha256(data).hexdigest() != rec.objects[k]:
             raise CorruptChunk.damaged(ref, RECORDS, key.rsplit("/", 2)[-2] + "/" + key.rsplit("/", 1)[-1],
                                        "is missing" if data is None else "fails its sha256")
-        out += decode_records(data, rec, k * rec.per_object, manifest.layout, where)
+        out += decode_records(data, rec, k * rec.per_object, manifest.layout, where,
+                              None if manifest.views is None else manifest.views.count)
     return out
 
 
@@ -268,14 +282,17 @@ class Version:
     def __init__(self, storage: Storage, manifest: Manifest) -> None:
         self.storage = storage
         self.manifest = manifest
-        self._arrays: dict[str, zarr.Array] = {}
+        self._arrays: dict[Any, zarr.Array] = {}
         self._pid = -1
+        self._view: int | None = None  # the view this object reads (see view())
+        self._views: dict[int, Version] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage, "manifest": self.manifest}
+        return {"storage": self.storage, "manifest": self.manifest, "view": self._view}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["storage"], state["manifest"])  # type: ignore[misc]
+        self._view = state.get("view")
 
     def __repr__(self) -> str:
         return f"<Version {self.name}@{self.id} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
@@ -313,8 +330,48 @@ class Version:
         """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr."""
         return self.storage.child_url(self.key)
 
+    @property
+    def data_key(self) -> str:
+        """The key of the group whose arrays this object reads: the version's, or its view's."""
+        return view_key(self.key, self._view)
+
     def __len__(self) -> int:
         return self.manifest.n_samples
+
+    # -- augmented views ----------------------------------------------------------------
+    @property
+    def views(self) -> int | None:
+        """How many augmented views per sample the version holds (None: computed without views)."""
+        return None if self.manifest.views is None else self.manifest.views.count
+
+    def view(self, view: int) -> "Version":
+        """This version reading view ``view``: ``version.view(2)[10:20]``, ``.load()``, ...
+
+        Views are laid out like a version without views, so everything that reads one works.
+        """
+        if self.views is None or isinstance(view, bool) or not isinstance(view, (int, np.integer)) \
+                or not 0 <= int(view) < self.views:
+            raise InvalidInput(f"view {view!r} does not exist: {self.ref} has "
+                               f"{'no views' if self.views is None else f'views 0..{self.views - 1}'}.")
+        if int(view) not in self._views:
+            bound = copy.copy(self)
+            bound._arrays, bound._pid, bound._view, bound._views = {}, -1, int(view), {}
+            self._views[int(view)] = bound
+        return self._views[int(view)]
+
+    def view_seed(self, index: int, view: int) -> int:
+        """The seed of view ``view`` of sample ``index``: Model A ran on exactly
+        ``augment(dataset[index], torch.Generator().manual_seed(version.view_seed(index, view)))``.
+
+        >>> v.view_seed(10, 3)
+        5812337108410417153
+        """
+        if self.manifest.views is None:
+            raise InvalidInput(f"{self.ref} was computed without views; it has no view seeds.")
+        if not 0 <= view < self.manifest.views.count or not 0 <= index < len(self):
+            raise IndexError(f"(index {index}, view {view}) is out of range for {len(self)} samples "
+                             f"and {self.manifest.views.count} views")
+        return view_seed(self.manifest.views.seed, index, view)
 
     # -- where shards live (an incremental version reads its bases' shards in place) ----
     def homes(self) -> list[tuple[int, int, str, int]]:
@@ -322,10 +379,11 @@ class Version:
         the bases' shard ranges, then this version's own shards."""
         spp = self.manifest.layout.samples_per_shard
         out = [(b.first * spp, b.stop * spp, version_key(b.name, b.id), b.n_samples) for b in self.manifest.bases]
-        return out + [(self.manifest.own_shards.start * spp, len(self), self.key, len(self))]
+        return out + [(self.manifest.own_shards.start * spp, len(self), self.data_key, len(self))]
 
     def shard_home(self, shard: int) -> str:
-        """The key of the version folder that stores shard ``shard``."""
+        """The key of the version folder that stores shard ``shard`` (the version's own folder
+        for a view's shards: :meth:`chunk_key` then starts with ``_views/<v>/``)."""
         for b in self.manifest.bases:
             if b.first <= shard < b.stop:
                 return version_key(b.name, b.id)
@@ -386,11 +444,14 @@ class Version:
         """
         if self._pid != os.getpid():
             self._arrays, self._pid = {}, os.getpid()
-        home = home or self.key
+        home = home or self.data_key
         if (home, field) not in self._arrays:
             if field not in self.manifest.arrays:
                 raise KeyError(f"version {self.id} has no array {field!r}; it has "
                                f"{sorted(self.manifest.arrays)}")
+            if self.views is not None and self._view is None:
+                raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
+                                   "version.view(v) or version[v, rows].")
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             self._arrays[(home, field)] = open_array(
                 self.storage.zarr_store(home, read_only=True), field, self.manifest.arrays[field],
@@ -404,13 +465,13 @@ class Version:
     def _read(self, field: str, selection: Any, first_row: int) -> np.ndarray:
         """Read a slice or row list, split by the folder each row's shard lives in."""
         if not self.manifest.bases:
-            return self._read_home(field, self.key, len(self), selection, first_row)
+            return self._read_home(field, self.data_key, len(self), selection, first_row)
         if isinstance(selection, slice):
             parts = [self._read_home(field, home, n, slice(max(lo, selection.start), min(hi, selection.stop)),
                                      max(lo, selection.start))
                      for lo, hi, home, n in self.homes() if max(lo, selection.start) < min(hi, selection.stop)]
             if not parts:
-                return self._read_home(field, self.key, len(self), selection, first_row)
+                return self._read_home(field, self.data_key, len(self), selection, first_row)
             return parts[0] if len(parts) == 1 else np.concatenate(parts)
         rows = np.asarray(selection, dtype=np.int64).reshape(-1)
         spec = self.manifest.arrays[field]
@@ -453,7 +514,7 @@ class Version:
         else:
             shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
         for shard in shards:
-            home = self.shard_home(shard)
+            home = next(key for lo, hi, key, n in self.homes() if lo <= shard * spp < hi)
             n = next(n for lo, hi, key, n in self.homes() if key == home)
             try:
                 self.array(field, home, n)[shard * spp:min((shard + 1) * spp, len(self))]
@@ -462,8 +523,10 @@ class Version:
         return first_row // spp
 
     def chunk_key(self, field: str, shard: int) -> str:
-        """The key of shard ``shard`` of ``field`` inside the version (one object per shard)."""
-        return chunk_key(field, shard, len(self.manifest.arrays[field].shape))
+        """The key of shard ``shard`` of ``field`` inside the version (one object per shard;
+        under ``_views/<v>/`` when this object reads a view)."""
+        key = chunk_key(field, shard, len(self.manifest.arrays[field].shape))
+        return key if self._view is None else f"{view_path(self._view)}/{key}"
 
     def decode(self, field: str, stored: np.ndarray) -> torch.Tensor:
         """Stored values -> the tensor a reader gets (see :mod:`featstore.codecs`)."""
@@ -472,8 +535,13 @@ class Version:
             return parts_codec(spec.codec).decode_part(spec.part, stored)
         return codec_by_name(spec.codec).decode(stored)
 
-    def __getitem__(self, index: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
-        """Random access: a dict of tensors (one per array) plus ``index``."""
+    def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+        """Random access: a dict of tensors (one per array) plus ``index``; ``version[v, rows]``
+        reads view ``v`` of a version with views (and adds ``view``)."""
+        if isinstance(index, tuple) and len(index) == 2 and self.views is not None:
+            out = self.view(index[0])[index[1]]
+            out["view"] = torch.full(out["index"].shape, int(index[0]), dtype=torch.int64)
+            return out
         n = len(self)
         if isinstance(index, (int, np.integer)):
             i = int(index) + (n if index < 0 else 0)
@@ -525,12 +593,13 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
 
         it = tqdm(receipts, desc=f"verify {version.ref}", unit="shard")
     for r in it:
+        source = version if r.view is None else version.view(r.view)
         for field, digest in r.digests.items():
             home = version.shard_home(r.index)
-            where = f"{version.chunk_key(field, r.index)} (rows {r.start}-{r.stop})" + (
+            where = f"{source.chunk_key(field, r.index)} (rows {r.start}-{r.stop})" + (
                 "" if home == version.key else f" in {home}")
             try:
-                got = shard_digest(version.read_rows(field, r.start, r.stop))
+                got = shard_digest(source.read_rows(field, r.start, r.stop))
             except CorruptChunk as exc:
                 problems.append(f"{where}: {exc}")
                 continue
@@ -547,6 +616,7 @@ class Claim:
     layout: Layout
     arrays: dict[str, ArraySpec]
     done: frozenset[int]
+    done_views: frozenset[tuple[int, int]] = frozenset()  # finished (view, shard) units, with views
 
 
 def _sans_compression(specs: Any) -> Any:
@@ -801,7 +871,7 @@ class Catalog:
 
     # -- the lifecycle of a version being computed ----------------------------------------
     def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec],
-              bases: Sequence[Base] = ()) -> Claim:
+              bases: Sequence[Base] = (), views: int | None = None) -> Claim:
         """Claim the version folder (or join the run that claimed it): the layout and arrays to
         use, and the shards already finished.
 
@@ -813,6 +883,8 @@ class Catalog:
         names: no per-shard GET); the rest may be written by several runs at once, with the same
         bytes. An incremental version leaves a reference marker in each base's folder first, so
         deleting a base keeps the shards this version reads; the bases' shards count as done.
+        With ``views`` the arrays are created in every view's group and the unit of work (and
+        of receipts and resume) is the (view, shard); views and bases never come together.
         """
         key = version_key(name, vid)
         where = self.storage.child_url(f"{key}/{PENDING}")
@@ -831,16 +903,26 @@ class Catalog:
             log.warning(
                 "%s: another run fixed the layout (%d samples per shard); using it instead of %d",
                 key, claimed.layout.samples_per_shard, layout.samples_per_shard)
-        create_arrays(self.storage.zarr_store(key, read_only=False), claimed.layout, adopted,
-                      self.storage.child_url(key))
+        if views is not None:
+            create_views_group(self.storage.zarr_store(key, read_only=False))
+            units = {(v, i) for v in range(views) for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
+            return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
         self._reference(name, vid, bases)
         inherited = set(range(bases[-1].stop if bases else 0))
-        done = {i for i in finished_shards(self.storage, key) if i < claimed.layout.n_shards}
-        # A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
-        # it is removed, so no task or commit of this run trusts it.
-        holes = _shards_with_holes(key, adopted, done, set(self.storage.find(key)))
+        done = self._prepare(key, claimed.layout, adopted)
+        return Claim(claimed.layout, adopted, frozenset(done | inherited))
+
+    def _prepare(self, key: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> set[int]:
+        """Create (or check) the arrays of the group at ``key``; return its finished shards.
+
+        A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
+        it is removed, so no task or commit of this run trusts it.
+        """
+        create_arrays(self.storage.zarr_store(key, read_only=False), layout, arrays, self.storage.child_url(key))
+        done = {i for i in finished_shards(self.storage, key) if i < layout.n_shards}
+        holes = _shards_with_holes(key, arrays, done, set(self.storage.find(key)))
         forget_receipts(self.storage, key, holes)
-        return Claim(claimed.layout, adopted, frozenset((done - holes) | inherited))
+        return done - holes
 
     def _reference(self, name: str, vid: str, bases: Sequence[Base]) -> None:
         """Mark each base folder as read by ``name@vid``; refuse a base whose data is gone."""
@@ -861,10 +943,18 @@ class Catalog:
         return mine if obj is None else Pending.from_json(obj, where)
 
     def collect_receipts(self, name: str, vid: str, layout: Layout, fresh: Sequence[ShardReceipt],
-                         inherited: Sequence[ShardReceipt] = ()) -> list[ShardReceipt]:
+                         inherited: Sequence[ShardReceipt] = (), views: int | None = None) -> list[ShardReceipt]:
         """Every shard's receipt for the commit: inherited from the bases, this run's, and
-        earlier runs' from the store (one listing, then concurrent reads of the few objects)."""
-        key = version_key(name, vid)
+        earlier runs' from the store (one listing, then concurrent reads of the few objects).
+        With ``views``: every (view, shard) unit's, view-major (the records order)."""
+        if views is None:
+            return self._collect(version_key(name, vid), layout, fresh, inherited)
+        return [r for v in range(views)
+                for r in self._collect(view_key(version_key(name, vid), v), layout, [r for r in fresh if r.view == v])]
+
+    def _collect(self, key: str, layout: Layout, fresh: Sequence[ShardReceipt],
+                 inherited: Sequence[ShardReceipt] = ()) -> list[ShardReceipt]:
+        """The receipts of every shard of the group at ``key``, in shard order."""
         by_index = {r.index: r for r in inherited}
         by_index.update((r.index, r) for r in fresh)
         missing = [i for i in range(layout.n_shards) if i not in by_index]
@@ -879,7 +969,7 @@ class Catalog:
                       fields: Sequence[str]) -> ShardRecords:
         """Store the per-shard records of a version about to be committed (before its manifest)."""
         key = version_key(name, vid)
-        bad = [r.index for r in receipts if set(r.digests) != set(fields)]
+        bad = [(r.view, r.index) if r.view is not None else r.index for r in receipts if set(r.digests) != set(fields)]
         if bad:
             raise ComputeFailed(f"the receipts of shards {bad[:10]} of {key} name other arrays than "
                                 f"{sorted(fields)}; delete {key}/{RECEIPTS} and rerun compute.")
@@ -924,9 +1014,16 @@ class Catalog:
         return self._version(manifest)
 
     def _check_stored(self, manifest: Manifest) -> None:
-        """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage."""
-        key = version_key(manifest.name, manifest.id)
-        have = set(self.storage.find(key))
+        """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage (every
+        view's, with views)."""
+        vkey = version_key(manifest.name, manifest.id)
+        have = set(self.storage.find(vkey))
+        views: list[int | None] = [None] if manifest.views is None else list(range(manifest.views.count))
+        for view in views:
+            self._check_group(manifest, view_key(vkey, view), have)
+
+    def _check_group(self, manifest: Manifest, key: str, have: set[str]) -> None:
+        """Raise :class:`ComputeFailed` unless every array object of the group at ``key`` is in ``have``."""
         meta = [f"{key}/zarr.json", *(f"{key}/{a}/zarr.json" for a in manifest.arrays)]
         shards = set(manifest.own_shards)  # a base's shards live in its folder, kept by a reference
         holes = _shards_with_holes(key, manifest.arrays, shards, have)

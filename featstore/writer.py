@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,13 +30,14 @@ from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, O
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
 from .incremental import Growth, plan_growth
-from .manifest import ArraySpec, Layout, Manifest, ShardReceipt
+from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec
 from .monitor import RunState
 from .names import check_field, check_name
 from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
 from .stats import summarize
 from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
-from .versions import Catalog, Claim, ReceiptRuns, Version
+from .versions import Catalog, Claim, ReceiptRuns, Version, version_key, view_key
+from .views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
 
 log = logging.getLogger("featstore")
 
@@ -134,6 +135,9 @@ class _Request:
     outputs: dict[str, str]
     batch_size: int
     samples_per_shard: int | None
+    views: int | None = None
+    augment: Any = None
+    augment_seed: int = 0
 
 
 def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
@@ -146,7 +150,8 @@ def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Mapping[str, Any],
               outputs: Mapping[str, str] | None, batch_size: int, samples_per_shard: int | None,
-              options: "ComputeOptions") -> _Request:
+              options: "ComputeOptions", views: int | None = None, augment: Any = None,
+              augment_seed: int = 0) -> _Request:
     """Check every argument before anything runs; bad input raises with what to change."""
     check_name(name)
     if outputs is None:
@@ -156,7 +161,8 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
     outputs = {check_field(k): parts_codec(v).name if is_parts_codec(v) else output_codec(v).name
                for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
-    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & set(RESERVED_FIELDS))
+    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set())
+    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & reserved)
     if clash:
         raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -169,11 +175,38 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         raise InvalidInput("dataset must be a map-style dataset with __len__ and __getitem__.") from None
     if n == 0:
         raise EmptyDataset("the dataset is empty; there is nothing to compute. Check its path or filter.")
-    first = dataset[0]
+    first = _first_seen(dataset, n, views, augment, augment_seed)
     select(first, input_key, "input")
     for k in keep_map.values():
         select(first, k, "keep field")
-    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard)
+    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
+                    views, augment, augment_seed)
+
+
+def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_seed: int) -> Any:
+    """The first item as Model A will see it, after checking the views arguments; with views,
+    ``augment`` is replayed twice on two items and must give the same bytes both times."""
+    if views is None:
+        if augment is not None:
+            raise InvalidInput("augment= needs views=K (K augmented views per sample are computed and "
+                               "stored); for one augmented view pass views=1.")
+        return dataset[0]
+    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
+        raise InvalidInput(f"views must be a positive int (augmented views per sample), got {views!r}.")
+    if not callable(augment):
+        raise InvalidInput("views=K needs augment=fn, where fn(item, generator) -> item draws all its "
+                           "randomness from the torch.Generator it is given.")
+    if isinstance(augment_seed, bool) or not isinstance(augment_seed, int):
+        raise InvalidInput(f"augment_seed must be an int, got {augment_seed!r}.")
+    check_replayable(dataset, augment, augment_seed, sorted({0, n // 2}))
+    return replay(augment, dataset[0], view_seed(augment_seed, 0, 0))
+
+
+def views_spec(req: _Request) -> ViewsSpec | None:
+    """The views part of the fingerprint and the manifest (None without views)."""
+    if req.views is None:
+        return None
+    return ViewsSpec(req.views, req.augment_seed, SEED_POLICY, describe_key(req.augment))
 
 
 def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
@@ -189,6 +222,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         "autocast": options.autocast,
         # only when set, so every fingerprint computed before collate existed stays the same
         **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
+        # Only with views, so versions without them keep their ids.
+        **({} if req.views is None else {"views": asdict(views_spec(req))}),
     }
 
 
@@ -290,7 +325,8 @@ def _libraries() -> dict[str, str]:
 def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-            options: ComputeOptions | None = None, extends: str | Version | None = None) -> Version:
+            options: ComputeOptions | None = None, extends: str | Version | None = None,
+            views: int | None = None, augment: Any = None, augment_seed: int = 0) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -315,6 +351,15 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             only the new samples are computed (plus the parent's last, partial shard), and the
             new version references the parent's shards without copying them. The dataset's
             digest over the shared range must match the parent's (:class:`DatasetMismatch`).
+            Not supported together with views (yet): either side having views raises
+            :class:`InvalidInput`.
+        views: K augmented views per sample (None: the items as they are, one view). View ``v``
+            of sample ``i`` is ``augment(dataset[i], torch.Generator().manual_seed(s))`` with
+            ``s = version.view_seed(i, v)``; A runs on it and every stored array (outputs,
+            ``keep`` fields, which may name extra fields ``augment`` returns) is stored per view.
+        augment: ``fn(item, generator) -> item``; all its randomness must come from
+            ``generator`` (checked: two replays must agree, else :class:`NondeterministicAugment`).
+        augment_seed: the version's seed, from which every (sample, view) seed derives.
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -326,13 +371,15 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     options = options or ComputeOptions()
     t0 = time.perf_counter()
     parent = catalog.open(extends) if extends is not None else None
+    _check_views_extends(parent, views)
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):
             raise InvalidInput(f"extends={parent.ref!r} keeps the parent's {spp} samples per shard; "
                                f"leave samples_per_shard out (got {samples_per_shard}).")
         samples_per_shard = spp
-    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options)
+    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
+                    views, augment, augment_seed)
     parts = _fingerprint_parts(req, model, dataset, options)
     growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
     if growth is not None:
@@ -345,7 +392,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         return existing
     run = _run(catalog, req, vid, model, dataset, client, options, growth)
     inherited = growth.inherited_receipts() if growth is not None else ()
-    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, inherited)
+    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, inherited, req.views)
     own = receipts[growth.first_own:] if growth is not None else receipts
     manifest = Manifest(
         id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=run.claim.layout,
@@ -357,8 +404,21 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
                  "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
         libraries=_libraries(),
+        views=views_spec(req),
     )
     return catalog.commit(manifest)
+
+
+def _check_views_extends(parent: Version | None, views: int | None) -> None:
+    """Views and ``extends`` do not combine yet: refuse before anything runs."""
+    if parent is None:
+        return
+    if views is not None:
+        raise InvalidInput(f"views= together with extends= is not supported yet; compute the version with "
+                           f"views without extends (a full compute), or extend {parent.ref} without views.")
+    if parent.views is not None:
+        raise InvalidInput(f"{parent.ref} has augmented views; extends= of a version with views is not "
+                           "supported yet. Compute the bigger dataset without extends.")
 
 
 def _dataset_sample(parts: Mapping[str, Any], dataset: Any) -> str | None:
@@ -408,16 +468,18 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
                         Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                         cluster.torch_threads(), TOPIC,
                         tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward,
-                        collate=options.collate)
+                        collate=options.collate, view=None if req.views is None else 0,
+                        augment=req.augment, augment_seed=req.augment_seed)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options, growth)
-        spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout,
-                           "dtypes": {k: d for k, (_, d, _) in probed.items()}})
-        todo = [i for i in range(claim.layout.n_shards) if i not in claim.done]
-        log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(claim.done))
+        dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
+        spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout, "dtypes": dtypes})
+        todo, done = _units(claim, req.views)
+        log.info("computing %s@%s: %d shards to do, %d already finished", req.name, vid, len(todo), len(done))
+        n_shards = claim.layout.n_shards
         start = run_started(run_key, req.name, vid, req.n, claim.layout.samples_per_shard,
-                            sorted(claim.done), catalog.url)
+                            sorted(i if v is None else v * n_shards + i for v, i in done), catalog.url, req.views)
         t_compute = time.perf_counter()
         receipts, reused = _run_tasks(cluster, spec, inputs, todo, start, resources, options)
     finally:
@@ -432,13 +494,47 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression, catalog.storage.is_local)
+    if req.views is not None:  # replay seeds: random 63-bit integers, which zstd cannot shrink
+        arrays[SEED_FIELD] = ArraySpec(keep_codec(torch.int64).name, keep_codec(torch.int64).stored, (), "seed",
+                                       choose_compression(options.compression, 0.0, catalog.storage.is_local))
     if growth is not None:
         arrays = growth.adopt_arrays(arrays)
     row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
     target = options.target_shard_bytes or default_shard_bytes(catalog.storage.is_local)
     chunk_rows = growth.layout.chunk_rows if growth is not None else options.chunk_rows
     layout = choose_layout(req.n, row_bytes, req.samples_per_shard, chunk_rows, target)
-    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else ())
+    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else (), req.views)
+
+
+Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume
+Group = tuple[int | None, list[int]]  # one task's shards, all of one view
+
+
+def _units(claim: Claim, views: int | None) -> tuple[list[Unit], list[Unit]]:
+    """The (view, shard) units still to compute and those already finished."""
+    n = claim.layout.n_shards
+    if views is None:
+        return ([(None, i) for i in range(n) if i not in claim.done], [(None, i) for i in sorted(claim.done)])
+    every = [(v, i) for v in range(views) for i in range(n)]
+    return [u for u in every if u not in claim.done_views], sorted(claim.done_views)
+
+
+class _ViewRuns:
+    """:class:`ReceiptRuns` per view's receipts folder (one folder without views)."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec, self.runs = spec, {}
+
+    def add(self, receipts: Any) -> None:
+        """One task's receipts (a task's shards are all of one view), folded as they come."""
+        by_view: dict[int | None, list[ShardReceipt]] = {}
+        for r in receipts:
+            by_view.setdefault(r.view, []).append(r)
+        for view, rs in by_view.items():
+            if view not in self.runs:
+                home = view_key(version_key(self.spec.name, self.spec.vid), view)
+                self.runs[view] = ReceiptRuns(self.spec.storage, home)
+            self.runs[view].add(rs)
 
 
 def _result(future: Any) -> Any:
@@ -455,25 +551,36 @@ def _result(future: Any) -> Any:
 LOST_DATA_ROUNDS = 3
 
 
-def _task_groups(todo: list[int], n_workers: int, shards_per_task: int | None) -> list[list[int]]:
-    """Shards per task: ``shards_per_task`` each, or (None) a few long tasks, two per worker."""
+def _task_groups(todo: Sequence[Unit], n_workers: int, shards_per_task: int | None) -> list[Group]:
+    """Shards per task: ``shards_per_task`` each, or (None) a few long tasks, two per worker;
+    a task's shards all belong to one view.
+
+    >>> _task_groups([(0, 0), (0, 1), (0, 2), (1, 0)], 1, 2)
+    [(0, [0, 1]), (0, [2]), (1, [0])]
+    """
     per_task = shards_per_task or max(1, -(-len(todo) // (2 * max(1, n_workers))))
-    return [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
+    groups: list[Group] = []
+    for view, shard in todo:
+        if not groups or groups[-1][0] != view or len(groups[-1][1]) >= per_task:
+            groups.append((view, []))
+        groups[-1][1].append(shard)
+    return groups
 
 
-def _task_key(run_key: str, group: list[int], round_: int) -> str:
-    """``featstore-shards-<vid>-<run>-<first>[-<last>][-retry<n>]``.
+def _task_key(run_key: str, group: Group, round_: int) -> str:
+    """``featstore-shards-<vid>-<run>[-v<view>]-<first>[-<last>][-retry<n>]``.
 
     One task prefix ("featstore-shards"), so Dask shows one progress bar per compute. The run
     token matters: Dask returns a key's result from memory if a future of an earlier run still
     holds it (an exception's traceback is enough), and a rerun after ``gc`` deleted that
     shard's objects would then commit a shard that is no longer stored.
     """
-    return (f"featstore-shards-{run_key}-{group[0]:06d}" + (f"-{group[-1]:06d}" if len(group) > 1 else "")
-            + (f"-retry{round_}" if round_ else ""))
+    view, shards = group
+    return (f"featstore-shards-{run_key}{'' if view is None else f'-v{view}'}-{shards[0]:06d}"
+            + (f"-{shards[-1]:06d}" if len(shards) > 1 else "") + (f"-retry{round_}" if round_ else ""))
 
 
-def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], start: dict[str, Any],
+def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[Unit], start: dict[str, Any],
                resources: dict | None, options: ComputeOptions) -> tuple[list[ShardReceipt], int]:
     """Submit the shard tasks (one per shard by default) and gather their receipts; also
     return how many of them a rerun task found already finished (its worker died). The run's
@@ -516,8 +623,8 @@ def _run_tasks(cluster: Cluster, spec: TaskSpec, inputs: list, todo: list[int], 
         bar.close()
 
 
-def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups: list[list[int]],
-                  resources: dict | None, round_: int) -> tuple[list[dict], list[list[int]]]:
+def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups: list[Group],
+                  resources: dict | None, round_: int) -> tuple[list[dict], list[Group]]:
     """Run ``groups`` once; return the receipts (JSON) and the groups whose inputs were lost."""
     from distributed import as_completed, span
 
@@ -525,10 +632,11 @@ def _gather_round(client: Any, spec: TaskSpec, model_f: Any, data_f: Any, groups
     try:
         with span("featstore", f"{spec.name}@{spec.vid}"):
             for g in groups:
-                futures[client.submit(run_shards, spec, model_f, data_f, g, key=_task_key(spec.model_key, g, round_),
+                futures[client.submit(run_shards, replace(spec, view=g[0]), model_f, data_f, g[1],
+                                      key=_task_key(spec.model_key, g, round_),
                                       resources=resources, pure=False, retries=0)] = g
             got, lost = [], []
-            runs = ReceiptRuns(spec.storage, spec.key)
+            runs = _ViewRuns(spec)
             for fut in as_completed(futures):
                 if fut.cancelled() and round_ < LOST_DATA_ROUNDS:  # its scattered inputs died with a worker
                     lost.append(futures[fut])

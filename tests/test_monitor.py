@@ -60,3 +60,15 @@ def test_page_html_marks_raw_values_and_escapes_names():
     assert "<b>x</b>" not in text and "&lt;b&gt;x&lt;/b&gt;" in text
     assert 'data-field="samples_done" data-value="0"' in text and 'data-field="eta_s" data-value="inf"' in text
     assert "No featstore compute" in runs_html([])
+
+
+def test_views_number_shards_view_major_and_count_every_view():
+    m = Monitor()
+    # 1000 samples per view in shards of 300 (the last holds 100), 2 views: 8 (view, shard) units
+    m.apply(events.run_started("r2", "a/b", "v2", samples=1000, samples_per_shard=300, shards_done=[3, 4],
+                               url="/tmp/x", views=2), 100.0)
+    s = m.snapshots(100.0)[0]
+    assert (s["samples"], s["samples_done"], s["shards_todo"], s["shards_done"]) == (2000, 400, 6, 2)
+    m.apply(events.shard_written("r2", "w1", 7, 4096, nonfinite=0, max_abs_error=0.0), 101.0)  # view 1, shard 3
+    s = m.snapshots(101.0)[0]
+    assert (s["samples_done"], s["shards_done"]) == (500, 3)

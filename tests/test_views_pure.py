@@ -1,0 +1,143 @@
+"""The pure side of augmented views: seeds, the view each epoch reads, replay checks, the join."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from featstore.errors import InvalidInput, NondeterministicAugment
+from featstore.views import (
+    SourceJoin, ViewDataset, check_replayable, check_view_mode, epoch_seeds, epoch_view, item_fields,
+    view_seed, view_seeds,
+)
+
+
+def test_view_seeds_are_a_pure_vectorised_function():
+    idx = np.arange(1000)
+    a = view_seeds(7, 3, idx)
+    assert a.dtype == np.int64 and (a >= 0).all()
+    assert np.array_equal(a, view_seeds(7, 3, idx))  # pure
+    assert [view_seed(7, int(i), 3) for i in idx[:20]] == a[:20].tolist()
+    # a change of seed, view or index gives another seed (no collisions on this grid)
+    grid = {int(s) for v in range(8) for s in view_seeds(7, v, idx)}
+    assert len(grid) == 8 * 1000
+    assert not np.array_equal(a, view_seeds(8, 3, idx))
+    # pinned: the policy is a stored contract (plain Zarr readers and other tools replay it)
+    assert view_seed(0, 0, 0) == view_seeds(0, 0, [0])[0]
+    assert view_seed(0, 0, 0) == 1279368494785126216
+
+
+def test_epoch_seeds_differ_from_view_seeds_and_per_epoch():
+    idx = np.arange(50)
+    assert not np.array_equal(epoch_seeds(0, 0, idx), view_seeds(0, 0, idx))
+    assert not np.array_equal(epoch_seeds(0, 0, idx), epoch_seeds(0, 1, idx))
+
+
+@pytest.mark.parametrize("views", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_epoch_mode_reads_every_view_once_per_cycle(views, seed):
+    for cycle in range(3):
+        seen = [epoch_view(views, "epoch", seed, e) for e in range(cycle * views, (cycle + 1) * views)]
+        assert sorted(seen) == list(range(views))
+    assert [epoch_view(views, "epoch", seed, e) for e in range(views)] == \
+        [epoch_view(views, "epoch", seed, e) for e in range(views)]
+
+
+def test_cycles_use_different_permutations():
+    orders = {tuple(epoch_view(8, "epoch", 0, e) for e in range(c * 8, c * 8 + 8)) for c in range(6)}
+    assert len(orders) > 1
+
+
+@pytest.mark.parametrize("views", [1, 3, 16])
+def test_random_and_pinned_modes(views):
+    draws = [epoch_view(views, "random", 5, e) for e in range(200)]
+    assert all(0 <= d < views for d in draws)
+    assert draws == [epoch_view(views, "random", 5, e) for e in range(200)]
+    if views > 1:
+        assert len(set(draws)) == views
+    assert {epoch_view(views, views - 1, 5, e) for e in range(10)} == {views - 1}
+
+
+@pytest.mark.parametrize("mode, views, expect", [
+    (None, None, None), (None, 4, "epoch"), ("random", 4, "random"), (3, 4, 3), (np.int64(0), 1, 0),
+])
+def test_check_view_mode_accepts(mode, views, expect):
+    assert check_view_mode(mode, views) == expect
+
+
+@pytest.mark.parametrize("mode, views", [
+    (0, None), ("epoch", None), (4, 4), (-1, 4), ("first", 4), (True, 4), (1.0, 4),
+])
+def test_check_view_mode_refuses(mode, views):
+    with pytest.raises(InvalidInput):
+        check_view_mode(mode, views)
+
+
+def _aug(item, gen):
+    return {"input": item["input"] + torch.randn(item["input"].shape, generator=gen), "target": item["target"]}
+
+
+def _global_aug(item, gen):
+    return {"input": item["input"] + torch.randn(item["input"].shape), "target": item["target"]}
+
+
+def _numpy_aug(item, gen):
+    return {"input": item["input"] * float(np.random.rand()), "target": item["target"]}
+
+
+def _data(n=10):
+    g = torch.Generator().manual_seed(0)
+    return [{"input": torch.randn(4, generator=g), "target": torch.tensor(i)} for i in range(n)]
+
+
+def test_view_dataset_replays_bit_identically():
+    data = _data()
+    vd = ViewDataset(data, _aug, seed=3, view=2)
+    again = [_aug(data[i], torch.Generator().manual_seed(view_seed(3, i, 2))) for i in range(len(data))]
+    got = vd.__getitems__(list(range(10)))
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(got, again, strict=True))
+    assert torch.equal(vd[4]["input"], again[4]["input"])
+    assert not torch.equal(ViewDataset(data, _aug, 3, 1)[4]["input"], vd[4]["input"])
+
+
+def test_check_replayable_passes_a_generator_augment_and_restores_global_state():
+    torch.manual_seed(11)
+    np.random.seed(11)
+    random.seed(11)
+    expect = (torch.rand(1), np.random.rand(), random.random())
+    torch.manual_seed(11)
+    np.random.seed(11)
+    random.seed(11)
+    first = check_replayable(_data(), _aug, 0, [0, 9])
+    assert torch.equal(first["input"], _aug(_data()[0], torch.Generator().manual_seed(view_seed(0, 0, 0)))["input"])
+    assert (torch.rand(1), np.random.rand(), random.random()) == expect
+
+
+@pytest.mark.parametrize("augment", [_global_aug, _numpy_aug])
+def test_check_replayable_detects_global_randomness(augment):
+    with pytest.raises(NondeterministicAugment, match="generator"):
+        check_replayable(_data(), augment, 0, [0])
+
+
+def test_item_fields_defaults_and_selectors():
+    t = torch.zeros(2)
+    assert set(item_fields({"a": t, "b": 1}, None)) == {"a", "b"}
+    assert set(item_fields((t, 1), None)) == {"field0", "field1"}
+    assert set(item_fields(t, None)) == {"input"}
+    assert item_fields({"a": t, "b": 1}, {"y": "b", "n": lambda it: 2}) == {"y": 1, "n": 2}
+    with pytest.raises(InvalidInput, match="source_fields"):
+        item_fields({"a": t}, {"x": "missing"})
+
+
+def test_source_join_collates_augmented_rows():
+    data = _data()
+    join = SourceJoin(data, _aug, {"input": "input"})
+    seeds = view_seeds(1, 0, [3, 5])
+    rows = join.rows(np.array([3, 5]), seeds)
+    assert rows["input"].shape == (2, 4)
+    assert torch.equal(rows["input"][1], _aug(data[5], torch.Generator().manual_seed(int(seeds[1])))["input"])
+    plain = SourceJoin(data, None, None).rows(np.array([2]), None)
+    assert torch.equal(plain["input"][0], data[2]["input"]) and plain["target"].tolist() == [2]
