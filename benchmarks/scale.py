@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from featstore.manifest import Layout, ReceiptRun, ShardReceipt
-from featstore.plan import consumer_plan
+from featstore.plan import UniformShards, consumer_plan
 from featstore.store import FeatureStore, open_store
 from featstore.versions import (Catalog, compact_receipts, finished_shards, read_receipts, receipt_key,
                                 run_key, version_key, write_receipt)
@@ -55,7 +55,8 @@ def child_open(url: str, ref: str, plan: bool) -> dict:
            "peak_open_mb": (_high_water() - before) / 2**20}
     if plan:
         t0 = time.perf_counter()
-        sizes = v.manifest.layout.shard_sizes()
+        layout = v.manifest.layout
+        sizes = UniformShards(layout.n_samples, layout.samples_per_shard)  # as the reader plans
         for cid in (0, 4095, 8191):
             consumer_plan(sizes, seed=0, epoch=1, shuffle=True, consumers=8192, cid=cid, partition="pad",
                           window=4 * v.manifest.layout.samples_per_shard)
@@ -108,6 +109,31 @@ def manifest_rows(root: str, counts: list[int]) -> list[dict]:
             size = len(store.storage.read_bytes(f"{vkey}/manifest.json"))
             rows.append({"shards": n, "schema": schema, "manifest_bytes": size, **open_in_child(root, ref)})
             print(f"  schema {schema}, {n} shards: {rows[-1]}", file=sys.stderr)
+    return rows
+
+
+def plan_rows(counts: list[int], spp: int = 3584, consumers: int = 8192, repeats: int = 5) -> list[dict]:
+    """One consumer's plan (of ``consumers``) at each shard count, as the reader builds it
+    (:class:`UniformShards`) and over listed sizes (the O(shards) path): median time, and the
+    peak of Python allocations while planning (tracemalloc)."""
+    import statistics
+    import tracemalloc
+
+    rows = []
+    for n in counts:
+        row: dict = {"shards": n}
+        for kind, sizes in (("uniform", UniformShards(n * spp, spp)), ("listed", [spp] * n)):
+            times = []
+            for cid in range(0, consumers, consumers // repeats)[:repeats]:
+                tracemalloc.start()
+                t0 = time.perf_counter()
+                consumer_plan(sizes, seed=0, epoch=1, shuffle=True, consumers=consumers, cid=cid, partition="pad",
+                              window=4 * spp)
+                times.append(time.perf_counter() - t0)
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+            row[f"{kind}_s"], row[f"{kind}_peak_mb"] = statistics.median(times), peak / 2**20
+        rows.append(row)
     return rows
 
 
@@ -254,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         print("a billion samples ...", file=sys.stderr)
         billion = billion_row(f"{root}/b")
         print(f"  {billion}", file=sys.stderr)
+    plans = plan_rows([int(x) for x in args.shards.split(",")] + [billion["shards"]])
     print("resume on moto ...", file=sys.stderr)
     resume = resume_rows(args.moto_shards)
     print(f"  {resume}", file=sys.stderr)
-    return _write(args.out, {"manifests": manifests, "billion": billion, "resume": resume})
+    return _write(args.out, {"manifests": manifests, "billion": billion, "plans": plans, "resume": resume})
 
 
 def _write(out: str, data: dict) -> int:

@@ -27,7 +27,8 @@ from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format
 from .partcodecs import assemble, expand_fields
-from .plan import PARTITIONS, ConsumerPlan, Piece, consumer_plan, round_robin_consumed, window_permutation
+from .plan import (PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, round_robin_consumed,
+                   window_permutation)
 from .versions import Version, deleted_while_reading
 from .viewreading import ViewReading
 
@@ -241,8 +242,9 @@ class FeatureDataset(IterableDataset):
     def plan(self, worker: int = 0, num_workers: int = 0) -> ConsumerPlan:
         """This rank's plan for one DataLoader worker (``num_workers=0``: the main process)."""
         w = max(1, num_workers)
+        layout = self.version.manifest.layout
         return consumer_plan(
-            self.version.manifest.layout.shard_sizes(), seed=self.options.seed, epoch=self.epoch,
+            UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed, epoch=self.epoch,
             shuffle=self.options.shuffle, consumers=self.world_size * w,
             cid=self.rank * w + worker, partition=self.partition, window=self._window(),
         )  # type: ignore[arg-type]
@@ -407,7 +409,8 @@ class FeatureDataset(IterableDataset):
         fmt = self._shard_format(field)
         assert fmt is not None
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
-        n = -(-self._proc.shard_rows(self.version)[piece.shard] // fmt.chunk_rows)
+        start, stop = self.version.manifest.layout.shard_range(piece.shard)
+        n = -(-(stop - start) // fmt.chunk_rows)
         if self._proc.storage.is_local and not fmt.compressed:
             todo = list(range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)))
             arr = mapped_chunks(self._object(ref, piece.shard), fmt, n, todo, ref)
@@ -599,12 +602,6 @@ class _ProcessState:
         self.formats: dict[str, ShardFormat | None] = {}
         self.maps = MappedFiles(MAPPED_BYTES)
         self.cache: SharedCache | None = None
-        self._shard_rows: list[int] | None = None
-
-    def shard_rows(self, version: Version) -> list[int]:
-        if self._shard_rows is None:
-            self._shard_rows = version.manifest.layout.shard_sizes()
-        return self._shard_rows
 
 
 def _default_cache_bytes() -> int:

@@ -4,7 +4,9 @@ A *consumer* is one (rank, DataLoader worker) pair; there are ``world_size * max
 of them. Each epoch:
 
 1. the shards are permuted with a seed made of (seed, epoch) - every consumer computes the same
-   permutation without talking to the others;
+   permutation without talking to the others, and only at the positions of its own span
+   (:class:`featstore.shuffle.ShardPermutation`), so a plan's cost does not grow with the number
+   of shards when they are given as :class:`UniformShards` (a version's layout);
 2. the shards, in that order, form one sequence of N sample positions, which is cut into one
    contiguous span per consumer (``partition``: ``"even"`` spans differ by at most one sample and
    cover every sample exactly once; ``"pad"`` gives each ``ceil(N/C)`` by wrapping around to the
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+from .shuffle import ShardPermutation
 
 Partition = Literal["even", "pad", "drop"]
 PARTITIONS = ("even", "pad", "drop")
@@ -53,15 +57,28 @@ class ConsumerPlan:
         return full + (1 if rest and not drop_last else 0)
 
 
+@dataclass(frozen=True)
+class UniformShards:
+    """``n_samples`` cut into shards of ``per_shard`` rows, the last possibly shorter: a
+    version's layout, described without listing every shard's size."""
+
+    n_samples: int
+    per_shard: int
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.n_samples // self.per_shard)
+
+    def sizes(self) -> list[int]:
+        """Every shard's size (O(shards): for tests and small versions)."""
+        n = self.n_shards
+        return [self.per_shard] * (n - 1) + [self.n_samples - (n - 1) * self.per_shard] if n else []
+
+
 def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The epoch's shard permutation (identity when not shuffling)."""
-    return _order(n_shards, seed, epoch, shuffle).tolist()
-
-
-def _order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(n_shards, dtype=np.int64)
-    return np.random.default_rng([seed, epoch, 0]).permutation(n_shards)
+    """The epoch's whole shard order (identity when not shuffling); O(shards), for tests and
+    tools: a plan evaluates only its own positions."""
+    return ShardPermutation(n_shards, seed, epoch, shuffle).shards(np.arange(n_shards)).tolist()
 
 
 def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tuple[int, int]:
@@ -125,15 +142,54 @@ def group_windows(pieces: Sequence[Piece], window: int) -> tuple[tuple[Piece, ..
     return tuple(windows)
 
 
+def uniform_span_pieces(shards: UniformShards, perm: ShardPermutation, start: int, stop: int) -> list[Piece]:
+    """:func:`span_pieces` for a uniform layout, touching only the span's own positions: the
+    one short shard (the last) stands at ``perm.positions([last])``, and every offset follows."""
+    n, spp = shards.n_samples, shards.per_shard
+    if n == 0 or stop <= start:
+        return []
+    short = n - (shards.n_shards - 1) * spp  # rows of the last shard
+    q = int(perm.positions(np.array([shards.n_shards - 1]))[0])  # its position in the order
+
+    def locate(p: int) -> int:  # the position whose rows hold sample position p
+        if p < q * spp:
+            return p // spp
+        return q if p < q * spp + short else q + 1 + (p - q * spp - short) // spp
+
+    pieces: list[Piece] = []
+    pos = start
+    while pos < stop:  # at most two segments: a pad span wraps around once
+        a = pos % n
+        b = min(n, a + stop - pos)
+        ks = np.arange(locate(a), locate(b - 1) + 1, dtype=np.int64)
+        offsets = ks * spp - np.where(ks > q, spp - short, 0)
+        ends = offsets + np.where(ks == q, short, spp)
+        los, his = np.maximum(a - offsets, 0), np.minimum(b, ends) - offsets
+        pieces += [Piece(int(s), int(lo), int(hi))
+                   for s, lo, hi in zip(perm.shards(ks).tolist(), los.tolist(), his.tolist(), strict=True)]
+        pos += b - a
+    return pieces
+
+
 def consumer_plan(
-    shard_sizes: Sequence[int], *, seed: int, epoch: int, shuffle: bool, consumers: int, cid: int,
-    partition: Partition, window: int,
+    shard_sizes: Sequence[int] | UniformShards, *, seed: int, epoch: int, shuffle: bool, consumers: int,
+    cid: int, partition: Partition, window: int,
 ) -> ConsumerPlan:
-    """The whole plan of consumer ``cid`` for one epoch (see the module docstring)."""
-    n = int(np.sum(shard_sizes, dtype=np.int64))
-    order = _order(len(shard_sizes), seed, epoch, shuffle)
-    start, stop = consumer_span(n, consumers, cid, partition)
-    pieces = span_pieces(order, shard_sizes, start, stop)
+    """The whole plan of consumer ``cid`` for one epoch (see the module docstring).
+
+    ``shard_sizes`` as :class:`UniformShards` costs O(the consumer's pieces); as a list of sizes
+    (any layout) O(shards). Both give the same plan for the same shards.
+    """
+    if isinstance(shard_sizes, UniformShards):
+        n = shard_sizes.n_samples
+        perm = ShardPermutation(shard_sizes.n_shards, seed, epoch, shuffle)
+        start, stop = consumer_span(n, consumers, cid, partition)
+        pieces = uniform_span_pieces(shard_sizes, perm, start, stop)
+    else:
+        n = int(np.sum(shard_sizes, dtype=np.int64))
+        order = ShardPermutation(len(shard_sizes), seed, epoch, shuffle).shards(np.arange(len(shard_sizes)))
+        start, stop = consumer_span(n, consumers, cid, partition)
+        pieces = span_pieces(order, shard_sizes, start, stop)
     return ConsumerPlan(group_windows(pieces, max(1, window)), max(0, stop - start) if n else 0)
 
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featstore.plan import (consumer_plan, consumer_span, round_robin_consumed, shard_order,
+from featstore.plan import (UniformShards, consumer_plan, consumer_span, round_robin_consumed, shard_order,
                             span_pieces, window_permutation)
+from featstore.shuffle import ShardPermutation
 
 LAYOUTS = {
     "one-shard": [10],
@@ -158,3 +159,50 @@ def test_plan_property(sizes, world, workers, seed, epoch, window, partition):
         assert set(counts) == {-(-n // consumers)} and len(set(flat)) == n
     else:
         assert set(counts) == {n // consumers} and len(set(flat)) == len(flat)
+
+
+# -- the permutation evaluated per position, and the uniform plan -------------------------------
+@pytest.mark.parametrize("n", [*range(0, 70), 127, 128, 129, 1000, 4097, 65537])
+def test_shard_permutation_is_a_bijection_with_its_inverse(n):
+    p = ShardPermutation(n, seed=3, epoch=7)
+    got = p.shards(np.arange(n))
+    assert sorted(got.tolist()) == list(range(n))
+    assert p.positions(got).tolist() == list(range(n))
+    assert ShardPermutation(n, 3, 7, shuffle=False).shards(np.arange(n)).tolist() == list(range(n))
+
+
+def test_shard_permutation_depends_on_seed_and_epoch_and_looks_random():
+    n = 1000
+    orders = {(s, e): tuple(ShardPermutation(n, s, e).shards(np.arange(n)).tolist()) for s in (0, 1) for e in (0, 1)}
+    assert len(set(orders.values())) == 4
+    order = np.array(orders[(0, 0)])
+    assert np.sum(order == np.arange(n)) < 10  # not close to the identity (about 1 fixed point expected)
+    assert abs(np.corrcoef(order, np.arange(n))[0, 1]) < 0.1
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 400), spp=st.integers(1, 60), consumers=st.integers(1, 12), seed=st.integers(0, 3),
+       epoch=st.integers(0, 3), shuffle=st.booleans(), partition=st.sampled_from(["even", "pad", "drop"]))
+def test_uniform_plan_equals_the_plan_over_listed_sizes(n, spp, consumers, seed, epoch, shuffle, partition):
+    shards = UniformShards(n, spp)
+    for cid in range(consumers):
+        kw = dict(seed=seed, epoch=epoch, shuffle=shuffle, consumers=consumers, cid=cid, partition=partition,
+                  window=7)
+        assert consumer_plan(shards, **kw) == consumer_plan(shards.sizes(), **kw)
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (2, 2), (3, 4)])
+@pytest.mark.parametrize("partition", ["even", "pad", "drop"])
+def test_uniform_plans_cover_every_sample_as_documented(world, workers, partition):
+    shards = UniformShards(1003, 64)  # a short last shard, somewhere in each epoch's order
+    got = epoch_indices(shards.sizes(), world, workers, partition, epoch=5)
+    w = max(1, workers)
+    for (rank, worker), ids in got.items():
+        plan = consumer_plan(shards, seed=0, epoch=5, shuffle=True, consumers=world * w, cid=rank * w + worker,
+                             partition=partition, window=20)
+        assert plan.n_samples == len(ids)
+    seen = Counter(i for ids in got.values() for i in ids)
+    if partition == "even":
+        assert seen == Counter(range(1003))
+    else:
+        assert set(seen) <= set(range(1003)) and all(c <= 2 for c in seen.values())
