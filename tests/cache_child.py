@@ -8,6 +8,7 @@ SIGKILL mid-epoch, or waits to be killed itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -53,6 +54,11 @@ def main(root: str, ref: str, mode: str) -> None:
                 pass
         except RuntimeError as exc:  # "DataLoader worker (pid ...) exited unexpectedly"
             print("worker lost:", exc, flush=True)
+        # Shut the surviving worker down now: left to interpreter exit, torch's cleanup can meet
+        # the dead worker's reset pipe when stderr is already gone, and exit with status 1.
+        with contextlib.suppress(Exception):
+            it._shutdown_workers()
+        loader._iterator = None
         del it
         return
     n = 16 + sum(len(b["index"]) for b in it)
