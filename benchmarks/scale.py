@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/scale.md")
     p.add_argument("--resume-only", action="store_true",
                    help="measure only the compacted 125,000-shard resume; keep the other figures of the .json")
+    p.add_argument("--billion-only", action="store_true",
+                   help="measure only the billion-sample row; keep the other figures of the .json")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child_open(*args.child, args.plan)))
@@ -273,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.splitext(args.out)[0] + ".json") as f:
             data = json.load(f)
         data["resume"].update(big_resume_row())
+        return _write(args.out, data)
+    if args.billion_only:
+        with open(os.path.splitext(args.out)[0] + ".json") as f:
+            data = json.load(f)
+        with tempfile.TemporaryDirectory(prefix="featstore-scale-") as root:
+            data["billion"] = billion_row(f"{root}/b")
+        data["plans"] = plan_rows([int(x) for x in args.shards.split(",")] + [data["billion"]["shards"]])
         return _write(args.out, data)
     with tempfile.TemporaryDirectory(prefix="featstore-scale-") as root:
         print("manifests ...", file=sys.stderr)
