@@ -28,6 +28,7 @@ import featstore
 from .memory import Replay, ReplayData
 from .procfs import descendants
 from .rows import raw_read_rate
+from .sections import write_marked
 
 BATCH = 256
 EPOCHS = 3
@@ -395,14 +396,8 @@ NOTES = (
 
 
 def write_section(md_path: str, text: str) -> None:
-    """Put ``text`` between the markers in ``md_path`` (appended the first time)."""
-    old = open(md_path).read() if os.path.exists(md_path) else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    with open(md_path, "w") as f:
-        f.write(new)
+    """This benchmark's section of ``md_path`` replaced (or appended), the rest left alone."""
+    write_marked(md_path, BEGIN, END, text)
 
 
 def load_note() -> str:

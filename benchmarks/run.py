@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -66,16 +65,6 @@ def _moto() -> tuple[subprocess.Popen, str]:
     return proc, line
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def _say(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -127,7 +116,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                     r[f"fs_{where}_w{w}"] = rows._row(c["compute_s"], tr, c["bytes"], rss,
                                                       writer_rss=c["worker_rss"])
                 # A core left free: B on one torch thread, in memory and from featstore.
-                with _torch_threads(1):
+                with reader.torch_threads(1):
                     r[f"fs_{where}_t1_ref_s"] = rows.in_memory(ctx, 0.0)["train_s"]
                     r[f"fs_{where}_t1_s"] = rows.fs_train(ctx, v, 0)[0].seconds
                 rr = rows.fs_read_rate(v, 0, server_pid=moto.pid if where == "s3" and moto else None)

@@ -32,6 +32,7 @@ import featstore
 from featstore import kd
 
 from .procfs import dir_bytes
+from .sections import write_marked
 
 DIM, SUPER, SUB = 32, 100, 10
 CLASSES = SUPER * SUB
@@ -277,15 +278,8 @@ def section(res: dict[str, Any]) -> str:
 
 
 def write_section(md_path: str, text: str) -> None:
-    """Replace this benchmark's section of ``md_path`` (or append it), leaving the rest alone."""
-    old = open(md_path).read() if os.path.exists(md_path) else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + text.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text
-    with open(md_path, "w") as f:
-        f.write(new)
+    """This benchmark's section of ``md_path`` replaced (or appended), the rest left alone."""
+    write_marked(md_path, BEGIN, END, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,8 @@ from torch import nn  # noqa: E402
 import featstore  # noqa: E402
 from featstore.views import epoch_seeds, replay  # noqa: E402
 
+from .sections import write_marked
+
 SIZE, PAD, MIN_CROP = 16, 2, 11
 TAU = 4.0
 MARK_START, MARK_END = "<!-- views-benchmark:start -->", "<!-- views-benchmark:end -->"
@@ -340,16 +342,9 @@ def markdown(result: dict) -> str:
     return "\n".join(head + body + notes) + "\n"
 
 
-def write_section(path: str, section: str) -> None:
-    """Replace the marked section of ``path`` (or append it)."""
-    text = open(path).read() if os.path.exists(path) else ""
-    if MARK_START in text and MARK_END in text:
-        before, rest = text.split(MARK_START, 1)
-        text = before + section.rstrip("\n") + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as f:
-        f.write(text)
+def write_section(path: str, text: str) -> None:
+    """This benchmark's section of ``path`` replaced (or appended), the rest left alone."""
+    write_marked(path, MARK_START, MARK_END, text)
 
 
 def main(argv: list[str] | None = None) -> int:
