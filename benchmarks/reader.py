@@ -375,12 +375,10 @@ NOTES = (
     "- *Local byte rate*: a shuffled epoch gathers random rows into every batch, a whole-file read "
     "copies sequentially; the *reference* row gathers the same batches from the in-memory tensor. "
     "featstore gathers from the page cache through memory maps (no read, no decode for raw arrays) "
-    "with numpy, which here did better than torch's indexing of the in-memory tensor: the gap to "
-    "the raw read is the random gather itself, not storage.",
-    "- *This run's load*: other jobs kept ~40 runnable processes on the 2 cores; absolute times are "
-    "several times the quiet machine's, and torch's two OpenMP threads (B and the in-memory "
-    "tensor's indexing) suffer most from that contention. Only one repeat fitted: read the ratios "
-    "as indications, and rerun `python -m benchmarks --only reader` on a quiet machine.",
+    "with numpy; the reference row is what the random gather costs any reader.",
+    "- *Load*: the header gives the machine's load during the run. On a shared machine absolute "
+    "times grow and torch's OpenMP threads (B, the in-memory tensor's indexing) suffer most; the "
+    "ratios are paired within a repeat, and the ranges show the spread between repeats.",
     "- *Light B*: B's two torch threads use both cores, so whatever the reader adds is added to the "
     "time (the *no-overlap bound*); the *one core left free* rows run both sides with B on one "
     "thread. On the local store `compression='auto'` leaves fp16 features and fp32 logits raw (see "
