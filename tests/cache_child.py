@@ -52,7 +52,9 @@ def main(root: str, ref: str, mode: str) -> None:
         try:
             for _ in it:
                 pass
-        except RuntimeError as exc:  # "DataLoader worker (pid ...) exited unexpectedly"
+        # "DataLoader worker (pid ...) exited unexpectedly"; or, for a batch the worker had queued
+        # before it died, the reset connection of its fd-passing tensor (ConnectionResetError).
+        except (RuntimeError, ConnectionError) as exc:
             print("worker lost:", exc, flush=True)
         # Shut the surviving worker down now: left to interpreter exit, torch's cleanup can meet
         # the dead worker's reset pipe when stderr is already gone, and exit with status 1.
