@@ -48,6 +48,7 @@ def main(root: str, ref: str, mode: str) -> None:
     it = iter(loader)
     next(it)
     if mode == "kill-worker":
+        time.sleep(0.5)  # the workers prefetch: the dead one leaves queued batches behind
         os.kill(it._workers[0].pid, signal.SIGKILL)  # the other worker and this process go on
         try:
             for _ in it:
