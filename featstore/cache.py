@@ -361,8 +361,10 @@ class SharedCache:
             self._maps.clear()
 
     def used_bytes(self) -> int:
-        """Bytes of the folder's files now (shards and inserts in progress)."""
-        return self._entries()[1]
+        """Bytes of the folder's files now (shards and inserts in progress), read under the
+        eviction lock, so no reader is halfway through making room."""
+        with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+            return self._entries()[1]
 
     def drop_stale(self) -> None:
         """Unmap this process's view of every shard another process evicted."""
