@@ -14,6 +14,7 @@ from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupEr
                      IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
                      NonFiniteOutput, OutputMismatch, SourceMismatch, StoreConflict, StoreFull, StorePermissionDenied,
                      StoreUnavailable, VersionNotFound)
+from .ragged import Tokens
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
@@ -22,6 +23,6 @@ __all__ = [
     "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
-    "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Version",
+    "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version",
     "VersionNotFound", "open_store", "__version__",
 ]

@@ -27,6 +27,8 @@ from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format
 from .partcodecs import assemble, expand_fields
+from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
+                     RaggedWindow, concat_rows, offsets, pad_value, padded)
 from .plan import (PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, round_robin_consumed,
                    window_permutation)
 from .versions import Version, deleted_while_reading
@@ -60,6 +62,11 @@ class ReaderOptions:
             (the default: a seeded permutation of the K views per cycle of K epochs, so K
             epochs read every view of every sample once), an int (always that view) or
             ``"random"`` (one drawn per seed and epoch). Must stay None without views.
+        ragged: how a per-token output (computed with ``tokens=``) comes in a batch:
+            ``"flat"``: its real tokens ``[T, ...]``, sample after sample, and
+            ``"<name>.offsets"`` (int64 ``[B + 1]``); ``"padded"``: ``[B, L, ...]`` padded
+            (0; sparse parts with their sentinels: id -1, log-prob -inf, count 0) and
+            ``"<name>.lengths"``. See :mod:`featstore.ragged`.
     """
 
     batch_size: int = 256
@@ -73,8 +80,11 @@ class ReaderOptions:
     cache: str | None = None
     cache_bytes: int | None = None
     view: str | int | None = None
+    ragged: str = "flat"
 
     def __post_init__(self) -> None:
+        if self.ragged not in RAGGED_FORMS:
+            raise InvalidInput(f"ragged must be one of {RAGGED_FORMS}, got {self.ragged!r}.")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise InvalidInput(f"batch_size must be a positive int, got {self.batch_size!r}.")
         if self.partition is not None and self.partition not in PARTITIONS:
@@ -97,6 +107,8 @@ def _rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: int, b
         if isinstance(v, _InPlace):
             groups = groups if groups is not None else v.groups(pos)  # same pieces for every field
             out[k] = v.take(groups, len(pos))
+        elif isinstance(v, RaggedWindow):
+            out[k] = v.take(pos)
         else:
             out[k] = v[drop + a:drop + b] if order is None else v[pos]
     return out
@@ -166,7 +178,7 @@ class FeatureDataset(IterableDataset):
         self._viewing = ViewReading(version, self.options, source, augment, source_fields, source_id)
         # an output stored in parts (``logits`` -> logits.ids, logits.values) is read whole
         fields = expand_fields(version.manifest.arrays, self.options.fields or tuple(
-            f for f, a in version.manifest.arrays.items() if a.source != "seed"))
+            f for f, a in version.manifest.arrays.items() if a.source not in ("seed", "tokens")))
         missing = sorted(set(fields) - set(version.manifest.arrays))
         if missing:
             raise InvalidInput(f"version {version.id} has no arrays {missing}; it has "
@@ -360,7 +372,7 @@ class FeatureDataset(IterableDataset):
         """Whether the field's pieces are read where they lie (a mapped local object, or the
         shared cache) rather than copied into a window buffer."""
         fmt = self._shard_format(field)
-        return fmt is not None and (self.options.cache is not None
+        return fmt is not None and not self.version.manifest.arrays[field].ragged and (self.options.cache is not None
                                     or (self._proc.storage.is_local and not fmt.compressed))
 
     def _shared_cache(self) -> SharedCache:
@@ -440,7 +452,7 @@ class FeatureDataset(IterableDataset):
             return out
         return np.frombuffer(view, dtype=dtype).reshape(shape)
 
-    def _read_field(self, piece: Piece, field: str, out: np.ndarray) -> None:
+    def _read_field(self, piece: Piece, field: str, out: np.ndarray, tokens: bool = False) -> None:
         """Rows of one piece of one array, stored dtype, written into ``out``.
 
         Fast path: the shard object read whole (one GET on S3), or by range when the piece
@@ -452,7 +464,7 @@ class FeatureDataset(IterableDataset):
         start = piece.shard * self.version.manifest.layout.samples_per_shard
         fmt = self._shard_format(field)
         reading = self._viewing.reading  # this epoch's view (the version itself without views)
-        if fmt is None:
+        if fmt is None and not tokens:
             out[...] = reading.read_rows(field, start + piece.lo, start + piece.hi)
             return
         if not self._proc.storage.is_local:  # whole object, or by range for a few chunks
@@ -460,6 +472,25 @@ class FeatureDataset(IterableDataset):
             return
         ref = ChunkRef(self.version.ref, field, reading.chunk_key(field, piece.shard))
         decode_shard_rows(self._object(ref, piece.shard), fmt, piece.lo, piece.hi, out, ref)
+
+    def _read_tokens(self, piece: Piece, field: str) -> RaggedRows:
+        """A piece's token rows of one per-token array: the piece's samples' tokens are one run
+        of rows in their shard, found from the piece's ``token_start``/``token_length``."""
+        spec = self.version.manifest.arrays
+        lengths = np.empty(piece.size, dtype=spec[TOKEN_LENGTH].dtype)
+        starts = np.empty(piece.size, dtype=spec[TOKEN_START].dtype)
+        self._read_field(piece, TOKEN_LENGTH, lengths)
+        self._read_field(piece, TOKEN_START, starts)
+        first = piece.shard * spec[field].tokens[0]
+        lo = int(starts[0]) - first if piece.size else 0
+        hi = lo + int(lengths.sum(dtype=np.int64))
+        out = np.empty((hi - lo, *spec[field].shape), dtype=spec[field].dtype)
+        if hi > lo:
+            if self._shard_format(field) is None:
+                out[...] = self._viewing.reading.read_rows(field, first + lo, first + hi)
+            else:
+                self._read_field(Piece(piece.shard, lo, hi), field, out, tokens=True)
+        return RaggedRows(out, lengths)
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
         """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""
@@ -490,7 +521,7 @@ class FeatureDataset(IterableDataset):
             if carry is not None:
                 take = min(bs - len(carry["index"]), n)
                 more = _rows(arrays, order, drop, 0, take)
-                carry = {k: np.concatenate([carry[k], more[k]]) for k in arrays}
+                carry = {k: concat_rows([carry[k], more[k]]) for k in arrays}
                 pos = take
                 if len(carry["index"]) == bs:
                     yield self._to_tensors(carry)
@@ -503,10 +534,30 @@ class FeatureDataset(IterableDataset):
         if carry is not None and not self.options.drop_last:
             yield self._to_tensors(carry)
 
-    def _to_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        out = {f: self.version.decode(f, arrays[f]) for f in self.fields}
+    def _to_tensors(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out = {f: self.version.decode(f, arrays[f]) for f in self.fields if not isinstance(arrays[f], RaggedRows)}
+        out.update(self._ragged(arrays))
         out["index"] = torch.from_numpy(np.ascontiguousarray(arrays["index"]))
         return self._viewing.add(assemble(self.version.manifest.arrays, out))
+
+    def _ragged(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The batch's per-token arrays: flat with ``<output>.offsets``, or padded with
+        ``<output>.lengths`` (``ragged="padded"``)."""
+        out: dict[str, torch.Tensor] = {}
+        specs = self.version.manifest.arrays
+        for f in self.fields:
+            rows = arrays[f]
+            if not isinstance(rows, RaggedRows):
+                continue
+            flat, lengths = self.version.decode(f, rows.flat), torch.from_numpy(rows.lengths.astype(np.int64))
+            name = specs[f].output or f
+            if self.options.ragged == "padded":
+                out[f] = padded(flat, lengths, pad_value(f, flat.dtype))
+                out[f"{name}.{LENGTHS}"] = lengths
+            else:
+                out[f] = flat
+                out[f"{name}.{OFFSETS}"] = torch.from_numpy(offsets(rows.lengths))
+        return out
 
     def __repr__(self) -> str:
         return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"
@@ -531,7 +582,8 @@ class _WindowReader:
         self.queue: deque[tuple[int, int, dict[str, Any], list[Future], tuple[Piece, ...]]] = deque()
         self.in_flight = 0  # pieces submitted and not yet consumed
         self.placed = [f for f in ds.fields if ds._in_place(f)]
-        self.dense = [f for f in ds.fields if f not in self.placed]
+        self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
+        self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
         self.chunk_rows = ds.version.manifest.layout.chunk_rows
         # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
         # later window: no fresh pages to fault in for every window (~15% of the read cost).
@@ -547,11 +599,13 @@ class _WindowReader:
                     f.result()
                 for f in self.placed:
                     arrays[f] = _InPlace([x.result() for x in arrays[f]], window, self.chunk_rows)
+                for f in self.ragged:
+                    arrays[f] = RaggedWindow([x.result() for x in arrays[f]])
                 self.in_flight -= len(futs) // max(1, len(self.ds.fields))
                 self._fill()
                 yield wi, drop, arrays
                 if self.spare is not None:  # the consumer has cut every batch of this window
-                    self.spare.append({k: v for k, v in arrays.items() if k not in self.placed})
+                    self.spare.append({k: v for k, v in arrays.items() if k in self.dense or k == "index"})
         finally:
             for _, _, _, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
                 for f in futs:
@@ -581,6 +635,9 @@ class _WindowReader:
                 off += p.size
             for f in self.placed:  # futures of each piece's source; an _InPlace once all are done
                 arrays[f] = [self.pool.submit(self.ds._source, p, f) for p in window]
+                futs += arrays[f]
+            for f in self.ragged:  # each piece's token rows; a RaggedWindow once all are done
+                arrays[f] = [self.pool.submit(self.ds._read_tokens, p, f) for p in window]
                 futs += arrays[f]
             self.queue.append((wi, drop, arrays, futs, window))
             self.in_flight += len(window)

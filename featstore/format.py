@@ -132,20 +132,21 @@ def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[s
     except zarr.errors.ContainsGroupError:  # a concurrent run created it between look and create
         group = zarr.open_group(store, mode="r+")
     for name, a in arrays.items():
-        shape = (layout.n_samples, *a.shape)
+        axis = layout.of(a)  # samples, or a per-token array's token rows
+        shape = (axis.n_samples, *a.shape)
         try:
             existing = group[name]
         except KeyError:
             existing = None
         if existing is not None:
-            if existing.shape == shape and existing.shards == (layout.samples_per_shard, *a.shape):
+            if existing.shape == shape and existing.shards == (axis.samples_per_shard, *a.shape):
                 continue  # created by the founder or an earlier run: identical metadata
             raise StoreConflict(f"array {name!r} under {where} has another layout than its claim; if "
                                 "no compute of it is running, delete that uncommitted version folder and rerun.")
         try:
             group.create_array(
                 name, shape=shape, dtype=a.dtype,
-                chunks=(layout.chunk_rows, *a.shape), shards=(layout.samples_per_shard, *a.shape),
+                chunks=(axis.chunk_rows, *a.shape), shards=(axis.samples_per_shard, *a.shape),
                 compressors=zarr_codecs(a.compression), fill_value=0,
                 config={"write_empty_chunks": True},
                 dimension_names=_dimension_names(name, a),
@@ -159,9 +160,10 @@ def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[s
 def _dimension_names(name: str, a: ArraySpec) -> tuple[str, ...]:
     """``sample`` then ``<name>_1, ...``; the parts of a sparse output share their last axis
     (``logits_k``), so xarray lines ``logits.ids`` and ``logits.values`` up."""
-    dims = ["sample", *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))]
+    first = "token" if a.ragged else "sample"
+    dims = [first, *(f"{name}_{i}" for i in range(1, 1 + len(a.shape)))]
     if a.output and a.part in ("ids", "values", "counts"):
-        dims = ["sample", *(f"{a.output}_{i}" for i in range(1, len(a.shape))), f"{a.output}_k"]
+        dims = [first, *(f"{a.output}_{i}" for i in range(1, len(a.shape))), f"{a.output}_k"]
     return tuple(dims)
 
 
@@ -274,8 +276,9 @@ def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version:
     if isinstance(fmt, int) and fmt > ZARR_FORMAT:
         raise IncompatibleFormat(f"{where} is Zarr format {fmt}, newer than this featstore reads "
                                  f"({ZARR_FORMAT}); upgrade featstore and zarr (pip install -U featstore zarr).")
-    want_shape = [layout.n_samples, *spec.shape]
-    want_grid = [layout.samples_per_shard, *spec.shape]
+    axis = layout.of(spec)
+    want_shape = [axis.n_samples, *spec.shape]
+    want_grid = [axis.samples_per_shard, *spec.shape]
     grid = meta.get("chunk_grid") if isinstance(meta.get("chunk_grid"), dict) else {}
     problems = []
     if fmt != ZARR_FORMAT or meta.get("node_type") != "array":

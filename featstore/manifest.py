@@ -113,14 +113,26 @@ class ArraySpec:
     output: str = ""
     part: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    #: A per-token (ragged) array: ``(tokens per shard, tokens per chunk)``. Its axis 0 holds
+    #: token rows, shard ``s`` of the version owning rows ``[s * tokens per shard, ...)`` of
+    #: which only the first ``sum(token_length)`` of the shard's samples are stored (see
+    #: :mod:`featstore.ragged`). Empty for a per-sample array (every array before it existed).
+    tokens: tuple[int, ...] = ()
+
+    @property
+    def ragged(self) -> bool:
+        """Whether axis 0 of the array is tokens (see :mod:`featstore.ragged`), not samples."""
+        return bool(self.tokens)
 
     def to_json(self) -> dict[str, Any]:
-        """As stored (lists, not tuples); the part fields only where set, so a plain array's
-        JSON is what featstore wrote before they existed."""
+        """As stored (lists, not tuples); the part and token fields only where set, so a plain
+        array's JSON is what featstore wrote before they existed."""
         d = json.loads(json.dumps(asdict(self)))
         if not self.output:
             for k in ("output", "part", "params"):
                 d.pop(k)
+        if not self.tokens:
+            d.pop("tokens")
         return d
 
     @classmethod
@@ -128,12 +140,15 @@ class ArraySpec:
         """Parse and check one manifest entry (raises ``ValueError``/:class:`IncompatibleFormat`)."""
         spec = cls(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
                    str(v["source"]), str(v.get("compression", "zstd")), str(v.get("output", "")),
-                   str(v.get("part", "")), dict(v.get("params", {})))
+                   str(v.get("part", "")), dict(v.get("params", {})),
+                   tuple(_int(t) for t in v.get("tokens", ())))
+        if spec.tokens and (len(spec.tokens) != 2 or min(spec.tokens) < 1 or spec.tokens[0] % spec.tokens[1]):
+            raise ValueError(f"array {k!r} has a malformed token layout {list(spec.tokens)}")
         if spec.output or is_parts_codec(spec.codec):
             check_part(spec.codec, spec.part, spec.dtype, f"array {k!r}")
             if part_array(spec.output, spec.part) != k or spec.source != "output":
                 raise ValueError(f"array {k!r} is not part {spec.part!r} of output {spec.output!r}")
-        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep", "seed"):
+        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep", "seed", "tokens"):
             raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
         if spec.compression not in ("zstd", "none"):
             raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
@@ -206,6 +221,18 @@ class Layout:
     def shard_sizes(self) -> list[int]:
         n = self.n_shards
         return [self.samples_per_shard] * (n - 1) + [self.n_samples - (n - 1) * self.samples_per_shard]
+
+    def of(self, spec: "ArraySpec") -> "Layout":
+        """The layout of one array's axis 0: this one, or a per-token array's (``tokens per
+        shard`` rows per shard, one shard per sample shard).
+
+        >>> Layout(10, 4, 2).of(ArraySpec("float16", "float16", (8,), "output", tokens=(64, 16)))
+        Layout(n_samples=192, samples_per_shard=64, chunk_rows=16)
+        """
+        if not spec.tokens:
+            return self
+        per_shard, chunk = spec.tokens
+        return Layout(self.n_shards * per_shard, per_shard, chunk)
 
 
 @dataclass(frozen=True)

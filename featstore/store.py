@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .dataset import FeatureDataset
+from .ragged import Tokens
 from .storage import Storage
 from .versions import Catalog
 from .versions import Version as CoreVersion
@@ -50,7 +51,8 @@ class FeatureStore(Catalog):
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
                 options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
-                views: int | None = None, augment: Any = None, augment_seed: int = 0) -> Version:
+                views: int | None = None, augment: Any = None, augment_seed: int = 0,
+                tokens: Tokens | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.writer.compute` for every argument.
@@ -65,7 +67,7 @@ class FeatureStore(Catalog):
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
                        client=client, options=options, extends=extends, views=views, augment=augment,
-                       augment_seed=augment_seed)
+                       augment_seed=augment_seed, tokens=tokens)
 
     def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).

@@ -38,6 +38,7 @@ from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey
 from .format import chunk_key, open_for_write, shard_digest, zstd_saving
 from .manifest import ArraySpec, Layout, ShardReceipt
 from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
+from .ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .transfer import HostBatch, Offloader, pin, to_device
@@ -45,6 +46,10 @@ from .versions import read_receipts, version_key, view_key, write_receipt
 from .views import SEED_FIELD, ViewDataset, view_seeds
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
+#: A batch's real-token mask travels with its kept fields under this key (never stored).
+_MASK = "_token_mask"
+#: The probe's mean real tokens per sample (sizes the shards of per-token outputs).
+PROBE_TOKENS = "_tokens_per_sample"
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
 PROBE_ROWS = 64
 
@@ -128,6 +133,8 @@ class TaskSpec:
     view: int | None = None  # the augmented view these shards belong to (None: no views)
     augment: Any = None  # fn(item, generator) -> item, with views
     augment_seed: int = 0
+    tokens: Tokens | None = None  # per-token outputs: which, and the real-token mask
+    ragged: tuple[str, ...] = ()  # the per-token outputs
 
     @property
     def key(self) -> str:
@@ -191,6 +198,9 @@ def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tupl
         x = (spec.collate or default_collate)([select(it, spec.input_key, "input") for it in items])
         kept = {n: torch.as_tensor(default_collate([select(it, k, "field") for it in items]))
                 for n, k in spec.keep.items()}
+        if spec.tokens is not None:
+            kept[_MASK] = batch_mask(spec.tokens, x, len(items), start)
+            kept[TOKEN_LENGTH] = kept[_MASK].sum(1).to(torch.int32)
     except FeatstoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - user datasets raise anything
@@ -227,7 +237,7 @@ def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
 def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
     for name, t in values.items():
         want = _want_shape(spec, name)
-        if tuple(t.shape) != (rows, *want):
+        if tuple(t.shape) != (t.shape[0] if name in spec.ragged else rows, *want):
             raise OutputMismatch(
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
                 f"{(rows, *want)} was expected (from the first batch); Model A's output "
@@ -251,11 +261,14 @@ def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor, start: int,
             stats[key]["codec_error"] = error
 
 
-def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int) -> tuple[dict, dict]:
+def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int, token0: int = 0) -> tuple[dict, dict]:
+    """Each value as stored, and its statistics; a per-token output's rows are tokens, the first
+    being token row ``token0`` (what ``sample:S`` seeds its draws with, like a sample index)."""
     encoded, stats = {}, {}
     for name, t in values.items():
         if name in spec.outputs and is_parts_codec(spec.outputs[name]):
-            _encode_parts(name, parts_codec(spec.outputs[name]), t, start, encoded, stats)
+            _encode_parts(name, parts_codec(spec.outputs[name]), t, token0 if name in spec.ragged else start,
+                          encoded, stats)
             continue
         want = spec.arrays[name]
         codec = codec_by_name(want.codec)
@@ -292,13 +305,44 @@ def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
                         "compute: the shards still stored are kept.")
 
 
+def _shard_buffers(spec: TaskSpec, index: int) -> dict[str, Any]:
+    """A shard's buffers: one array per per-sample field, a list of batches' token rows per
+    per-token array (their count is known only once the shard's batches are in)."""
+    start, stop = spec.layout.shard_range(index)
+    return {n: [] if a.ragged else np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
+
+
+def _tokens_per_shard(spec: TaskSpec) -> int:
+    """Token rows each shard owns in the per-token arrays (0 without per-token outputs)."""
+    a = next((a for a in spec.arrays.values() if a.ragged), None)
+    return 0 if a is None else spec.layout.of(a).samples_per_shard
+
+
+def _token_rows(spec: TaskSpec, index: int, buffers: dict[str, Any]) -> int:
+    """The first token row of the next batch of shard ``index`` (after its earlier batches')."""
+    name = next((n for n, a in spec.arrays.items() if a.ragged), None)
+    return 0 if name is None else index * _tokens_per_shard(spec) + sum(len(b) for b in buffers[name])
+
+
 def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                 buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> ShardReceipt:
+                 buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
     start, stop = spec.layout.shard_range(index)
     digests = {}
+    if TOKEN_START in buffers:  # each sample's first token row, now that the shard's counts are in
+        buffers[TOKEN_START][:] = index * _tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
+        stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
     for name, buf in buffers.items():
-        arrays[name][start:stop] = buf
-        digests[name] = shard_digest(buf)
+        if isinstance(buf, list):  # a per-token array: the shard's tokens, packed from its first row
+            a = spec.arrays[name]
+            buf = np.concatenate(buf) if buf else np.empty((0, *a.shape), dtype=a.dtype)
+            t0 = index * _tokens_per_shard(spec)
+            # a shard without a single token still stores one (padding) row: every shard of
+            # every array is an object, which is what commit and resume check
+            arrays[name][t0:t0 + max(len(buf), 1)] = buf if len(buf) else np.zeros((1, *a.shape), dtype=a.dtype)
+            buffers[name] = buf
+        else:
+            arrays[name][start:stop] = buf
+        digests[name] = shard_digest(buffers[name])
     receipt = ShardReceipt(index, start, stop, digests, stats, view=spec.view)
     # The receipt is written only after every array of the shard is stored: it is the marker.
     write_receipt(spec.storage, spec.key, receipt)
@@ -393,10 +437,16 @@ def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
     """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
     once its device->host copies have landed."""
     values = batch.wait()
+    mask = values.pop(_MASK, None)
+    for name in spec.ragged:
+        values[name] = pack(values[name], mask, name)[0]
     _check_batch(spec, values, b1 - b0, b0)
-    enc, st = _encode(spec, values, b0)
+    enc, st = _encode(spec, values, b0, _token_rows(spec, start // spec.layout.samples_per_shard, buffers))
     for n, arr in enc.items():
-        buffers[n][b0 - start:b1 - start] = arr
+        if isinstance(buffers[n], list):
+            buffers[n].append(arr)
+        else:
+            buffers[n][b0 - start:b1 - start] = arr
         stats[n] = merge_stats(stats.get(n), st[n])
 
 
@@ -533,7 +583,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                                            plan[k + 1][2], cuda)
                 start, stop = spec.layout.shard_range(index)
                 if b0 == start:
-                    buffers = {n: np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
+                    buffers = _shard_buffers(spec, index)
                     stats = {}
                     batch_jobs: list[Future] = []
                     report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
@@ -575,7 +625,12 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
         net = worker_model(model, spec.model_key, spec.threads, device)
         x, kept = _collate(spec, _fetch(_as_seen(spec, dataset), 0, rows), 0, pinned=False)
         outs = _forward(spec, net, x, 0, rows, device)
-    out = {}
+    out: dict[str, tuple[tuple[int, ...], str, float]] = {}
+    if spec.tokens is not None:
+        mask = kept.pop(_MASK)
+        outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
+        out[PROBE_TOKENS] = ((), "float64", float(mask.sum()) / max(rows, 1))
+        kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
     for name, t in {**outs, **kept}.items():
         if name in outs and is_parts_codec(spec.outputs[name]):
             out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))

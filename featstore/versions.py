@@ -46,6 +46,7 @@ from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pe
                        ref_target, tag_json, tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .partcodecs import assemble, parts_codec
+from .ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets
 from .storage import Storage
 from .views import view_seed
 
@@ -501,6 +502,37 @@ class Version:
             raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard),
                                        f"failed to decode ({type(exc).__name__}: {exc})") from exc
 
+    def read_tokens(self, field: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Stored token rows of a per-token array for samples given by (``token_start``,
+        ``token_length``), sample after sample: one read per shard touched."""
+        spec = self.manifest.arrays[field]
+        rows = gather_rows(starts, lengths)
+        out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
+        if not len(rows):
+            return out
+        shard = rows // spec.tokens[0]
+        for s in np.unique(shard):
+            sel = shard == s
+            lo, hi = int(rows[sel].min()), int(rows[sel].max()) + 1
+            try:
+                block = self.array(field)[lo:hi]
+            except FeatstoreError:
+                raise
+            except (ConnectionError, TimeoutError, PermissionError) as exc:
+                raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
+                raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, int(s)),
+                                           f"failed to decode ({type(exc).__name__}: {exc})") from exc
+            out[sel] = block[rows[sel] - lo]
+        return out
+
+    def token_span(self, shard: int) -> tuple[int, int]:
+        """The token rows ``[lo, hi)`` shard ``shard`` stores in each per-token array."""
+        start, stop = self.manifest.layout.shard_range(shard)
+        lengths = self.read_rows(TOKEN_LENGTH, start, stop)
+        per_shard = next(a.tokens[0] for a in self.manifest.arrays.values() if a.ragged)
+        return shard * per_shard, shard * per_shard + int(lengths.sum(dtype=np.int64))
+
     def was_deleted(self) -> bool:
         """Whether this version's manifest is gone (``store.delete`` removes it before the data).
         Asked on error paths only, through a storage of this process's own."""
@@ -548,23 +580,39 @@ class Version:
             if not 0 <= i < n:
                 raise IndexError(f"index {index} out of range for {n} samples")
             batch = self[i:i + 1]
-            return {k: v[0] for k, v in batch.items()}
+            ragged = {f for f, a in self.manifest.arrays.items() if a.ragged}
+            # a per-token array's rows are all this sample's tokens: returned whole
+            return {k: v if k in ragged else v[0] for k, v in batch.items() if not k.endswith(f".{OFFSETS}")}
         if isinstance(index, slice):
             start, stop, step = index.indices(n)
             if step != 1:
                 return self[np.arange(start, stop, step)]
             rows = np.arange(start, max(start, stop))
-            out = {f: self.decode(f, self._read(f, slice(start, stop), start))
-                   for f in self.manifest.arrays}
+            stored = {f: self._read(f, slice(start, stop), start)
+                      for f, a in self.manifest.arrays.items() if not a.ragged}
         else:
             rows = np.asarray(index, dtype=np.int64).reshape(-1)
             if rows.size and (rows.min() < -n or rows.max() >= n):
                 raise IndexError(f"indices out of range for {n} samples")
             rows = np.where(rows < 0, rows + n, rows)
             first = int(rows.min()) if rows.size else 0
-            out = {f: self.decode(f, self._read(f, rows, first)) for f in self.manifest.arrays}
+            stored = {f: self._read(f, rows, first) for f, a in self.manifest.arrays.items() if not a.ragged}
+        out = {f: self.decode(f, v) for f, v in stored.items() if f not in TOKEN_FIELDS}
+        out.update(self._ragged(stored))
         out["index"] = torch.from_numpy(rows.astype(np.int64))
         return assemble(self.manifest.arrays, out)
+
+    def _ragged(self, stored: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The per-token arrays of the samples whose ``token_start``/``token_length`` are in
+        ``stored``: flat token rows, and ``<output>.offsets`` per per-token output."""
+        ragged = {f: a for f, a in self.manifest.arrays.items() if a.ragged}
+        if not ragged:
+            return {}
+        starts, lengths = stored[TOKEN_START], stored[TOKEN_LENGTH]
+        out = {f: self.decode(f, self.read_tokens(f, starts, lengths)) for f in ragged}
+        for name in {a.output or f for f, a in ragged.items()}:
+            out[f"{name}.{OFFSETS}"] = torch.from_numpy(offsets(lengths))
+        return out
 
     def load(self) -> dict[str, torch.Tensor]:
         """The whole version in RAM as tensors (the classic in-memory cache, from the store)."""
@@ -599,7 +647,8 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
             where = f"{source.chunk_key(field, r.index)} (rows {r.start}-{r.stop})" + (
                 "" if home == version.key else f" in {home}")
             try:
-                got = shard_digest(source.read_rows(field, r.start, r.stop))
+                rows = (r.start, r.stop) if not version.manifest.arrays[field].ragged else source.token_span(r.index)
+                got = shard_digest(source.read_rows(field, *rows))
             except CorruptChunk as exc:
                 problems.append(f"{where}: {exc}")
                 continue

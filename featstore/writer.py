@@ -34,8 +34,9 @@ from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec
 from .monitor import RunState
 from .names import check_field, check_name
 from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
+from .ragged import TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
 from .stats import summarize
-from .tasks import REUSED, TaskSpec, probe, release_models, run_shards, select
+from .tasks import PROBE_TOKENS, REUSED, TaskSpec, probe, release_models, run_shards, select
 from .versions import Catalog, Claim, ReceiptRuns, Version, version_key, view_key
 from .views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
 
@@ -92,7 +93,7 @@ class ComputeOptions:
             ``input_key`` selects), e.g. padding token sequences of different lengths and adding
             an attention mask; None: ``torch.utils.data.default_collate``. Part of the
             fingerprint (by source). A's outputs must still have one per-sample shape, so pad to
-            a fixed length (per-token outputs are stored padded; ragged storage is not supported yet).
+            a fixed length, or store them per token with ``compute(..., tokens=Tokens(...))``.
     """
 
     dataset_id: str | None = None
@@ -138,6 +139,8 @@ class _Request:
     views: int | None = None
     augment: Any = None
     augment_seed: int = 0
+    tokens: Tokens | None = None
+    ragged: tuple[str, ...] = ()  # the per-token outputs
 
 
 def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
@@ -151,7 +154,7 @@ def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
 def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Mapping[str, Any],
               outputs: Mapping[str, str] | None, batch_size: int, samples_per_shard: int | None,
               options: "ComputeOptions", views: int | None = None, augment: Any = None,
-              augment_seed: int = 0) -> _Request:
+              augment_seed: int = 0, tokens: Tokens | None = None) -> _Request:
     """Check every argument before anything runs; bad input raises with what to change."""
     check_name(name)
     if outputs is None:
@@ -161,7 +164,11 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
     outputs = {check_field(k): parts_codec(v).name if is_parts_codec(v) else output_codec(v).name
                for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
-    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set())
+    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
+    if tokens is not None and not isinstance(tokens, Tokens):
+        raise InvalidInput("tokens= takes featstore.Tokens(mask=fn, max_tokens=N), e.g. "
+                           "Tokens(mask=lambda x: x['attention_mask'], max_tokens=512).")
+    ragged = tokens.ragged_outputs(list(outputs)) if tokens is not None else ()
     clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & reserved)
     if clash:
         raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
@@ -180,7 +187,7 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
     for k in keep_map.values():
         select(first, k, "keep field")
     return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
-                    views, augment, augment_seed)
+                    views, augment, augment_seed, tokens, ragged)
 
 
 def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_seed: int) -> Any:
@@ -224,6 +231,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
         # Only with views, so versions without them keep their ids.
         **({} if req.views is None else {"views": asdict(views_spec(req))}),
+        **({} if req.tokens is None else {"tokens": {"mask": describe_key(req.tokens.mask), "outputs": list(req.ragged),
+                                                     "max_tokens": req.tokens.max_tokens}}),
     }
 
 
@@ -326,7 +335,8 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
             options: ComputeOptions | None = None, extends: str | Version | None = None,
-            views: int | None = None, augment: Any = None, augment_seed: int = 0) -> Version:
+            views: int | None = None, augment: Any = None, augment_seed: int = 0,
+            tokens: Tokens | None = None) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -360,6 +370,12 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         augment: ``fn(item, generator) -> item``; all its randomness must come from
             ``generator`` (checked: two replays must agree, else :class:`NondeterministicAugment`).
         augment_seed: the version's seed, from which every (sample, view) seed derives.
+        tokens: :class:`~featstore.ragged.Tokens` for per-token outputs of token sequences (a
+            language model's logits, ``[B, L, ...]``): only each sample's real tokens (the
+            mask's) are stored, as flat token rows plus the per-sample ``token_start`` and
+            ``token_length`` arrays, with the output's codec applied per token; batches carry
+            them flat with ``"<name>.offsets"`` (see :mod:`featstore.ragged`). Not supported
+            together with ``extends`` (yet).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -372,6 +388,9 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     t0 = time.perf_counter()
     parent = catalog.open(extends) if extends is not None else None
     _check_views_extends(parent, views)
+    if parent is not None and (tokens is not None or any(a.ragged for a in parent.manifest.arrays.values())):
+        raise InvalidInput("extends= with per-token outputs (tokens=) is not supported yet; compute the grown "
+                           "dataset without extends (a full compute).")
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):
@@ -379,7 +398,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
                                f"leave samples_per_shard out (got {samples_per_shard}).")
         samples_per_shard = spp
     req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
-                    views, augment, augment_seed)
+                    views, augment, augment_seed, tokens)
     parts = _fingerprint_parts(req, model, dataset, options)
     growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
     if growth is not None:
@@ -469,7 +488,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
                         cluster.torch_threads(), TOPIC,
                         tune_allocator=options.tune_allocator, serial_forward=cluster.serial_forward,
                         collate=options.collate, view=None if req.views is None else 0,
-                        augment=req.augment, augment_seed=req.augment_seed)
+                        augment=req.augment, augment_seed=req.augment_seed, tokens=req.tokens, ragged=req.ragged)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
         claim = _claim(catalog, req, vid, probed, options, growth)
@@ -493,16 +512,28 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
            options: ComputeOptions, growth: Growth | None = None) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
+    probed = dict(probed)
+    per_sample = probed.pop(PROBE_TOKENS, ((), "", 0.0))[2]  # mean real tokens per sample
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression, catalog.storage.is_local)
+    if req.tokens is not None:
+        for f, dtype in ((TOKEN_START, torch.int64), (TOKEN_LENGTH, torch.int32)):
+            arrays[f] = ArraySpec(keep_codec(dtype).name, keep_codec(dtype).stored, (), "tokens",
+                                  choose_compression(options.compression, probed[f][2], catalog.storage.is_local))
     if req.views is not None:  # replay seeds: random 63-bit integers, which zstd cannot shrink
         arrays[SEED_FIELD] = ArraySpec(keep_codec(torch.int64).name, keep_codec(torch.int64).stored, (), "seed",
                                        choose_compression(options.compression, 0.0, catalog.storage.is_local))
     if growth is not None:
         arrays = growth.adopt_arrays(arrays)
-    row_bytes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values()]
+    ragged = {n for n, a in arrays.items() if (a.output or n) in req.ragged}
+    row_bytes = {n: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for n, a in arrays.items()}
+    # a per-token array's bytes per sample: its token row times the probe's mean tokens
+    per_sample_bytes = [max(1, round(b * per_sample)) if n in ragged else b for n, b in row_bytes.items()]
     target = options.target_shard_bytes or default_shard_bytes(catalog.storage.is_local)
     chunk_rows = growth.layout.chunk_rows if growth is not None else options.chunk_rows
-    layout = choose_layout(req.n, row_bytes, req.samples_per_shard, chunk_rows, target)
+    layout = choose_layout(req.n, per_sample_bytes, req.samples_per_shard, chunk_rows, target)
+    if req.tokens is not None:
+        arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, req.tokens.max_tokens, row_bytes[n]))
+                  if n in ragged else a for n, a in arrays.items()}
     return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else (), req.views)
 
 
