@@ -514,17 +514,23 @@ class Version:
         for s in np.unique(shard):
             sel = shard == s
             lo, hi = int(rows[sel].min()), int(rows[sel].max()) + 1
-            try:
-                block = self.array(field)[lo:hi]
-            except FeatstoreError:
-                raise
-            except (ConnectionError, TimeoutError, PermissionError) as exc:
-                raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
-            except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
-                raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, int(s)),
-                                           f"failed to decode ({type(exc).__name__}: {exc})") from exc
-            out[sel] = block[rows[sel] - lo]
+            out[sel] = self.token_rows(field, int(s), lo, hi)[rows[sel] - lo]
         return out
+
+    def token_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
+        """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard``; damage is a
+        :class:`CorruptChunk` naming that shard."""
+        try:
+            return self.array(field)[lo:hi]
+        except FeatstoreError:
+            raise
+        except (ConnectionError, TimeoutError, PermissionError) as exc:
+            raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
+            if self.was_deleted():
+                raise deleted_while_reading(self.ref) from exc
+            raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard),
+                                       f"failed to decode ({type(exc).__name__}: {exc})") from exc
 
     def token_span(self, shard: int) -> tuple[int, int]:
         """The token rows ``[lo, hi)`` shard ``shard`` stores in each per-token array."""
@@ -647,8 +653,10 @@ def verify_version(version: Version, progress: bool = False) -> list[str]:
             where = f"{source.chunk_key(field, r.index)} (rows {r.start}-{r.stop})" + (
                 "" if home == version.key else f" in {home}")
             try:
-                rows = (r.start, r.stop) if not version.manifest.arrays[field].ragged else source.token_span(r.index)
-                got = shard_digest(source.read_rows(field, *rows))
+                if version.manifest.arrays[field].ragged:
+                    got = shard_digest(source.token_rows(field, r.index, *source.token_span(r.index)))
+                else:
+                    got = shard_digest(source.read_rows(field, r.start, r.stop))
             except CorruptChunk as exc:
                 problems.append(f"{where}: {exc}")
                 continue

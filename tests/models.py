@@ -214,3 +214,54 @@ class GrowingData(torch.utils.data.Dataset):
             raise IndexError(i)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         return {"input": torch.randn(self.d, generator=g), "target": torch.randint(0, 5, (), generator=g)}
+
+
+class TokenSeqs(torch.utils.data.Dataset):
+    """Token sequences of varying lengths (``lo``..``hi`` tokens), each with a label."""
+
+    def __init__(self, n: int = 60, vocab: int = 97, lo: int = 3, hi: int = 12, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = [torch.randint(1, vocab, (int(torch.randint(lo, hi + 1, (), generator=g)),), generator=g)
+                      for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return {"input": self.items[i], "target": i % 3}
+
+
+def pad_tokens(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A user's collate for token sequences: right padding and an attention mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, True
+    return {"ids": ids, "attention_mask": mask}
+
+
+def attention_mask(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    return x["attention_mask"]
+
+
+class TinyLM(nn.Module):
+    """A toy causal language model: per-token logits ``[B, L, vocab]`` (position-dependent
+    through a cumulative mean, so padding never changes a real token's output)."""
+
+    def __init__(self, vocab: int = 97, dim: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = self.emb(x["ids"]).cumsum(1) / torch.arange(1, x["ids"].shape[1] + 1).reshape(1, -1, 1)
+        return self.head(h) * 3
+
+
+def drop_a_token(item: dict, g: torch.Generator) -> dict:
+    """An augment for token sequences: drops one random token (so views differ in length)."""
+    seq = item["input"]
+    k = int(torch.randint(0, len(seq), (), generator=g))
+    return {**item, "input": torch.cat([seq[:k], seq[k + 1:]])}
