@@ -39,7 +39,7 @@ def _teacher(rows):
 def test_gather_rows_and_offsets_select_each_samples_rows(lengths):
     lengths = np.array(lengths)
     starts = np.array([100 * i for i in range(len(lengths))])
-    want = [r for s, n in zip(starts, lengths) for r in range(s, s + n)]
+    want = [r for s, n in zip(starts, lengths, strict=True) for r in range(s, s + n)]
     assert gather_rows(starts, lengths).tolist() == want
     assert offsets(lengths).tolist() == [0, *np.cumsum(lengths).tolist()]
 
@@ -155,7 +155,7 @@ def test_ranks_split_samples_and_resume_continues_mid_epoch(local_store):
     again.load_state_dict(ds.state_dict(batches_seen=4))
     rest = list(again)
     assert [b["index"].tolist() for b in rest] == [b["index"].tolist() for b in full[4:]]
-    for a, b in zip(rest, full[4:]):
+    for a, b in zip(rest, full[4:], strict=True):
         assert torch.equal(a["logits"], b["logits"]) and torch.equal(a["logits.offsets"], b["logits.offsets"])
 
 
@@ -176,7 +176,7 @@ def test_views_of_token_sequences_store_each_views_own_length(local_store):
     ds = local_store.dataset(v.ref, batch_size=16)
     for epoch in range(2):
         ds.set_epoch(epoch)
-        epochs.append({(int(i), int(w)) for b in ds for i, w in zip(b["index"], b["view"])})
+        epochs.append({(int(i), int(w)) for b in ds for i, w in zip(b["index"], b["view"], strict=True)})
     assert epochs[0] | epochs[1] == {(i, w) for i in range(N) for w in range(2)}
 
 
