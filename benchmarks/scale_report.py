@@ -104,10 +104,83 @@ def request_rate(b: dict) -> str:
         f"At 64 MiB one array folder reaches 5,500 GET/s only at ~{S3_PREFIX_GET_PER_S * 64 * 2**20 / 1e9:.0f} GB/s "
         "of aggregate reading (computed). A piece that needs only a few of a shard's inner chunks (at a "
         "consumer's edge) costs two ranged GETs (the index, then the chunks) instead of one whole-object GET, "
-        "which keeps a reader's memory at the chunks it needs; whole-shard pieces, the common case, stay one GET. "
-        "Not built: an option to spread one version's objects over several top-level prefixes (the keys are "
-        "Zarr's, so spreading would need a key-mapping store and would stop plain `zarr` from opening the "
-        "version); the arithmetic above says when it would matter.",
+        "which keeps a reader's memory at the chunks it needs; whole-shard pieces, the common case, stay one GET.",
+        "",
+        spread_section(),
+    ])
+
+
+SPREADS = (1, 4, 16)
+
+
+def spread_table(arrays: int = 3) -> str:
+    """GETs/s per spread prefix at the stated read rate, by shard size and prefix count (computed)."""
+    rate = AGGREGATE_GBPS * 1e9
+    lines = ["| shard size | N | GETs/s per spread prefix (3 arrays) | share of 5,500 | GETs/s per array folder "
+             "in a prefix | aggregate read rate at which one prefix reaches 5,500 GET/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for mib in (16, 64):
+        shard = mib * 2**20
+        for n in SPREADS:
+            per_prefix = arrays * rate / (shard * n)
+            lines.append(f"| {mib} MiB | {n} | {per_prefix:,.0f} | {per_prefix / S3_PREFIX_GET_PER_S:.1%} | "
+                         f"{per_prefix / arrays:,.0f} | {S3_PREFIX_GET_PER_S * shard * n / arrays / 1e9:,.0f} GB/s |")
+    return "\n".join(lines)
+
+
+def spread_section(arrays: int = 3) -> str:
+    rate = AGGREGATE_GBPS * 1e9
+    need = {mib: math.ceil(arrays * rate / (mib * 2**20 * S3_PREFIX_GET_PER_S)) for mib in (16, 64)}
+    return "\n".join([
+        "### Spreading a version over several prefixes",
+        "",
+        "`ComputeOptions(spread_prefixes=N)` (1 to 256; None or 1, the default, is the layout above) puts a "
+        "version's shard objects under N top-level prefixes of the store, "
+        "`<store>/_spread/<hh>/<name>/_versions/<id>/<array>/c/<shard>/0`, with `<hh>` two hex digits (`00` to "
+        "N-1). Shard `s` goes to prefix `(h(id, view) + s) mod N`: round robin from a hashed offset, so every "
+        "prefix holds the same number of the version's shards (within one), any run of consecutive shards "
+        "touches as many prefixes as it can, and versions start at different prefixes. All arrays of a shard "
+        "share its prefix. Metadata (`zarr.json`), receipts, records and the manifest stay in the version's "
+        "folder; the manifest's layout records `\"spread\": N` (a manifest without it, any version written "
+        "before, is 1).",
+        "",
+        "```python",
+        "store.compute(\"cnn-a/train\", model=model_a, dataset=train_set, outputs={\"features\": \"float16\"},",
+        "              options=featstore.ComputeOptions(spread_prefixes=16))",
+        "```",
+        "",
+        "Everything featstore does finds the objects where they are: the reader (whole-object and ranged GETs, "
+        "local memory maps), `version[a:b]`, `load()`, `verify()`, resume (receipts, and the check that a "
+        "finished shard's objects are still stored, by one listing per prefix), `delete` and `gc` (a version's "
+        "spread objects go with it; gc groups them with their version folder, so a committed version's are "
+        "never touched), views (`_spread/<hh>/.../_views/<v>/...`) and `extends` (a child keeps its parent's "
+        "spread and reads the parent's shards under the parent's prefixes; another `spread_prefixes` with "
+        "`extends` is an `InvalidInput`). The spread is not part of the fingerprint (the values are the "
+        "same): the first run of a version fixes it in its claim, and a resume with another value adopts it "
+        "(with a warning).",
+        "",
+        "Plain Zarr does not find spread shards at the version's URL (it would read fill values); open the "
+        "group through the mapping store instead:",
+        "",
+        "```python",
+        "group = zarr.open_group(version.zarr_store(), mode=\"r\")   # or version.view(v).zarr_store()",
+        "group[\"features\"][:10]",
+        "```",
+        "",
+        f"The arithmetic, computed, at the same {AGGREGATE_GBPS} GB/s ({arrays} arrays, one GET per array per "
+        "shard read; N = 1 is the table above):",
+        "",
+        spread_table(arrays),
+        "",
+        "In general: GETs/s per prefix = arrays x read rate / (shard bytes x N), so N = ceil(arrays x read "
+        "rate / (shard bytes x 5,500)) keeps every prefix under S3's budget, all its arrays counted against it "
+        "(not only each array folder's share), without waiting for S3 to split "
+        f"(at {AGGREGATE_GBPS} GB/s: {need[64]} at 64 MiB, {need[16]} at 16 MiB). S3 still has to partition "
+        "new prefixes under load (503 SlowDown, retried, until it has): what spreading buys is N evenly "
+        "loaded key ranges to split at, and, because the `_spread/<hh>/` prefixes are shared by every version "
+        "of the store, a new version lands on prefixes S3 already split for earlier ones, where a new version "
+        "folder starts cold. What it costs: a resume's and a commit's object check list N + 1 folders instead "
+        "of one (concurrently), and `delete` removes N + 1 folders.",
     ])
 
 

@@ -6,6 +6,11 @@
   zstd where zstd pays (:func:`choose_compression`). Missing chunks are never read as the fill
   value (:class:`StrictStore`), and an all-fill shard is still stored (``write_empty_chunks``).
 - **Keys.** Shard ``s`` of field ``f`` is the object ``f/c/<s>/0/...`` (:func:`chunk_key`).
+  With ``Layout.spread`` = N > 1 the shard objects (only they: metadata, receipts and the
+  manifest stay in the version's folder) lie under N top-level prefixes of the store,
+  ``_spread/<2 hex digits>/<version folder>/f/c/<s>/0``, so S3 can serve each prefix's request
+  budget separately. :func:`spread_key` is the one mapping; :class:`SpreadStore` shows Zarr the
+  version at its usual keys.
 - **Views.** A version with K augmented views holds view ``v`` in the group ``_views/<v>``
   (:func:`view_path`), laid out exactly like a version without views (same arrays, shards and
   keys under that prefix), so an epoch that reads one view reads a single-view version's bytes.
@@ -20,7 +25,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +36,7 @@ import zarr.storage
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from .errors import CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict
-from .manifest import ArraySpec, Layout, load_json
+from .manifest import MAX_SPREAD, ArraySpec, Layout, load_json
 
 ZSTD_LEVEL = 3
 COMPRESSIONS = ("auto", "zstd", "none")
@@ -103,6 +109,74 @@ def chunk_key(field: str, shard: int, ndim: int) -> str:
     'features/c/3/0'
     """
     return "/".join([field, "c", str(shard), *["0"] * ndim])
+
+
+#: The store-root folder holding spread shard objects ("_" never starts a feature-set name).
+SPREAD_FOLDER = "_spread"
+#: A shard object's key inside a version folder: ``[_views/<v>/]<field>/c/<shard>/0...``.
+_SHARD_OBJECT = re.compile(r"(?:_views/(?P<view>[0-9]+)/)?[A-Za-z][A-Za-z0-9_]*/c/(?P<shard>[0-9]+)(?:/[0-9]+)*")
+
+
+def spread_folder(prefix: int) -> str:
+    """The folder of spread prefix ``prefix`` (0 <= prefix < 256).
+
+    >>> spread_folder(11)
+    '_spread/0b'
+    """
+    if not 0 <= prefix < MAX_SPREAD:
+        raise ValueError(f"spread prefix {prefix} is out of range")
+    return f"{SPREAD_FOLDER}/{prefix:02x}"
+
+
+def spread_prefix(vid: str, view: int | None, shard: int, spread: int) -> int:
+    """Which of ``spread`` prefixes holds shard ``shard`` (of view ``view``) of version ``vid``.
+
+    Round robin from an offset hashed from (version id, view): every prefix gets the same number
+    of a version's shards (within one) and any run of consecutive shards touches as many
+    prefixes as it can, while different versions start at different prefixes. A hash per shard
+    would leave a 100-shard version on 16 prefixes with some holding twice the mean.
+
+    >>> [spread_prefix("0123456789abcdef", None, s, 4) for s in range(6)]
+    [3, 0, 1, 2, 3, 0]
+    """
+    offset = int.from_bytes(hashlib.sha256(f"{vid}/{view}".encode()).digest()[:8], "big")
+    return (offset + shard) % spread
+
+
+def spread_key(vkey: str, rel: str, spread: int) -> str:
+    """The store key of object ``rel`` (e.g. ``features/c/3/0``, ``_views/2/logits/zarr.json``)
+    of the version folder ``vkey``: the only place where spreading maps a key.
+
+    With ``spread`` <= 1, or for anything but a shard object, that is ``<vkey>/<rel>``; a shard
+    object of a spread version goes under its prefix's folder (:func:`spread_prefix`).
+
+    >>> spread_key("a/_versions/0123456789abcdef", "features/c/3/0", 1)
+    'a/_versions/0123456789abcdef/features/c/3/0'
+    >>> spread_key("a/_versions/0123456789abcdef", "features/c/3/0", 4)
+    '_spread/02/a/_versions/0123456789abcdef/features/c/3/0'
+    >>> spread_key("a/_versions/0123456789abcdef", "features/zarr.json", 4)
+    'a/_versions/0123456789abcdef/features/zarr.json'
+    """
+    key = f"{vkey}/{rel}" if rel else vkey
+    match = _SHARD_OBJECT.fullmatch(rel) if spread > 1 else None
+    if match is None:
+        return key
+    view = None if match["view"] is None else int(match["view"])
+    vid = vkey.rsplit("/", 1)[-1]
+    return f"{spread_folder(spread_prefix(vid, view, int(match['shard']), spread))}/{key}"
+
+
+def logical_key(key: str) -> str:
+    """The key an object has inside its version folder's tree, spread or not (the inverse of
+    :func:`spread_key`: listings group and compare objects by it).
+
+    >>> logical_key("_spread/0b/a/_versions/0123456789abcdef/features/c/3/0")
+    'a/_versions/0123456789abcdef/features/c/3/0'
+    >>> logical_key("a/_versions/0123456789abcdef/manifest.json")
+    'a/_versions/0123456789abcdef/manifest.json'
+    """
+    head, folder, rest = (key.split("/", 2) + ["", ""])[:3]
+    return rest if head == SPREAD_FOLDER and len(folder) == 2 and rest else key
 
 
 def view_path(view: int) -> str:
@@ -203,6 +277,118 @@ class StrictStore(zarr.storage.WrapperStore):
 
     def _with_store(self, store: Any) -> "StrictStore":
         return type(self)(store, self._where)
+
+
+class SpreadStore(zarr.storage.WrapperStore):
+    """The Zarr group at ``group`` (``""`` or ``_views/<v>``) of version folder ``vkey``, whose
+    shard objects are spread over ``spread`` prefixes, seen at its usual keys: ``store`` is
+    rooted at the store root and every key goes through :func:`spread_key`. Listings merge the
+    version's folder and every prefix's folder.
+
+    Plain Zarr reads a spread version through it (``Version.zarr_store()`` builds one):
+
+    >>> group = zarr.open_group(version.zarr_store(), mode="r")
+    >>> group["features"][:10]
+    """
+
+    def __init__(self, store: Any, vkey: str, spread: int, group: str = "") -> None:
+        super().__init__(store)
+        self._vkey, self._spread, self._group = vkey, spread, group
+
+    def _with_store(self, store: Any) -> "SpreadStore":
+        return type(self)(store, self._vkey, self._spread, self._group)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SpreadStore) and self._store == other._store
+                and (self._vkey, self._spread, self._group) == (other._vkey, other._spread, other._group))
+
+    def __repr__(self) -> str:
+        return f"SpreadStore({self._vkey!r}, spread={self._spread}, group={self._group!r})"
+
+    __str__ = __repr__
+
+    def _rel(self, key: str) -> str:
+        return "/".join(p for p in (self._group, key) if p)
+
+    def _key(self, key: str) -> str:
+        return spread_key(self._vkey, self._rel(key), self._spread)
+
+    def _homes(self, prefix: str) -> list[str]:
+        """Where objects under ``prefix`` may lie: the version's folder, then each prefix's."""
+        here = "/".join(p for p in (self._vkey, self._rel(prefix)) if p)
+        return [here, *(f"{spread_folder(b)}/{here}" for b in range(self._spread))]
+
+    def _back(self, key: str) -> str:
+        """A listed store key -> this group's key for it."""
+        inside = logical_key(key)[len(self._vkey) + 1:]
+        return inside[len(self._group) + 1:] if self._group else inside
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        return await self._store.get(self._key(key), prototype, byte_range)
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+        return await self._store.get_partial_values(prototype, [(self._key(k), r) for k, r in key_ranges])
+
+    async def _get_many(self, requests: Any) -> Any:
+        back = {}
+        mapped = []
+        for key, prototype, byte_range in requests:
+            back[self._key(key)] = key
+            mapped.append((self._key(key), prototype, byte_range))
+        async for key, buf in self._store._get_many(mapped):
+            yield back[key], buf
+
+    async def exists(self, key: str) -> bool:
+        return await self._store.exists(self._key(key))
+
+    async def getsize(self, key: str) -> int:
+        return await self._store.getsize(self._key(key))
+
+    async def set(self, key: str, value: Any) -> None:
+        await self._store.set(self._key(key), value)
+
+    async def set_if_not_exists(self, key: str, value: Any) -> None:
+        await self._store.set_if_not_exists(self._key(key), value)
+
+    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
+        await self._store._set_many([(self._key(k), v) for k, v in values])
+
+    async def delete(self, key: str) -> None:
+        await self._store.delete(self._key(key))
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for home in self._homes(prefix):
+            async for key in self._store.list_prefix(home):
+                yield self._back(key)
+
+    async def list(self) -> AsyncIterator[str]:
+        async for key in self.list_prefix(""):
+            yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        seen: set[str] = set()
+        for home in self._homes(prefix):
+            try:
+                async for name in self._store.list_dir(home):
+                    if name not in seen:
+                        seen.add(name)
+                        yield name
+            except FileNotFoundError:
+                continue
+
+    async def delete_dir(self, prefix: str) -> None:
+        for home in self._homes(prefix):
+            await self._store.delete_dir(home)
+
+    async def is_empty(self, prefix: str) -> bool:
+        for home in self._homes(prefix):
+            if not await self._store.is_empty(home):
+                return False
+        return True
+
+    async def clear(self) -> None:
+        # The wrapped store is the whole store root: clear only this group.
+        await self.delete_dir("")
 
 
 def open_array(store: zarr.abc.store.Store, field: str, spec: ArraySpec, layout: Layout, where: str,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -202,13 +202,52 @@ def _int(value: Any) -> int:
     return value
 
 
+#: Most prefixes a version's shard objects may be spread over (their folders are 2 hex digits).
+MAX_SPREAD = 256
+
+
+def check_spread(spread: Any) -> int:
+    """``spread`` as a prefix count (None: 1, every shard object in the version's folder).
+
+    >>> check_spread(None), check_spread(16)
+    (1, 16)
+    """
+    if spread is None:
+        return 1
+    if isinstance(spread, bool) or not isinstance(spread, int) or not 1 <= spread <= MAX_SPREAD:
+        raise ValueError(f"spread_prefixes must be an int from 1 to {MAX_SPREAD} (or None), got {spread!r}")
+    return spread
+
+
 @dataclass(frozen=True)
 class Layout:
-    """How axis 0 is cut: ``samples_per_shard`` rows per Zarr shard, ``chunk_rows`` per chunk."""
+    """How axis 0 is cut: ``samples_per_shard`` rows per Zarr shard, ``chunk_rows`` per chunk,
+    and over how many top-level prefixes the shard objects are ``spread`` (1: all of them in the
+    version's folder, the layout of every version written before spreading existed)."""
 
     n_samples: int
     samples_per_shard: int
     chunk_rows: int
+    spread: int = 1
+
+    def to_json(self) -> dict[str, int]:
+        """The stored form; ``spread`` only when above 1, so unspread manifests and claims keep
+        their bytes.
+
+        >>> Layout(100, 10, 10).to_json(), Layout(100, 10, 10, 4).to_json()["spread"]
+        ({'n_samples': 100, 'samples_per_shard': 10, 'chunk_rows': 10}, 4)
+        """
+        out = asdict(self)
+        if self.spread == 1:
+            del out["spread"]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Layout":
+        """Parse a stored layout (raises ``TypeError``/``KeyError``/``ValueError``); no
+        ``spread`` (written before it existed) is 1."""
+        return cls(*(_int(obj[k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")),
+                   check_spread(_int(obj.get("spread", 1))))
 
     @property
     def n_shards(self) -> int:
@@ -227,12 +266,12 @@ class Layout:
         shard`` rows per shard, one shard per sample shard).
 
         >>> Layout(10, 4, 2).of(ArraySpec("float16", "float16", (8,), "output", tokens=(64, 16)))
-        Layout(n_samples=192, samples_per_shard=64, chunk_rows=16)
+        Layout(n_samples=192, samples_per_shard=64, chunk_rows=16, spread=1)
         """
         if not spec.tokens:
             return self
         per_shard, chunk = spec.tokens
-        return Layout(self.n_shards * per_shard, per_shard, chunk)
+        return replace(self, n_samples=self.n_shards * per_shard, samples_per_shard=per_shard, chunk_rows=chunk)
 
 
 @dataclass(frozen=True)
@@ -308,6 +347,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         per_shard = ("shards", "records", "bases", "dataset_sample", "views")
         d = {k: v for k, v in asdict(self).items() if k not in per_shard}
+        d["layout"] = self.layout.to_json()
         d["arrays"] = {n: a.to_json() for n, a in self.arrays.items()}
         d["schema"], d["schema_version"] = SCHEMA, self.schema_version
         if self.shards is not None:
@@ -329,7 +369,7 @@ class Manifest:
         """
         check_schema(obj, SCHEMA, SCHEMA_VERSION, where)
         try:
-            layout = Layout(**{k: _int(obj["layout"][k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")})
+            layout = Layout.from_json(obj["layout"])
             arrays = {check_array_name(k): ArraySpec.from_json(k, v) for k, v in obj["arrays"].items()}
             m = cls(
                 id=check_version_id(obj["id"]), name=check_name(obj["name"]),
@@ -589,13 +629,13 @@ class Pending:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": PENDING_SCHEMA, "schema_version": OBJECT_VERSION,
-                "layout": asdict(self.layout), "arrays": self.arrays}
+                "layout": self.layout.to_json(), "arrays": self.arrays}
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> "Pending":
         check_schema(obj, PENDING_SCHEMA, OBJECT_VERSION, where, required=False)
         try:
-            layout = Layout(**{k: int(obj["layout"][k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")})
+            layout = Layout.from_json(obj["layout"])
             arrays = {str(k): dict(v) for k, v in obj["arrays"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete the "

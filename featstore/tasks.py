@@ -42,7 +42,7 @@ from .ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .transfer import HostBatch, Offloader, pin, to_device
-from .versions import read_receipts, version_key, view_key, write_receipt
+from .versions import group_store, object_key, read_receipts, version_key, view_key, write_receipt
 from .views import SEED_FIELD, ViewDataset, view_seeds
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
@@ -295,7 +295,7 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int, token0:
 
 def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
     try:
-        return open_for_write(spec.storage.zarr_store(spec.key, read_only=False), spec.arrays)
+        return open_for_write(group_store(spec.storage, spec.key, spec.layout.spread, read_only=False), spec.arrays)
     except FileNotFoundError:  # zarr's "array not found": the claim's arrays are gone
         pass
     # Raised outside the except block, without zarr's error as its context: that one does not
@@ -502,7 +502,8 @@ def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardRec
     found = read_receipts(spec.storage, spec.key, shards)
     return {i: r for i, r in found.items()
             if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)
-            and all(spec.storage.exists(f"{spec.key}/{chunk_key(a, i, len(s.shape))}") for a, s in spec.arrays.items())}
+            and all(spec.storage.exists(object_key(spec.key, chunk_key(a, i, len(s.shape)), spec.layout.spread))
+                    for a, s in spec.arrays.items())}
 
 
 class _WarmHeap:

@@ -12,6 +12,8 @@ Layout under the store root (``_``-prefixed folders can never collide with a nam
     <name>/_versions/<id>/_views/<v>/...            with views: view v's arrays and _receipts,
                                                     laid out like a version without views
     <name>/_tags/<tag>.json                         {"version": <id>}: the only mutable pointers
+    _spread/<hh>/<name>/_versions/<id>/<array>/c/<shard>/0...   with ``spread_prefixes=N``:
+                                                    the shard objects, over N prefixes <hh>
 
 A version id is the first 16 hex digits of its fingerprint, so the same inputs always land on
 the same id and a second commit of it is recognised, not duplicated. The lifecycle of a version
@@ -39,8 +41,9 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import (ChunkRef, ShardFormat, chunk_key, create_arrays, create_views_group, decode_shard_rows,
-                     open_array, shard_digest, shard_index, shard_index_bytes, view_path)
+from .format import (SPREAD_FOLDER, ChunkRef, ShardFormat, SpreadStore, chunk_key, create_arrays, create_views_group,
+                     decode_shard_rows, logical_key, open_array, shard_digest, shard_index, shard_index_bytes,
+                     spread_folder, spread_key, view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
                        ref_target, tag_json, tag_target)
@@ -93,6 +96,59 @@ def view_key(vkey: str, view: int | None) -> str:
     'cnn-a/train/_versions/0123456789abcdef/_views/2'
     """
     return vkey if view is None else f"{vkey}/{view_path(view)}"
+
+
+def split_version_key(key: str) -> tuple[str, str]:
+    """``(version folder, the rest)`` of a key inside a version folder.
+
+    >>> split_version_key("cnn-a/train/_versions/0123456789abcdef/_views/2")
+    ('cnn-a/train/_versions/0123456789abcdef', '_views/2')
+    """
+    name, _, rest = key.partition("/_versions/")
+    vid, _, inner = rest.partition("/")
+    return f"{name}/_versions/{vid}", inner
+
+
+def object_key(key: str, rel: str, spread: int) -> str:
+    """The store key of object ``rel`` of the group at ``key`` (a version folder or its view's
+    group), whose version spreads its shard objects over ``spread`` prefixes.
+
+    >>> object_key("a/_versions/0123456789abcdef/_views/1", "features/c/0/0", 1)
+    'a/_versions/0123456789abcdef/_views/1/features/c/0/0'
+    """
+    vkey, group = split_version_key(key)
+    return spread_key(vkey, "/".join(p for p in (group, rel) if p), spread)
+
+
+def group_store(storage: Storage, key: str, spread: int, *, read_only: bool) -> zarr.abc.store.Store:
+    """The Zarr store of the group at ``key`` (a version folder or its view's group): the folder
+    itself when ``spread`` is 1, else a :class:`SpreadStore` over the store root that finds the
+    shard objects under their prefixes."""
+    if spread <= 1:
+        return storage.zarr_store(key, read_only=read_only)
+    vkey, group = split_version_key(key)
+    return SpreadStore(storage.zarr_store("", read_only=read_only), vkey, spread, group)
+
+
+def spread_homes(key: str, spread: int) -> list[str]:
+    """The folders holding objects of the group at ``key``: its own, then one per prefix."""
+    return [key, *(f"{spread_folder(b)}/{key}" for b in range(spread if spread > 1 else 0))]
+
+
+def stored_objects(storage: Storage, key: str, spread: int) -> set[str]:
+    """Every object under ``key``, spread ones included, by :func:`logical_key` (one listing
+    per folder, run concurrently)."""
+    homes = spread_homes(key, spread)
+    if len(homes) == 1:
+        return set(storage.find(key))
+    with ThreadPoolExecutor(min(IO_THREADS, len(homes)), thread_name_prefix="featstore-meta") as pool:
+        return {logical_key(k) for found in pool.map(storage.find, homes) for k in found}
+
+
+def spread_roots(storage: Storage, vkey: str) -> list[str]:
+    """The folders under which version folder ``vkey``'s spread shard objects may lie, whatever
+    its spread (one listing of the prefixes): what delete removes with the version."""
+    return [f"{SPREAD_FOLDER}/{b}/{vkey}" for b in storage.list_dirs(SPREAD_FOLDER) if len(b) == 2]
 
 
 def receipt_key(vkey: str, index: int) -> str:
@@ -328,8 +384,27 @@ class Version:
 
     @property
     def url(self) -> str:
-        """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr."""
+        """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr,
+        unless its shard objects are spread over prefixes (``ComputeOptions.spread_prefixes``):
+        then use :meth:`zarr_store`."""
         return self.storage.child_url(self.key)
+
+    @property
+    def spread(self) -> int:
+        """How many prefixes the version's shard objects are spread over (1: its own folder)."""
+        return self.manifest.layout.spread
+
+    def zarr_store(self) -> zarr.abc.store.Store:
+        """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
+        which finds spread shard objects under their prefixes: plain Zarr reads any version
+        through it. An incremental version's inherited shards are not in it (read them through
+        featstore).
+
+        >>> group = zarr.open_group(version.zarr_store(), mode="r")
+        >>> group["features"][:10].shape
+        (10, 512)
+        """
+        return group_store(self.storage, self.data_key, self.spread, read_only=True)
 
     @property
     def data_key(self) -> str:
@@ -392,8 +467,9 @@ class Version:
 
     def object_key(self, field: str, shard: int) -> str:
         """The store key of the object holding shard ``shard`` of ``field`` (in a base's folder
-        for an incremental version's inherited shards)."""
-        return f"{self.shard_home(shard)}/{self.chunk_key(field, shard)}"
+        for an incremental version's inherited shards, which share its spread; under its
+        prefix's folder when the version is spread)."""
+        return object_key(self.shard_home(shard), self.chunk_key(field, shard), self.spread)
 
     def read_shard_rows(self, storage: Storage, field: str, fmt: ShardFormat, shard: int, lo: int, hi: int,
                         out: np.ndarray) -> None:
@@ -455,7 +531,7 @@ class Version:
                                    "version.view(v) or version[v, rows].")
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             self._arrays[(home, field)] = open_array(
-                self.storage.zarr_store(home, read_only=True), field, self.manifest.arrays[field],
+                group_store(self.storage, home, self.spread, read_only=True), field, self.manifest.arrays[field],
                 layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json"))
         return self._arrays[(home, field)]
 
@@ -862,6 +938,10 @@ class Catalog:
         if refs:
             log.info("keeping the data of %s: versions %s read shards from it", vkey, refs)
             return
+        # Spread shard objects first: interrupted here, the folder (with its _pending.json) is
+        # still there, and gc finds what is left by its logical keys either way.
+        for root in spread_roots(self.storage, vkey):
+            self.storage.delete(root, recursive=True)
         self.storage.delete(vkey, recursive=True)
 
     def gc(self, older_than: float = 3600.0, dry_run: bool = False) -> list[str]:
@@ -888,9 +968,9 @@ class Catalog:
         deleted: list[str] = []
         by_version: dict[str, dict[str, float]] = {}
         for key, mtime in listing.items():
-            if "/_versions/" in key:
-                name, rest = key.split("/_versions/", 1)
-                by_version.setdefault(f"{name}/_versions/{rest.split('/', 1)[0]}", {})[key] = mtime
+            if "/_versions/" in key:  # a spread shard object counts with its version's folder
+                vkey, _ = split_version_key(logical_key(key))
+                by_version.setdefault(vkey, {})[key] = mtime
             elif key.endswith(".partial") and now - mtime > older_than:
                 deleted.append(key)
         if not dry_run:
@@ -958,10 +1038,11 @@ class Catalog:
                    for n, a in arrays.items()}
         if claimed.layout != layout:
             log.warning(
-                "%s: another run fixed the layout (%d samples per shard); using it instead of %d",
-                key, claimed.layout.samples_per_shard, layout.samples_per_shard)
+                "%s: another run fixed the layout (%d samples per shard, %d prefixes); using it instead of "
+                "(%d, %d)", key, claimed.layout.samples_per_shard, claimed.layout.spread,
+                layout.samples_per_shard, layout.spread)
         if views is not None:
-            create_views_group(self.storage.zarr_store(key, read_only=False))
+            create_views_group(group_store(self.storage, key, claimed.layout.spread, read_only=False))
             units = {(v, i) for v in range(views) for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
             return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
         self._reference(name, vid, bases)
@@ -975,9 +1056,10 @@ class Catalog:
         A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
         it is removed, so no task or commit of this run trusts it.
         """
-        create_arrays(self.storage.zarr_store(key, read_only=False), layout, arrays, self.storage.child_url(key))
+        create_arrays(group_store(self.storage, key, layout.spread, read_only=False), layout, arrays,
+                      self.storage.child_url(key))
         done = {i for i in finished_shards(self.storage, key) if i < layout.n_shards}
-        holes = _shards_with_holes(key, arrays, done, set(self.storage.find(key)))
+        holes = _shards_with_holes(key, arrays, done, stored_objects(self.storage, key, layout.spread))
         forget_receipts(self.storage, key, holes)
         return done - holes
 
@@ -1045,7 +1127,8 @@ class Catalog:
         recomputes exactly those.
         """
         key = version_key(manifest.name, manifest.id)
-        self.storage.sync(key)  # the data must be durable before the commit makes it visible
+        for home in spread_homes(key, manifest.layout.spread):
+            self.storage.sync(home)  # the data must be durable before the commit makes it visible
         for b in manifest.bases:  # deleted during the compute: the marker kept the data, but say so
             if not self.storage.exists(f"{version_key(b.name, b.id)}/{PENDING}"):
                 raise VersionNotFound(f"{b.name}@{b.id}, which this version extends, is gone; "
@@ -1074,7 +1157,7 @@ class Catalog:
         """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage (every
         view's, with views)."""
         vkey = version_key(manifest.name, manifest.id)
-        have = set(self.storage.find(vkey))
+        have = stored_objects(self.storage, vkey, manifest.layout.spread)
         views: list[int | None] = [None] if manifest.views is None else list(range(manifest.views.count))
         for view in views:
             self._check_group(manifest, view_key(vkey, view), have)

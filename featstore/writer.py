@@ -30,7 +30,7 @@ from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, O
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
 from .incremental import Growth, plan_growth
-from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec
+from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
 from .monitor import RunState
 from .names import check_field, check_name
 from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
@@ -94,6 +94,14 @@ class ComputeOptions:
             an attention mask; None: ``torch.utils.data.default_collate``. Part of the
             fingerprint (by source). A's outputs must still have one per-sample shape, so pad to
             a fixed length, or store them per token with ``compute(..., tokens=Tokens(...))``.
+        spread_prefixes: spread the version's shard objects over this many top-level prefixes
+            of the store (1 to 256), ``<store>/_spread/<hh>/<version folder>/<array>/c/<shard>/0``,
+            so that S3, which serves about 5,500 GET/s per partitioned prefix, can serve N times
+            that for one version (docs/scale.md, "Requests per S3 prefix"). Metadata, receipts
+            and the manifest stay in the version's folder. None or 1: every object in the
+            version's folder, as before. Not part of the fingerprint (the values are the same):
+            the first run of a version fixes it and a resume adopts it, and ``extends=`` keeps
+            the parent's. Plain Zarr then opens the version through ``version.zarr_store()``.
     """
 
     dataset_id: str | None = None
@@ -109,9 +117,15 @@ class ComputeOptions:
     tune_allocator: bool = True
     shards_per_task: int | None = 1
     collate: Callable[[list[Any]], Any] | None = None
+    spread_prefixes: int | None = None
 
     def __post_init__(self) -> None:
         check_compression(self.compression)
+        try:
+            check_spread(self.spread_prefixes)
+        except ValueError as exc:
+            raise InvalidInput(f"{exc}; pick the number of prefixes your read rate needs (docs/scale.md, "
+                               "'Requests per S3 prefix'), or leave it out for one.") from None
         if self.shards_per_task is not None and (not isinstance(self.shards_per_task, int)
                                                  or self.shards_per_task < 1):
             raise InvalidInput(f"shards_per_task must be a positive int or None, got {self.shards_per_task!r}.")
@@ -397,6 +411,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             raise InvalidInput(f"extends={parent.ref!r} keeps the parent's {spp} samples per shard; "
                                f"leave samples_per_shard out (got {samples_per_shard}).")
         samples_per_shard = spp
+        _check_parent_spread(parent, options)
     req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
                     views, augment, augment_seed, tokens)
     parts = _fingerprint_parts(req, model, dataset, options)
@@ -426,6 +441,15 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         views=views_spec(req),
     )
     return catalog.commit(manifest)
+
+
+def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
+    """A child reads its parent's shards where the parent's spread put them, with its own
+    spread: so it keeps the parent's (leave ``spread_prefixes`` out, or give the same)."""
+    spread = parent.manifest.layout.spread
+    if options.spread_prefixes not in (None, spread):
+        raise InvalidInput(f"extends={parent.ref!r} keeps the parent's spread over {spread} prefixes; leave "
+                           f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
 
 
 def _check_views_extends(parent: Version | None, views: int | None) -> None:
@@ -530,7 +554,8 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
     per_sample_bytes = [max(1, round(b * per_sample)) if n in ragged else b for n, b in row_bytes.items()]
     target = options.target_shard_bytes or default_shard_bytes(catalog.storage.is_local)
     chunk_rows = growth.layout.chunk_rows if growth is not None else options.chunk_rows
-    layout = choose_layout(req.n, per_sample_bytes, req.samples_per_shard, chunk_rows, target)
+    spread = growth.layout.spread if growth is not None else check_spread(options.spread_prefixes)
+    layout = replace(choose_layout(req.n, per_sample_bytes, req.samples_per_shard, chunk_rows, target), spread=spread)
     if req.tokens is not None:
         arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, req.tokens.max_tokens, row_bytes[n]))
                   if n in ragged else a for n, a in arrays.items()}
