@@ -159,8 +159,9 @@ def spread_section(arrays: int = 3) -> str:
         "same): the first run of a version fixes it in its claim, and a resume with another value adopts it "
         "(with a warning).",
         "",
-        "Plain Zarr does not find spread shards at the version's URL (it would read fill values); open the "
-        "group through the mapping store instead:",
+        "Plain Zarr does not find spread shards at the version's URL: there the arrays declare the chunk key "
+        "encoding `featstore.mapped`, so Zarr refuses to open them (\"Unknown chunk key encoding\") instead of "
+        "reading the missing shards as zeros. Open the group through the mapping store instead:",
         "",
         "```python",
         "group = zarr.open_group(version.zarr_store(), mode=\"r\")   # or version.view(v).zarr_store()",

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
@@ -164,6 +165,79 @@ def spread_key(vkey: str, rel: str, spread: int) -> str:
     view = None if match["view"] is None else int(match["view"])
     vid = vkey.rsplit("/", 1)[-1]
     return f"{spread_folder(spread_prefix(vid, view, int(match['shard']), spread))}/{key}"
+
+
+#: The chunk key encoding declared on disk by the arrays of a version whose shards do not all
+#: lie in its own folder (spread over prefixes, or inherited from a parent with ``extends``): no
+#: Zarr reader knows it, so plain Zarr opening the folder fails loudly ("Unknown chunk key
+#: encoding") instead of reading the shards it cannot find as fill values (zeros). featstore
+#: reads through :class:`MetadataStore`, which shows Zarr the default encoding.
+MAPPED_ENCODING = "featstore.mapped"
+
+
+def mark_metadata(raw: bytes, why: str | None) -> bytes:
+    """An array's ``zarr.json`` as stored for a version whose shards lie elsewhere (``why``
+    says where), or, with ``why=None``, as Zarr must see it; anything else passes unchanged.
+
+    >>> import json
+    >>> meta = b'{"node_type": "array", "chunk_key_encoding": {"name": "default"}}'
+    >>> json.loads(mark_metadata(meta, "spread"))["chunk_key_encoding"]["name"]
+    'featstore.mapped'
+    >>> mark_metadata(mark_metadata(meta, "spread"), None) == meta
+    True
+    """
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return raw  # not JSON: Zarr reports the damage itself
+    enc = meta.get("chunk_key_encoding") if isinstance(meta, dict) and meta.get("node_type") == "array" else None
+    if not isinstance(enc, dict):
+        return raw
+    if why is not None and enc.get("name") == "default":
+        meta["chunk_key_encoding"] = {"name": MAPPED_ENCODING, "configuration": {
+            "encoding": enc, "why": why,
+            "read_with": "featstore: featstore.open_store(url).open(ref) (or its .zarr_store() for plain Zarr)"}}
+    elif why is None and enc.get("name") == MAPPED_ENCODING:
+        meta["chunk_key_encoding"] = (enc.get("configuration") or {}).get("encoding", {"name": "default"})
+    else:
+        return raw
+    return json.dumps(meta).encode()
+
+
+class MetadataStore(zarr.storage.WrapperStore):
+    """A version folder's Zarr store as featstore reads and writes it: array metadata marked
+    (:func:`mark_metadata`) is shown to Zarr unmarked, and, with ``mark``, every array metadata
+    written is marked (a version whose shards lie elsewhere)."""
+
+    def __init__(self, store: Any, mark: str | None = None) -> None:
+        super().__init__(store)
+        self._mark = mark
+
+    def _with_store(self, store: Any) -> "MetadataStore":
+        return type(self)(store, self._mark)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MetadataStore) and self._store == other._store and self._mark == other._mark
+
+    def _stored(self, key: str, value: Any) -> Any:
+        if self._mark is None or not key.endswith("zarr.json"):
+            return value
+        return type(value).from_bytes(mark_metadata(value.to_bytes(), self._mark))
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        buf = await self._store.get(key, prototype, byte_range)
+        if buf is not None and byte_range is None and key.endswith("zarr.json"):
+            return type(buf).from_bytes(mark_metadata(buf.to_bytes(), None))
+        return buf
+
+    async def set(self, key: str, value: Any) -> None:
+        await self._store.set(key, self._stored(key, value))
+
+    async def set_if_not_exists(self, key: str, value: Any) -> None:
+        await self._store.set_if_not_exists(key, self._stored(key, value))
+
+    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
+        await self._store._set_many([(k, self._stored(k, v)) for k, v in values])
 
 
 def logical_key(key: str) -> str:

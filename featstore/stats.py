@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codecs import Codec
+from .codecs import Codec, finite_rows
 from .partcodecs import finalize_error, merge_error
 
 #: Sample ids with NaN/Inf recorded per output.
@@ -30,7 +30,7 @@ def value_stats(values: torch.Tensor, all_finite: bool | None = None) -> dict[st
     """
     x = values.detach().to("cpu")
     if all_finite is None:
-        all_finite = x.is_floating_point() and bool(torch.isfinite(x).all())
+        all_finite = x.is_floating_point() and bool(finite_rows(x).all())
     if x.is_floating_point() and x.numel() and all_finite:
         # Fast path (the usual batch): no NaN/Inf, so no float64 copy and no masked copy; min
         # and max are exact in the native dtype and the sum is accumulated in float64.
@@ -57,7 +57,7 @@ def max_abs_error(codec: Codec, stored: np.ndarray, values: torch.Tensor) -> flo
     """Largest |decoded - original| over the finite values: the error a lossy codec introduced."""
     x = values.detach().to("cpu")
     dec = codec.decode(stored)
-    if x.dtype == torch.float32 and bool(torch.isfinite(x).all()):
+    if x.dtype == torch.float32 and bool(finite_rows(x).all()):
         # float16/bfloat16 -> float32 is exact and the difference of two float32 values close
         # to each other is exact too (Sterbenz), so float32 gives the float64 answer here.
         return float((dec.to(torch.float32) - x).abs().max()) if x.numel() else 0.0

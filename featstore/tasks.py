@@ -32,7 +32,7 @@ import zarr
 
 from .events import batch_done, shard_started, shard_written
 from .allocator import tuned as tuned_allocator
-from .codecs import codec_by_name, keep_codec, output_codec
+from .codecs import codec_by_name, finite_rows, keep_codec, output_codec
 from .devices import task_device
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
 from .format import chunk_key, open_for_write, shard_digest, zstd_saving
@@ -275,7 +275,7 @@ def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int, token0:
         bad_rows: list[int] = []
         all_finite = None
         if want.source == "output":  # one finiteness pass serves the check and the statistics
-            bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
+            bad = ~finite_rows(t)
             all_finite = not bool(bad.any())
             bad_rows = [] if all_finite else (torch.nonzero(bad).reshape(-1) + start).tolist()
             if bad_rows and not spec.allow_nonfinite:

@@ -41,9 +41,9 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import (SPREAD_FOLDER, ChunkRef, ShardFormat, SpreadStore, chunk_key, create_arrays, create_views_group,
-                     decode_shard_rows, logical_key, open_array, shard_digest, shard_index, shard_index_bytes,
-                     spread_folder, spread_key, view_path)
+from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, SpreadStore, chunk_key, create_arrays,
+                     create_views_group, decode_shard_rows, logical_key, open_array, shard_digest, shard_index,
+                     shard_index_bytes, spread_folder, spread_key, view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
                        ref_target, tag_json, tag_target)
@@ -120,14 +120,21 @@ def object_key(key: str, rel: str, spread: int) -> str:
     return spread_key(vkey, "/".join(p for p in (group, rel) if p), spread)
 
 
-def group_store(storage: Storage, key: str, spread: int, *, read_only: bool) -> zarr.abc.store.Store:
+def group_store(storage: Storage, key: str, spread: int, *, read_only: bool,
+                inherits: bool = False) -> zarr.abc.store.Store:
     """The Zarr store of the group at ``key`` (a version folder or its view's group): the folder
     itself when ``spread`` is 1, else a :class:`SpreadStore` over the store root that finds the
-    shard objects under their prefixes."""
+    shard objects under their prefixes; seen through a :class:`MetadataStore`, which marks the
+    array metadata it writes where some shards lie elsewhere (spread, or ``inherits`` from a
+    parent), so plain Zarr on the folder fails loudly instead of reading those as zeros."""
     if spread <= 1:
-        return storage.zarr_store(key, read_only=read_only)
-    vkey, group = split_version_key(key)
-    return SpreadStore(storage.zarr_store("", read_only=read_only), vkey, spread, group)
+        inner = storage.zarr_store(key, read_only=read_only)
+    else:
+        vkey, group = split_version_key(key)
+        inner = SpreadStore(storage.zarr_store("", read_only=read_only), vkey, spread, group)
+    why = ("shards spread over prefixes" if spread > 1 else None) or (
+        "inherits shards from a parent version (extends=)" if inherits else None)
+    return MetadataStore(inner, why)
 
 
 def spread_homes(key: str, spread: int) -> list[str]:
@@ -396,14 +403,19 @@ class Version:
 
     def zarr_store(self) -> zarr.abc.store.Store:
         """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
-        which finds spread shard objects under their prefixes: plain Zarr reads any version
-        through it. An incremental version's inherited shards are not in it (read them through
-        featstore).
+        which finds spread shard objects under their prefixes: plain Zarr reads a version
+        through it. Not for an incremental version (``extends=``), whose inherited shards lie in
+        its parents' folders: that raises :class:`InvalidInput` (read it with featstore, or
+        ``load()`` it), rather than give a store in which they would read as zeros.
 
         >>> group = zarr.open_group(version.zarr_store(), mode="r")
         >>> group["features"][:10].shape
         (10, 512)
         """
+        if self.manifest.bases:
+            raise InvalidInput(f"{self.ref} extends {self.manifest.bases[0].name}@{self.manifest.bases[0].id}: "
+                               "its first shards lie in that version's folder, so no single Zarr group holds it. "
+                               "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
         return group_store(self.storage, self.data_key, self.spread, read_only=True)
 
     @property
@@ -1047,17 +1059,17 @@ class Catalog:
             return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
         self._reference(name, vid, bases)
         inherited = set(range(bases[-1].stop if bases else 0))
-        done = self._prepare(key, claimed.layout, adopted)
+        done = self._prepare(key, claimed.layout, adopted, inherits=bool(bases))
         return Claim(claimed.layout, adopted, frozenset(done | inherited))
 
-    def _prepare(self, key: str, layout: Layout, arrays: Mapping[str, ArraySpec]) -> set[int]:
+    def _prepare(self, key: str, layout: Layout, arrays: Mapping[str, ArraySpec], inherits: bool = False) -> set[int]:
         """Create (or check) the arrays of the group at ``key``; return its finished shards.
 
         A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
         it is removed, so no task or commit of this run trusts it.
         """
-        create_arrays(group_store(self.storage, key, layout.spread, read_only=False), layout, arrays,
-                      self.storage.child_url(key))
+        create_arrays(group_store(self.storage, key, layout.spread, read_only=False, inherits=inherits),
+                      layout, arrays, self.storage.child_url(key))
         done = {i for i in finished_shards(self.storage, key) if i < layout.n_shards}
         holes = _shards_with_holes(key, arrays, done, stored_objects(self.storage, key, layout.spread))
         forget_receipts(self.storage, key, holes)

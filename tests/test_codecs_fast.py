@@ -135,3 +135,23 @@ def test_auto_compression_keeps_zstd_only_where_it_pays():
         ["none", "none", "zstd"]
     with pytest.raises(InvalidInput, match="compression must be one of"):
         F.choose_compression("lz4", 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_finite_rows_matches_the_elementwise_check(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(50, 7, 3, generator=g) * 10).to(dtype)
+    flat = x.reshape(50, -1)
+    for kind in (float("nan"), float("inf"), -float("inf")):
+        rows = torch.randint(0, 50, (3,), generator=g)
+        flat[rows, torch.randint(0, 21, (3,), generator=g)] = kind
+    flat[7] = torch.finfo(dtype).max  # finite values whose sum overflows: still a finite row
+    want = torch.isfinite(x).reshape(50, -1).all(dim=1)
+    assert torch.equal(C.finite_rows(x), want)
+
+
+def test_finite_rows_of_empty_scalar_and_integer_tensors():
+    assert C.finite_rows(torch.zeros(0, 4)).tolist() == []
+    assert C.finite_rows(torch.tensor(float("nan"))).tolist() == [False]
+    assert C.finite_rows(torch.arange(3)).tolist() == [True, True, True]

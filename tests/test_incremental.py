@@ -74,6 +74,25 @@ def test_deleting_or_gcing_the_parent_never_breaks_the_child(store, dask_client)
     assert objects_under(store, "grow/set/_versions") == []
 
 
+def test_plain_zarr_never_reads_a_childs_inherited_shards_as_zeros(local_store, dask_client):
+    import zarr
+
+    from featstore import InvalidInput
+
+    parent = run(local_store, 100, dask_client)
+    child = run(local_store, 170, dask_client, extends=parent.ref)
+    # the parent is a whole Zarr group; the child's folder lacks the inherited shards, so its
+    # arrays declare a chunk key encoding plain Zarr refuses, instead of reading those as zeros
+    plain = zarr.open_group(parent.storage.zarr_store(parent.key, read_only=True), mode="r")
+    np.testing.assert_array_equal(plain["features"][:], parent.read_rows("features", 0, 100))
+    folder = zarr.open_group(child.storage.zarr_store(child.key, read_only=True), mode="r")
+    with pytest.raises(ValueError, match="chunk key encoding"):
+        folder["features"][:]
+    with pytest.raises(InvalidInput, match="extends"):
+        child.zarr_store()
+    torch.testing.assert_close(child[:100]["features"], parent[:]["features"], rtol=0, atol=0)
+
+
 def test_deleting_the_child_keeps_a_committed_parent_whole(local_store, dask_client):
     parent = run(local_store, 96, dask_client)
     child = run(local_store, 130, dask_client, extends=parent.ref)

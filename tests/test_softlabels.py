@@ -90,6 +90,20 @@ def test_topk_keeps_the_k_largest_log_probs_at_the_temperature():
     assert error["kl_max"] == pytest.approx(float(want_kl.max()), rel=1e-3)
 
 
+def test_kl_is_recorded_over_the_first_kl_rows_of_a_large_batch():
+    from featstore.partcodecs import KL_ROWS, finalize_error
+
+    x = _logits(KL_ROWS + 300, 50)
+    batch, _, error = _batch("topk:5", x)
+    logp = torch.log_softmax(x, -1)[:KL_ROWS]
+    dense = kd.densify({k: v[:KL_ROWS] for k, v in batch.items()}, "logits", 50)
+    want_kl = (logp.exp() * (logp - dense.log())).sum(-1)
+    assert error["kl_rows"] == KL_ROWS and error["rows"] == KL_ROWS + 300
+    final = finalize_error(error)
+    assert final["kl_mean"] == pytest.approx(float(want_kl.mean()), rel=1e-3)
+    assert final["mass_mean"] == pytest.approx(error["mass_sum"] / (KL_ROWS + 300))
+
+
 def test_topp_keeps_the_smallest_set_reaching_p_between_min_k_and_cap():
     x = _logits(200, 100, scale=torch.linspace(0.5, 8, 200)[:, None])
     batch, _, error = _batch("topp:0.8:3:40", x)

@@ -91,6 +91,14 @@ def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store
     group = zarr.open_group(v.zarr_store(), mode="r")  # plain Zarr, through the mapping store
     np.testing.assert_array_equal(group["logits"][:], plain.read_rows("logits", 0, N))
     assert sorted(group.array_keys()) == ["features", "logits", "target"]
+    # Zarr opening the version's folder itself never reads the shards as fill values (zeros):
+    # the arrays declare a chunk key encoding only featstore's mapping store understands
+    folder = zarr.open_group(v.storage.zarr_store(v.key, read_only=True), mode="r")
+    with pytest.raises(ValueError, match="chunk key encoding"):
+        folder["logits"][:]
+    meta = store.storage.read_json(f"{v.key}/logits/zarr.json")
+    assert meta["chunk_key_encoding"]["name"] == "featstore.mapped"
+    assert plain.storage.read_json(f"{plain.key}/logits/zarr.json")["chunk_key_encoding"]["name"] == "default"
 
 
 def test_a_flipped_byte_in_a_spread_shard_is_detected(store):
