@@ -83,7 +83,7 @@ def test_only_real_tokens_are_stored_and_plain_zarr_reads_them(local_store):
         assert start[a] == s * per_shard
 
 
-@pytest.mark.parametrize("codec", ["float16", "topk:8", "sample:16", "int8"])
+@pytest.mark.parametrize("codec", ["float16", "topk:8", "topp:0.9:2:16", "sample:16", "int8"])
 def test_random_access_and_load_match_the_teachers_tokens(store, codec):
     v = _compute(store, codec)
     rows = [3, 20, 59, 21]
@@ -96,6 +96,9 @@ def test_random_access_and_load_match_the_teachers_tokens(store, codec):
         top = torch.log_softmax(flat, -1).topk(8)
         assert torch.equal(got["logits.ids"], top.indices)
         torch.testing.assert_close(got["logits.values"].float(), top.values, atol=0.01, rtol=0.01)
+    elif codec.startswith("topp"):  # the most likely class first, then at least MIN_K kept per token
+        assert torch.equal(got["logits.ids"][:, 0], flat.argmax(-1))
+        assert ((got["logits.ids"] >= 0).sum(-1) >= 2).all()
     else:  # every drawn id is one of the teacher's classes, with counts summing to S per token
         assert got["logits.counts"].sum(-1).tolist() == [16] * len(flat)
     one = v[20]
