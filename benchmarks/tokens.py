@@ -175,9 +175,10 @@ def section(res: dict[str, Any]) -> str:
               "crc32c, the write, and the fixed start-up spread over the tokens) is the difference: "
               + ", ".join(f"`{c}` {us:.0f} µs" for c, us in per_token.items())
               + ". A real language model's forward (hundreds of millions of parameters: milliseconds per token on "
-              "a CPU) dwarfs it; on a GPU, where A's forward per token is far cheaper, these host-side passes over "
-              "the vocabulary would bound a worker's throughput (moving the sparse codecs' top-k/sampling onto the "
-              "device, before the copy to the host, is the next step; not built).", "",
+              "a CPU) dwarfs it. On a GPU, where A's forward per token is far cheaper, the sparse codecs' passes "
+              "over the vocabulary run on the device before the copy to the host (`tasks.device_stage`), so the "
+              "host handles K entries per token; that path is tested on the CPU (same stored bytes as the host "
+              "path) but not yet measured on a GPU.", "",
               f"Stored padded to {p['max_len']} tokens, dense fp16 would take "
               f"{res['padded_fp16_bytes'] / 1e6:,.0f} MB ({res['padded_fp16_bytes'] / dense['bytes']:.2f}x the "
               "ragged dense fp16 row). Bytes are the version's objects on disk (chunks with crc32c, shard "

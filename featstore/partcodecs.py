@@ -136,16 +136,20 @@ class PartsCodec:
         """Encode one batch (samples ``first_sample, ...``): the stored parts (by part name) and
         the codec's error statistics (merge with :func:`merge_error`)."""
         x = values.detach().to("cpu", torch.float32)
-        bad = ~finite_rows(x)
-        if bool(bad.any()):
-            rows = (torch.nonzero(bad).reshape(-1) + first_sample).tolist()
-            raise NonFiniteOutput(
-                f"Model A produced NaN/Inf in {output!r} for {len(rows)} samples (first: {rows[:10]}); "
-                f"{self.name} cannot rank or quantise them (allow_nonfinite does not apply). Fix the "
-                "model or data, or store this output as 'float32'.")
+        _check_finite(self, finite_rows(x), first_sample, output)
         if not self.sparse:
             return _encode_int8(x)
-        specs = {s.part: s for s in self.parts(tuple(x.shape[1:]), output)}
+        return self.finish(self.encode_tensors(x, first_sample, output), first_sample, output)
+
+    def encode_tensors(self, values: torch.Tensor, first_sample: int,
+                       output: str = "output") -> dict[str, torch.Tensor]:
+        """The heavy half of a sparse codec's :meth:`encode`, on ``values``' device (a GPU runs
+        it before the copy to the host, which then moves K entries per row, not every class):
+        the parts as tensors (ids int64, -1 unused; float16 log-probs; counts) and per-row
+        diagnostics (:data:`DIAGNOSTICS`), which :meth:`finish` turns into stored arrays and
+        statistics on the host."""
+        x = values.detach().to(dtype=torch.float32)
+        self.parts(tuple(x.shape[1:]), output)  # K larger than the class count: InvalidInput here
         classes = x.shape[-1]
         rows = x.reshape(-1, classes)
         logp = torch.log_softmax(rows / self.temperature, dim=-1)
@@ -160,13 +164,25 @@ class PartsCodec:
             row_ids = np.arange(first_sample * per, (first_sample + x.shape[0]) * per, dtype=np.int64)
             ids, counts = _sample(logp, self.k, row_ids)
             vals = torch.where(ids >= 0, torch.gather(logp, 1, ids.clamp(min=0)), -math.inf)
-        error = _sparse_error(logp, ids, vals, counts, self.rule)
         lead = (x.shape[0], *x.shape[1:-1], self.k)
-        out = {"ids": _store_ids(ids, specs["ids"].dtype).reshape(lead),
-               "values": _fp16_logp(vals, ids).numpy().reshape(lead)}
+        out = {"ids": ids.reshape(lead), "values": _fp16_logp(vals, ids).reshape(lead), "finite": finite_rows(x),
+               "classes": torch.tensor(classes), **_sparse_diagnostics(logp, ids, vals, self.rule)}
         if counts is not None:
-            out["counts"] = counts.numpy().astype(specs["counts"].dtype).reshape(lead)
-        return out, error
+            out["counts"] = counts.reshape(lead)
+        return out
+
+    def finish(self, tensors: Mapping[str, torch.Tensor], first_sample: int,
+               output: str = "output") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The host half of :meth:`encode`: :meth:`encode_tensors`' tensors (on any device) as
+        the stored parts and the codec's error statistics; raises :class:`NonFiniteOutput`."""
+        t = {k: v.cpu() for k, v in tensors.items()}
+        _check_finite(self, t["finite"], first_sample, output)
+        lead = tuple(t["ids"].shape)
+        specs = {s.part: s for s in self.parts((*lead[1:-1], int(t["classes"])), output)}
+        out = {"ids": _store_ids(t["ids"], specs["ids"].dtype), "values": t["values"].numpy()}
+        if "counts" in t:
+            out["counts"] = t["counts"].numpy().astype(specs["counts"].dtype)
+        return out, _sparse_error(t, self.rule)
 
     # -- decode ---------------------------------------------------------------------------
     def decode_part(self, part: str, stored: np.ndarray) -> torch.Tensor:
@@ -217,7 +233,7 @@ def _top_p(logp: torch.Tensor, p: float, min_k: int, cap: int) -> tuple[torch.Te
 def _sample(logp: torch.Tensor, s: int, row_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """``s`` draws per row from ``exp(logp)``, seeded by each row's global id: unique ids (sorted,
     padded with -1) and their counts."""
-    u = torch.from_numpy(_uniforms(row_ids, s))
+    u = torch.from_numpy(_uniforms(row_ids, s)).to(logp.device)
     cdf = torch.cumsum(logp.double().exp(), dim=-1)
     cdf = cdf / cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u, right=True).clamp(max=logp.shape[-1] - 1)
@@ -253,24 +269,48 @@ def _encode_int8(x: torch.Tensor) -> tuple[dict[str, np.ndarray], dict[str, Any]
     return {"": q.reshape(x.shape).numpy(), "scale": scale.numpy()}, stats
 
 
-def _sparse_error(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, counts: torch.Tensor | None,
-                  rule: str) -> dict[str, Any]:
-    """Per-batch error statistics: mass kept, entries kept, KL(teacher || reconstruction)."""
+def _check_finite(codec: "PartsCodec", finite: torch.Tensor, first_sample: int, output: str) -> None:
+    bad = ~finite
+    if bool(bad.any()):
+        rows = (torch.nonzero(bad).reshape(-1) + first_sample).tolist()
+        raise NonFiniteOutput(
+            f"Model A produced NaN/Inf in {output!r} for {len(rows)} samples (first: {rows[:10]}); "
+            f"{codec.name} cannot rank or quantise them (allow_nonfinite does not apply). Fix the "
+            "model or data, or store this output as 'float32'.")
+
+
+#: The per-row diagnostics a sparse codec's device half hands its host half (besides the parts).
+DIAGNOSTICS = ("finite", "classes", "mass", "kept", "stored_mass", "kl")
+
+
+def _sparse_diagnostics(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor,
+                        rule: str) -> dict[str, torch.Tensor]:
+    """Per row: the teacher mass kept, the entries kept, the stored (float16) mass kept, and for
+    top-k/top-p the KL of the reconstruction to the teacher on the first :data:`KL_ROWS` rows."""
     kept = ids >= 0
     stored = _fp16_logp(vals, ids).float()
-    p_kept = stored.exp()
-    mass = torch.exp(torch.gather(logp, 1, ids.clamp(min=0))).masked_fill(~kept, 0).sum(dim=-1)
-    n_kept = kept.sum(dim=-1)
-    hist = np.histogram(mass.numpy(), bins=HIST_BINS, range=(0.0, 1.0))[0]
-    out = {"rows": int(len(mass)), "mass_min": float(mass.min()), "mass_sum": float(mass.sum()),
-           "mass_hist": hist.tolist(), "kept_sum": int(n_kept.sum()), "kept_max": int(n_kept.max()),
-           "stored_mass_sum": float(p_kept.sum())}
+    out = {"mass": torch.exp(torch.gather(logp, 1, ids.clamp(min=0))).masked_fill(~kept, 0).sum(dim=-1),
+           "kept": kept.sum(dim=-1), "stored_mass": stored.exp().sum(dim=-1)}
     if rule != "counts":  # a sample's rows are unbiased on average, not close one by one: no per-row KL
         # on the first KL_ROWS rows of each batch: the KL needs two more passes over every class
         # of a row, which for a language model's per-token rows would cost more than the codec
         n = min(len(logp), KL_ROWS)
-        kl = _uniform_tail_kl(logp[:n], torch.gather(logp[:n], 1, ids[:n].clamp(min=0)), stored[:n], kept[:n])
-        out.update(kl_sum=float(kl.sum()), kl_max=float(kl.max()), kl_rows=n)
+        out["kl"] = _uniform_tail_kl(logp[:n], torch.gather(logp[:n], 1, ids[:n].clamp(min=0)), stored[:n], kept[:n])
+    return out
+
+
+def _sparse_error(d: Mapping[str, torch.Tensor], rule: str) -> dict[str, Any]:
+    """Per-batch error statistics from the per-row diagnostics: mass kept, entries kept, KL."""
+    mass, n_kept = d["mass"], d["kept"]
+    if not len(mass):  # a batch of token sequences without a single real token
+        return {"rows": 0}
+    hist = np.histogram(mass.numpy(), bins=HIST_BINS, range=(0.0, 1.0))[0]
+    out = {"rows": int(len(mass)), "mass_min": float(mass.min()), "mass_sum": float(mass.sum()),
+           "mass_hist": hist.tolist(), "kept_sum": int(n_kept.sum()), "kept_max": int(n_kept.max()),
+           "stored_mass_sum": float(d["stored_mass"].sum())}
+    if "kl" in d:
+        kl = d["kl"]
+        out.update(kl_sum=float(kl.sum()), kl_max=float(kl.max()), kl_rows=int(len(kl)))
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import os
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -249,19 +250,20 @@ def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, sta
                 f"batch had {spec.dtypes[name]}; Model A's output dtype must not change between batches.")
 
 
-def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor, start: int,
+def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor | dict[str, torch.Tensor], start: int,
                   encoded: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
     """Encode an output stored in parts (sparse soft labels, int8): one array per part, the
-    codec's error statistics with the first part's."""
-    parts, error = codec.encode(t, start, name)
+    codec's error statistics with the first part's. ``t`` is the output, or what
+    :func:`device_stage` already made of it on the device."""
+    parts, error = codec.finish(t, start, name) if isinstance(t, dict) else codec.encode(t, start, name)
     for i, (part, arr) in enumerate(parts.items()):
         key = part_array(name, part)
         encoded[key], stats[key] = arr, value_stats(torch.from_numpy(unpadded(part, arr)))
-        if i == 0:
+        if i == 0 and error.get("rows"):
             stats[key]["codec_error"] = error
 
 
-def _encode(spec: TaskSpec, values: dict[str, torch.Tensor], start: int, token0: int = 0) -> tuple[dict, dict]:
+def _encode(spec: TaskSpec, values: dict[str, Any], start: int, token0: int = 0) -> tuple[dict, dict]:
     """Each value as stored, and its statistics; a per-token output's rows are tokens, the first
     being token row ``token0`` (what ``sample:S`` seeds its draws with, like a sample index)."""
     encoded, stats = {}, {}
@@ -438,16 +440,60 @@ def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
     once its device->host copies have landed."""
     values = batch.wait()
     mask = values.pop(_MASK, None)
+    staged = _unstage(values)
     for name in spec.ragged:
-        values[name] = pack(values[name], mask, name)[0]
-    _check_batch(spec, values, b1 - b0, b0)
-    enc, st = _encode(spec, values, b0, _token_rows(spec, start // spec.layout.samples_per_shard, buffers))
+        if name in values:
+            values[name] = pack(values[name], mask, name)[0]
+    _check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
+    enc, st = _encode(spec, {**values, **staged}, b0,
+                      _token_rows(spec, start // spec.layout.samples_per_shard, buffers))
     for n, arr in enc.items():
         if isinstance(buffers[n], list):
             buffers[n].append(arr)
         else:
             buffers[n][b0 - start:b1 - start] = arr
         stats[n] = merge_stats(stats.get(n), st[n])
+
+
+#: Joins an output's name and a part in the keys of what :func:`device_stage` hands the host.
+_STAGED = "/"
+
+
+def encodes_on_device(device: torch.device) -> bool:
+    """Whether the sparse codecs run on the task's device, before the copy to the host: on a GPU
+    (a language model's per-token logits are 64-256 KB a token, the parts a few hundred bytes,
+    and the host's passes over every class would bound the worker), or where
+    ``FEATSTORE_DEVICE_ENCODE=1`` asks for it (the tests run this path on the CPU)."""
+    return device.type != "cpu" or os.environ.get("FEATSTORE_DEVICE_ENCODE") == "1"
+
+
+def device_stage(spec: TaskSpec, outs: dict[str, torch.Tensor], mask: torch.Tensor | None, b0: int,
+                 token0: int) -> dict[str, torch.Tensor]:
+    """Model A's outputs with each sparse-codec output replaced by its codec's device half
+    (:meth:`PartsCodec.encode_tensors`, keys ``<name>/<part>``), a per-token one packed to its
+    real tokens first; the others unchanged. Runs on the task thread, on A's device."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in outs.items():
+        codec = parts_codec(spec.outputs[name]) if is_parts_codec(spec.outputs[name]) else None
+        if codec is None or not codec.sparse:
+            out[name] = t
+            continue
+        rows = len(t)
+        if name in spec.ragged:
+            t = pack(t, mask.to(t.device), name)[0]
+        _check_batch(spec, {name: t}, rows, b0)
+        first = token0 if name in spec.ragged else b0
+        out.update({f"{name}{_STAGED}{k}": v for k, v in codec.encode_tensors(t, first, name).items()})
+    return out
+
+
+def _unstage(values: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Take :func:`device_stage`'s tensors out of ``values``, grouped by output."""
+    staged: dict[str, dict[str, torch.Tensor]] = {}
+    for key in [k for k in values if _STAGED in k]:
+        name, part = key.split(_STAGED, 1)
+        staged.setdefault(name, {})[part] = values.pop(key)
+    return staged
 
 
 def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
@@ -567,6 +613,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
     offload = Offloader(device)
     receipts: list[dict] = []
     report = _Reporter(spec)
+    on_device, per_shard, shard_tokens = encodes_on_device(device), _tokens_per_shard(spec), 0
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
@@ -586,10 +633,15 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                 if b0 == start:
                     buffers = _shard_buffers(spec, index)
                     stats = {}
+                    shard_tokens = 0  # real tokens of the shard's earlier batches (per-token outputs)
                     batch_jobs: list[Future] = []
                     report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
                     outs = _forward(spec, net, x, b0, b1 - b0, device)
+                    if on_device:
+                        outs = device_stage(spec, outs, kept.get(_MASK), b0, index * per_shard + shard_tokens)
+                if _MASK in kept:
+                    shard_tokens += int(kept[_MASK].sum())
                 report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
                 # on CUDA: starts the copies, returns at once
                 host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})

@@ -235,3 +235,27 @@ def test_extends_with_tokens_is_refused(local_store):
     v = _compute(local_store)
     with pytest.raises(InvalidInput, match="not supported yet"):
         _compute(local_store, extends=v.ref)
+
+
+# -- the sparse codecs' device stage (what a GPU runs before the copy to the host) -------------
+@pytest.mark.parametrize("codec,tokens", [("topk:8", True), ("sample:16", True), ("topp:0.9:2:16", True),
+                                          ("topk:3", False)])
+def test_the_device_stage_stores_exactly_what_the_host_path_stores(tmp_path, monkeypatch, codec, tokens):
+    from .models import TinyA, VectorData
+
+    def run(where):
+        store = featstore.open_store(tmp_path / where)
+        if tokens:
+            return _compute(store, codec)
+        return store.compute("v/x", model=TinyA(), dataset=VectorData(40), outputs={"logits": codec, "features":
+                             "float16"}, batch_size=8, samples_per_shard=16, options=ComputeOptions(progress=False))
+
+    host = run("host")
+    monkeypatch.setenv("FEATSTORE_DEVICE_ENCODE", "1")
+    staged = run("staged")
+    a, b = host.load(), staged.load()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert host.manifest.stats == staged.manifest.stats
+    assert staged.verify() == []
