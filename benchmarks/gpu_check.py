@@ -227,6 +227,52 @@ def run_compute(store: Any, client: Any, model: torch.nn.Module, ds: CheapImages
     return v, fig
 
 
+def run_lm(store: Any, client: Any, device: torch.device, sequences: int, tiny: bool, seconds: float) -> dict[str, Any]:
+    """The per-token row: a toy causal LM (32,000-token vocabulary, 512 wide) over token
+    sequences of 64-512 tokens, stored ``topk:64`` per real token (the codec runs on the GPU,
+    before the copy to the host), against the same LM's pure inference over the same batches."""
+    from featstore import ComputeOptions, Tokens
+
+    from .tokens import Profile, Sequences, ToyLM, attention_mask, pad
+
+    prof = Profile(sequences=sequences, vocab=1000 if tiny else 32000, dim=16 if tiny else 512,
+                   min_len=8 if tiny else 64, max_len=32 if tiny else 512, batch_size=8 if tiny else 32)
+    data, model = Sequences(prof), ToyLM(prof)
+    tokens = sum(len(s) for s in data.items)
+    net = ToyLM(prof).to(device).eval()
+    batches = [pad([data[i]["input"] for i in range(b, min(b + prof.batch_size, len(data)))])
+               for b in range(0, len(data), prof.batch_size)]
+    on_device = [{k: v.to(device) for k, v in x.items()} for x in batches]
+    with torch.inference_mode():
+        net(on_device[0])
+        _sync(device)
+        t0, done = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds or done == 0:
+            for x in on_device:
+                net(x)
+            done += tokens
+        _sync(device)
+        pure = done / (time.perf_counter() - t0)
+    del net, on_device
+    with UtilSampler() as util:
+        v = store.compute("gpu-check/lm", model=model, dataset=data, outputs={"logits": "topk:64"},
+                          batch_size=prof.batch_size, client=client,
+                          options=ComputeOptions(collate=pad, progress=False, dataset_id=f"gpu-check-lm-{sequences}"),
+                          tokens=Tokens(mask=attention_mask, max_tokens=prof.max_len))
+    got = v[0:2]
+    x = pad([data[i]["input"] for i in range(2)])
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(x)[x["attention_mask"]].float(), -1).topk(64)
+    agree = float((got["logits.ids"][:, 0] == ref.indices[:, 0]).float().mean())
+    err = float((got["logits.values"].float() - ref.values).abs().max())
+    compute_s = v.manifest.timings["compute_s"]
+    return {"sequences": sequences, "tokens": tokens, "vocab": prof.vocab, "dim": prof.dim,
+            "compute_tokens_per_s": round(tokens / compute_s, 1), "pure_tokens_per_s": round(pure, 1),
+            "ratio": round(tokens / compute_s / pure, 3), "utilisation": util.summary(),
+            "top1_agreement_vs_cpu": agree, "max_logprob_error_vs_cpu": err,
+            "ok": agree >= 0.99 and err < 0.05}
+
+
 @dataclass(frozen=True)
 class Args:
     n: int
@@ -238,6 +284,7 @@ class Args:
     modes: tuple[str, ...]
     allow_cpu: bool
     tiny: bool
+    lm_sequences: int = 0
 
 
 def parse(argv: list[str] | None) -> Args:
@@ -251,13 +298,15 @@ def parse(argv: list[str] | None) -> Args:
     p.add_argument("--modes", default="float32,float16", help="autocast modes: float32 (none), float16, bfloat16")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU where CUDA is absent (tests only)")
     p.add_argument("--tiny", action="store_true", help="a ResNet of one block per stage at 1/8 width (tests only)")
+    p.add_argument("--lm-sequences", type=int, default=512,
+                   help="token sequences of the per-token LM row (topk:64 over a 32,000 vocabulary); 0 skips it")
     a = p.parse_args(argv)
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     bad = [m for m in modes if m not in TOLERANCE]
     if bad:
         p.error(f"unknown modes {bad}; choose from {sorted(TOLERANCE)}")
     return Args(a.n, a.batch, a.size, a.ref_rows, a.seconds, None if a.out == "-" else a.out, modes,
-                a.allow_cpu, a.tiny)
+                a.allow_cpu, a.tiny, a.lm_sequences)
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -309,6 +358,8 @@ def measure(args: Args, device: torch.device) -> dict[str, Any]:
             v, res["compute"][mode] = run_compute(store, cluster.client, model, ds, mode, args.batch)
             stored = v[0:len(next(iter(ref.values())))]
             res["reference"][mode] = compare(stored, ref, TOLERANCE[mode])
+        if args.lm_sequences:
+            res["lm"] = run_lm(store, cluster.client, device, args.lm_sequences, args.tiny, args.seconds / 2)
     finally:
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -355,6 +406,15 @@ def markdown(res: dict[str, Any]) -> str:
                      f"| {res['pure'][m]['samples_per_s']:,.0f} / {res['pure_from_host'][m]['samples_per_s']:,.0f} "
                      f"| **{res['ratios'][m]:.2f}** | {_util_text(c['utilisation'])} "
                      f"| {worst:.1e} ({ref['tolerance']:.0e}) {'ok' if ref['ok'] else '**FAILED**'} |")
+    if "lm" in res:
+        lm = res["lm"]
+        lines += ["", f"Per-token outputs: a toy causal LM (vocabulary {lm['vocab']:,}, width {lm['dim']}) over "
+                  f"{lm['sequences']} sequences ({lm['tokens']:,} real tokens), stored `topk:64` per token (the codec "
+                  f"on the GPU): compute {lm['compute_tokens_per_s']:,.0f} tokens/s vs pure inference "
+                  f"{lm['pure_tokens_per_s']:,.0f} tokens/s (**{lm['ratio']:.2f}**), GPU utilisation "
+                  f"{_util_text(lm['utilisation'])}; top-1 agreement with the CPU reference "
+                  f"{lm['top1_agreement_vs_cpu']:.1%}, max log-prob error {lm['max_logprob_error_vs_cpu']:.3f} "
+                  f"{'ok' if lm['ok'] else '**FAILED**'}."]
     lines += ["", *_verdict(res), "", "Raw figures: `docs/gpu_check.json`.", MARK_END]
     return "\n".join(lines) + "\n"
 
@@ -432,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         write(res, args.out)
         print(f"gpu_check: wrote {args.out}/gpu_check.json and the GPU check section of "
               f"{args.out}/benchmarks.md in {res['total_s']} s", file=sys.stderr)
-    failed = [m for m in args.modes if not res["reference"][m]["ok"]]
+    failed = [m for m in args.modes if not res["reference"][m]["ok"]] + (
+        ["lm"] if "lm" in res and not res["lm"]["ok"] else [])
     if failed:
         print(f"gpu_check: outputs outside tolerance for {failed}", file=sys.stderr)
     return 1 if failed else 0

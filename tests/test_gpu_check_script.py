@@ -22,7 +22,7 @@ def test_skips_cleanly_without_cuda(tmp_path, capsys):
 def test_runs_every_step_on_the_cpu_and_writes_one_section(tmp_path):
     (tmp_path / "benchmarks.md").write_text("# featstore benchmarks\n\nrows\n")
     args = ["--allow-cpu", "--tiny", "--n", "64", "--batch", "32", "--size", "32", "--ref-rows", "8",
-            "--seconds", "0.2", "--modes", "float32,bfloat16", "--out", str(tmp_path)]
+            "--seconds", "0.2", "--modes", "float32,bfloat16", "--lm-sequences", "12", "--out", str(tmp_path)]
     assert main(args) == 0
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["env"]["device"] == "cpu" and res["n"] == 64
@@ -34,6 +34,7 @@ def test_runs_every_step_on_the_cpu_and_writes_one_section(tmp_path):
     assert res["reference"]["float32"]["features"]["rel_l2"] < 2e-3
     assert res["reference"]["float32"]["logits"]["rel_l2"] < 1e-5
     assert [w["device"] for w in res["workers"].values()] == ["cpu"] and res["gpus_used"] == 1
+    assert res["lm"]["ok"] and res["lm"]["tokens"] > 0 and res["lm"]["compute_tokens_per_s"] > 0
     md = (tmp_path / "benchmarks.md").read_text()
     assert md.startswith("# featstore benchmarks\n\nrows\n") and md.count(MARK_START) == 1
     assert "## GPU check" in md and "| bfloat16 |" in md
