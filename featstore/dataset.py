@@ -473,24 +473,27 @@ class FeatureDataset(IterableDataset):
         ref = ChunkRef(self.version.ref, field, reading.chunk_key(field, piece.shard))
         decode_shard_rows(self._object(ref, piece.shard), fmt, piece.lo, piece.hi, out, ref)
 
-    def _read_tokens(self, piece: Piece, field: str) -> RaggedRows:
-        """A piece's token rows of one per-token array: the piece's samples' tokens are one run
-        of rows in their shard, found from the piece's ``token_start``/``token_length``."""
+    def _read_tokens(self, piece: Piece, fields: tuple[str, ...]) -> dict[str, RaggedRows]:
+        """A piece's token rows of each per-token array in ``fields``: the piece's samples'
+        tokens are one run of rows in their shard, found once from the piece's
+        ``token_start``/``token_length``."""
         spec = self.version.manifest.arrays
         lengths = np.empty(piece.size, dtype=spec[TOKEN_LENGTH].dtype)
         starts = np.empty(piece.size, dtype=spec[TOKEN_START].dtype)
         self._read_field(piece, TOKEN_LENGTH, lengths)
         self._read_field(piece, TOKEN_START, starts)
-        first = piece.shard * spec[field].tokens[0]
-        lo = int(starts[0]) - first if piece.size else 0
-        hi = lo + int(lengths.sum(dtype=np.int64))
-        out = np.empty((hi - lo, *spec[field].shape), dtype=spec[field].dtype)
-        if hi > lo:
-            if self._shard_format(field) is None:
-                out[...] = self._viewing.reading.read_rows(field, first + lo, first + hi)
-            else:
-                self._read_field(Piece(piece.shard, lo, hi), field, out, tokens=True)
-        return RaggedRows(out, lengths)
+        out = {}
+        for field in fields:
+            first = piece.shard * spec[field].tokens[0]
+            lo = int(starts[0]) - first if piece.size else 0
+            hi = lo + int(lengths.sum(dtype=np.int64))
+            rows = np.empty((hi - lo, *spec[field].shape), dtype=spec[field].dtype)
+            if hi > lo and self._shard_format(field) is None:
+                rows[...] = self._viewing.reading.read_rows(field, first + lo, first + hi)
+            elif hi > lo:
+                self._read_field(Piece(piece.shard, lo, hi), field, rows, tokens=True)
+            out[field] = RaggedRows(rows, lengths)
+        return out
 
     def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
         """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""
@@ -600,8 +603,8 @@ class _WindowReader:
                 for f in self.placed:
                     arrays[f] = _InPlace([x.result() for x in arrays[f]], window, self.chunk_rows)
                 for f in self.ragged:
-                    arrays[f] = RaggedWindow([x.result() for x in arrays[f]])
-                self.in_flight -= len(futs) // max(1, len(self.ds.fields))
+                    arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
+                self.in_flight -= len(window)
                 self._fill()
                 yield wi, drop, arrays
                 if self.spare is not None:  # the consumer has cut every batch of this window
@@ -636,9 +639,10 @@ class _WindowReader:
             for f in self.placed:  # futures of each piece's source; an _InPlace once all are done
                 arrays[f] = [self.pool.submit(self.ds._source, p, f) for p in window]
                 futs += arrays[f]
-            for f in self.ragged:  # each piece's token rows; a RaggedWindow once all are done
-                arrays[f] = [self.pool.submit(self.ds._read_tokens, p, f) for p in window]
-                futs += arrays[f]
+            if self.ragged:  # each piece's token rows of every per-token array; RaggedWindows once done
+                tokens = [self.pool.submit(self.ds._read_tokens, p, tuple(self.ragged)) for p in window]
+                arrays.update({f: tokens for f in self.ragged})
+                futs += tokens
             self.queue.append((wi, drop, arrays, futs, window))
             self.in_flight += len(window)
 
