@@ -22,7 +22,9 @@ from .stats import NONFINITE_KEPT, summarize
 from .versions import Version
 
 #: Fingerprint parts a child must share with its parent (all but the dataset's identity).
-_SHARED_PARTS = ("model", "input_key", "keep", "outputs", "codecs", "autocast")
+#: Fingerprint parts a child must share with its parent (``collate`` and ``tokens`` only where
+#: set: a version without them has neither, so older parents still match).
+_SHARED_PARTS = ("model", "input_key", "keep", "outputs", "codecs", "autocast", "collate", "tokens")
 
 
 class _Prefix:
@@ -55,8 +57,10 @@ class Growth:
 
     def adopt_arrays(self, arrays: Mapping[str, ArraySpec]) -> dict[str, ArraySpec]:
         """The parent's array specs (its compression too), if the child's match them."""
-        mine = {n: replace(a, compression="") for n, a in arrays.items()}
-        theirs = {n: replace(a, compression="") for n, a in self.parent.manifest.arrays.items()}
+        # the token layout of per-token arrays follows from the shared layout and the shared
+        # ``tokens`` fingerprint part (checked in plan_growth); it is not known yet here
+        mine = {n: replace(a, compression="", tokens=()) for n, a in arrays.items()}
+        theirs = {n: replace(a, compression="", tokens=()) for n, a in self.parent.manifest.arrays.items()}
         if mine != theirs:
             raise DatasetMismatch(
                 f"the outputs differ from those of {self.parent.ref} ({_describe(mine)} vs "
@@ -93,7 +97,7 @@ def plan_growth(parent: Version, dataset: Any, parts: Mapping[str, Any], n: int)
     differ = [k for k in _SHARED_PARTS if m.fingerprint_parts.get(k) != parts.get(k)]
     if differ:
         raise DatasetMismatch(f"{parent.ref} was computed with other {differ}; extends needs the same "
-                              "model, input_key, keep, outputs, compression and autocast.")
+                              "model, input_key, keep, outputs, compression, autocast, collate and tokens.")
     if n <= len(parent):
         raise InvalidInput(f"the dataset has {n} samples, {parent.ref} already has {len(parent)}: nothing "
                            f"to add. Open {parent.ref} instead.")

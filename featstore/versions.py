@@ -606,10 +606,13 @@ class Version:
         return out
 
     def token_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
-        """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard``; damage is a
-        :class:`CorruptChunk` naming that shard."""
+        """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard`` (in a base's
+        folder for an incremental version's inherited shard); damage is a :class:`CorruptChunk`
+        naming that shard."""
+        spp = self.manifest.layout.samples_per_shard
+        home, n = next(((h, n) for a, b, h, n in self.homes() if a <= shard * spp < b), (self.data_key, len(self)))
         try:
-            return self.array(field)[lo:hi]
+            return self.array(field, home, n)[lo:hi]
         except FeatstoreError:
             raise
         except (ConnectionError, TimeoutError, PermissionError) as exc:

@@ -388,8 +388,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             language model's logits, ``[B, L, ...]``): only each sample's real tokens (the
             mask's) are stored, as flat token rows plus the per-sample ``token_start`` and
             ``token_length`` arrays, with the output's codec applied per token; batches carry
-            them flat with ``"<name>.offsets"`` (see :mod:`featstore.ragged`). Not supported
-            together with ``extends`` (yet).
+            them flat with ``"<name>.offsets"`` (see :mod:`featstore.ragged`).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -402,9 +401,6 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     t0 = time.perf_counter()
     parent = catalog.open(extends) if extends is not None else None
     _check_views_extends(parent, views)
-    if parent is not None and (tokens is not None or any(a.ragged for a in parent.manifest.arrays.values())):
-        raise InvalidInput("extends= with per-token outputs (tokens=) is not supported yet; compute the grown "
-                           "dataset without extends (a full compute).")
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):

@@ -231,31 +231,22 @@ def test_mask_of_the_wrong_shape_and_unknown_outputs_are_refused(local_store):
                             outputs={"logits": "float16"}, options=OPTS, tokens=TOKENS)
 
 
-def test_extends_with_tokens_is_refused(local_store):
-    v = _compute(local_store)
-    with pytest.raises(InvalidInput, match="not supported yet"):
-        _compute(local_store, extends=v.ref)
-
-
-# -- the sparse codecs' device stage (what a GPU runs before the copy to the host) -------------
-@pytest.mark.parametrize("codec,tokens", [("topk:8", True), ("sample:16", True), ("topp:0.9:2:16", True),
-                                          ("topk:3", False)])
-def test_the_device_stage_stores_exactly_what_the_host_path_stores(tmp_path, monkeypatch, codec, tokens):
-    from .models import TinyA, VectorData
-
-    def run(where):
-        store = featstore.open_store(tmp_path / where)
-        if tokens:
-            return _compute(store, codec)
-        return store.compute("v/x", model=TinyA(), dataset=VectorData(40), outputs={"logits": codec, "features":
-                             "float16"}, batch_size=8, samples_per_shard=16, options=ComputeOptions(progress=False))
-
-    host = run("host")
-    monkeypatch.setenv("FEATSTORE_DEVICE_ENCODE", "1")
-    staged = run("staged")
-    a, b = host.load(), staged.load()
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert host.manifest.stats == staged.manifest.stats
-    assert staged.verify() == []
+def test_extends_grows_token_sequences_and_reads_across_the_boundary(store):
+    parent = _compute(store, "topk:8")
+    data = TokenSeqs(N + 30)
+    assert all(torch.equal(data[i]["input"], TokenSeqs(N)[i]["input"]) for i in range(N))
+    child = store.compute("lm/topk-8", model=TinyLM(), dataset=data, keep=["target"], outputs={"logits": "topk:8"},
+                          batch_size=8, samples_per_shard=16, options=OPTS, tokens=TOKENS, extends=parent.ref)
+    assert child.manifest.bases and child.manifest.timings["shards_computed"] < child.manifest.layout.n_shards
+    fresh = store.compute("lm/fresh", model=TinyLM(), dataset=data, keep=["target"], outputs={"logits": "topk:8"},
+                          batch_size=8, samples_per_shard=16, options=OPTS, tokens=TOKENS).load()
+    got = child.load()
+    assert torch.equal(got["logits.offsets"], fresh["logits.offsets"])
+    assert torch.equal(got["logits.ids"], fresh["logits.ids"])
+    assert child.verify() == []
+    seen = sorted(i for b in store.dataset(child.ref, batch_size=9) for i in b["index"].tolist())
+    assert seen == list(range(N + 30))
+    with pytest.raises(featstore.DatasetMismatch, match="tokens"):
+        store.compute("lm/topk-8", model=TinyLM(), dataset=data, keep=["target"], outputs={"logits": "topk:8"},
+                      batch_size=8, samples_per_shard=16, options=OPTS, extends=parent.ref,
+                      tokens=Tokens(mask=attention_mask, max_tokens=13))
