@@ -22,6 +22,7 @@ Nothing here does IO besides calling the user's dataset and augment.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,12 @@ def _u64(value: int) -> np.ndarray:
     return np.array([int(value) & 0xFFFF_FFFF_FFFF_FFFF], dtype=np.uint64)
 
 
+@lru_cache(maxsize=256)
+def _view_base(seed: int, view: int) -> np.uint64:
+    """The per-(seed, view) half of the policy, shared by every sample (cached: one per epoch)."""
+    return _mix(_mix(_u64(seed)) ^ _u64(view))[0]
+
+
 def view_seeds(seed: int, view: int, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """The seeds of view ``view`` of samples ``indices`` (int64, all non-negative).
 
@@ -63,8 +70,7 @@ def view_seeds(seed: int, view: int, indices: Sequence[int] | np.ndarray) -> np.
     (dtype('int64'), True)
     """
     idx = np.asarray(indices, dtype=np.int64).astype(np.uint64).reshape(-1)
-    base = _mix(_mix(_u64(seed)) ^ _u64(view))
-    return (_mix(base ^ idx) >> np.uint64(1)).astype(np.int64)
+    return (_mix(_view_base(int(seed), int(view)) ^ idx) >> np.uint64(1)).astype(np.int64)
 
 
 def view_seed(seed: int, index: int, view: int) -> int:
@@ -77,9 +83,14 @@ def view_seed(seed: int, index: int, view: int) -> int:
     return int(view_seeds(seed, view, [index])[0])
 
 
+@lru_cache(maxsize=64)
+def _epoch_domain(seed: int) -> int:
+    return int(_mix(_u64(seed) ^ _u64(_EPOCH_DOMAIN))[0])
+
+
 def epoch_seeds(seed: int, epoch: int, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """Fresh per-(epoch, sample) seeds for a reader that augments a version without views."""
-    return view_seeds(_mix(_u64(seed) ^ _u64(_EPOCH_DOMAIN))[0].item(), epoch, indices)
+    return view_seeds(_epoch_domain(int(seed)), epoch, indices)
 
 
 def check_view_mode(mode: Any, views: int | None) -> str | int | None:
@@ -125,6 +136,20 @@ def replay(augment: Augment, item: Any, seed: int) -> Any:
     return augment(item, torch.Generator().manual_seed(int(seed)))
 
 
+def replay_rows(augment: Augment, items: Sequence[Any], seeds: Sequence[int] | np.ndarray) -> list[Any]:
+    """``[replay(augment, item, seed) for item, seed in zip(items, seeds)]``, bit for bit, with one
+    generator re-seeded per row instead of a new one per row: ``manual_seed`` resets a CPU
+    generator's whole state (its Mersenne Twister and the cached normal samples), so the row
+    draws exactly what a fresh generator with that seed would. The generator is only the row's
+    for the duration of its call (the contract: ``augment`` draws from it, it does not keep it).
+    """
+    gen = torch.Generator()
+    seeds = seeds.tolist() if isinstance(seeds, np.ndarray) else [int(s) for s in seeds]
+    if len(items) != len(seeds):
+        raise InvalidInput(f"{len(items)} items but {len(seeds)} seeds.")
+    return [augment(it, gen.manual_seed(s)) for it, s in zip(items, seeds, strict=True)]
+
+
 class ViewDataset(torch.utils.data.Dataset):
     """``dataset`` as view ``view`` sees it: item ``i`` is augmented with its view seed.
 
@@ -143,8 +168,7 @@ class ViewDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         getitems = getattr(self.dataset, "__getitems__", None)
         items = list(getitems(list(indices))) if getitems else [self.dataset[i] for i in indices]
-        seeds = view_seeds(self.seed, self.view, indices)
-        return [replay(self.augment, it, s) for it, s in zip(items, seeds, strict=True)]
+        return replay_rows(self.augment, items, view_seeds(self.seed, self.view, indices))
 
 
 # -- detecting an augment that does not draw from its generator --------------------------------
@@ -222,16 +246,25 @@ def item_fields(item: Any, fields: Mapping[str, Any] | None) -> dict[str, Any]:
     ``fields=None``: every key of a dict item, ``input`` for a tensor item, ``field<i>`` for
     the members of a tuple item. Otherwise ``{batch name: key, index or callable}``.
     """
+    return {k: col[0] for k, col in item_columns([item], fields).items()}
+
+
+def item_columns(items: Sequence[Any], fields: Mapping[str, Any] | None) -> dict[str, list[Any]]:
+    """:func:`item_fields` of every item, by field: ``{batch name: [value per item]}``, built
+    column by column (no dict per row). The first item decides the names with ``fields=None``."""
+    if not items:
+        return {}
+    first = items[0]
     if fields is None:
-        if isinstance(item, Mapping):
-            return dict(item)
-        if isinstance(item, (tuple, list)):
-            return {f"field{i}": v for i, v in enumerate(item)}
-        return {"input": item}
+        if isinstance(first, Mapping):
+            return {k: [it[k] for it in items] for k in first}
+        if isinstance(first, (tuple, list)):
+            return {f"field{i}": [it[i] for it in items] for i in range(len(first))}
+        return {"input": list(items)}
     out = {}
     for name, key in fields.items():
         try:
-            out[name] = key(item) if callable(key) else item[key]
+            out[name] = [key(it) for it in items] if callable(key) else [it[key] for it in items]
         except (KeyError, IndexError, TypeError):
             raise InvalidInput(f"source items have no field {key!r}; pass source_fields naming "
                                "keys, indices or callables that exist.") from None
@@ -248,12 +281,9 @@ class SourceJoin:
         """The joined fields of ``indices``, collated (one tensor per field)."""
         from torch.utils.data import default_collate
 
-        idx = [int(i) for i in indices]
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1).tolist()
         getitems = getattr(self.source, "__getitems__", None)
         items = list(getitems(idx)) if getitems else [self.source[i] for i in idx]
         if self.augment is not None and seeds is not None:
-            items = [replay(self.augment, it, s) for it, s in zip(items, seeds, strict=True)]
-        picked = [item_fields(it, self.fields) for it in items]
-        if not picked:
-            return {}
-        return {k: torch.as_tensor(default_collate([p[k] for p in picked])) for k in picked[0]}
+            items = replay_rows(self.augment, items, seeds)
+        return {k: torch.as_tensor(default_collate(col)) for k, col in item_columns(items, self.fields).items()}

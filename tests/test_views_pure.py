@@ -10,8 +10,8 @@ import torch
 
 from featstore.errors import InvalidInput, NondeterministicAugment
 from featstore.views import (
-    SourceJoin, ViewDataset, check_replayable, check_view_mode, epoch_seeds, epoch_view, item_fields,
-    view_seed, view_seeds,
+    SourceJoin, ViewDataset, check_replayable, check_view_mode, epoch_seeds, epoch_view, item_columns,
+    item_fields, replay, replay_rows, view_seed, view_seeds,
 )
 
 
@@ -141,3 +141,44 @@ def test_source_join_collates_augmented_rows():
     assert torch.equal(rows["input"][1], _aug(data[5], torch.Generator().manual_seed(int(seeds[1])))["input"])
     plain = SourceJoin(data, None, None).rows(np.array([2]), None)
     assert torch.equal(plain["input"][0], data[2]["input"]) and plain["target"].tolist() == [2]
+
+
+def _every_draw_aug(item, gen):
+    """Draws of every kind, odd normal counts included (a CPU generator caches the spare normal
+    sample of a pair: a re-seeded generator must not hand the previous row's spare out)."""
+    noise = torch.randn(1, generator=gen) + torch.randn(3, dtype=torch.float64, generator=gen).sum()
+    extra = torch.empty(5).normal_(generator=gen).sum() + torch.rand(2, generator=gen).sum()
+    order = torch.randperm(4, generator=gen)
+    keep = torch.bernoulli(torch.full((4,), 0.5), generator=gen)
+    return {"input": (item["input"][order] * keep + noise + extra).float(),
+            "flip": torch.randint(0, 2, (), generator=gen)}
+
+
+def test_replay_rows_is_bit_identical_to_a_fresh_generator_per_row():
+    data = _data()
+    seeds = view_seeds(5, 1, range(len(data)))
+    fresh = [replay(_every_draw_aug, it, int(s)) for it, s in zip(data, seeds, strict=True)]
+    reused = replay_rows(_every_draw_aug, data, seeds)
+    for a, b in zip(fresh, reused, strict=True):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(a["flip"], b["flip"])
+    # in the join too, batch after batch (the generator carries no state from the last row)
+    join = SourceJoin(data, _every_draw_aug, None)
+    for rows in ([7, 1, 4], [4, 2]):
+        got = join.rows(np.array(rows), view_seeds(5, 1, rows))
+        want = [fresh[i] for i in rows]
+        assert torch.equal(got["input"], torch.stack([w["input"] for w in want]))
+        assert got["flip"].tolist() == [int(w["flip"]) for w in want]
+    with pytest.raises(InvalidInput, match="seeds"):
+        replay_rows(_aug, data, seeds[:3])
+
+
+def test_item_columns_match_item_fields_per_row():
+    items = [{"a": torch.tensor([i]), "b": i} for i in range(3)]
+    cols = item_columns(items, None)
+    assert cols == {k: [item_fields(it, None)[k] for it in items] for k in ("a", "b")}
+    assert item_columns([(1, 2), (3, 4)], None) == {"field0": [1, 3], "field1": [2, 4]}
+    assert list(item_columns([torch.zeros(1), torch.ones(1)], None)) == ["input"]
+    assert item_columns(items, {"y": "b", "n": lambda it: 2}) == {"y": [0, 1, 2], "n": [2, 2, 2]}
+    assert item_columns([], None) == {}
+    with pytest.raises(InvalidInput, match="source_fields"):
+        item_columns(items, {"x": "missing"})
