@@ -136,6 +136,15 @@ def _busy_task(client, store, name):
     return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, or a process reaped while we look, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @pytest.mark.timeout(480)
 def test_sigkill_a_dask_worker_mid_compute(tmp_path, reference):
     from distributed import Client, LocalCluster
@@ -158,8 +167,11 @@ def test_sigkill_a_dask_worker_mid_compute(tmp_path, reference):
             time.sleep(0.005)
         addr, shards = victim
         pid = client.run(os.getpid, workers=[addr])[addr]
-        os.kill(pid, signal.SIGKILL)
-        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the worker process went away between the lookup and the kill: the same fault
+        while _alive(pid):
             time.sleep(0.01)
         finished_at_kill = receipts_of(store, "edge/kill")
         thread.join(180)
