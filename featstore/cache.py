@@ -140,8 +140,11 @@ class MappedFiles:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, path: str) -> memoryview:
-        """The file's bytes, mapped (raises ``FileNotFoundError``)."""
+    def get(self, path: str, keep: bool = True) -> memoryview:
+        """The file's bytes, mapped (raises ``FileNotFoundError``). ``keep=False``: a file not
+        held already is mapped for this use alone, not kept (unmapped once the caller drops
+        it): bytes read once, such as a compressed shard decoded into the shared cache, would
+        otherwise stay resident in every process that read one."""
         st = os.stat(path)
         sig = (st.st_ino, st.st_size, st.st_mtime_ns)
         with self._lock:
@@ -150,6 +153,8 @@ class MappedFiles:
                 self._maps.move_to_end(path)
                 return hit[1]
         view = _map(path)
+        if not keep:
+            return view
         with self._lock:
             old = self._maps.pop(path, None)
             if old is not None:

@@ -395,14 +395,15 @@ class FeatureDataset(IterableDataset):
         if self.options.cache is not None:
             self._shared_cache().clear()
 
-    def _object(self, ref: ChunkRef, shard: int) -> Any:
-        """One shard object's bytes: mapped for a local store (no copy), else read whole."""
+    def _object(self, ref: ChunkRef, shard: int, keep: bool = True) -> Any:
+        """One shard object's bytes: mapped for a local store (no copy), else read whole.
+        ``keep=False``: read once (decoded into the shared cache), so not kept mapped."""
         st = self._proc
         # a base's folder for an inherited shard; this epoch's view's group with views
         key = self._viewing.reading.object_key(ref.array, shard)
         if st.storage.is_local:
             try:
-                data: Any = st.maps.get(st.storage.path(key))
+                data: Any = st.maps.get(st.storage.path(key), keep)
             except FileNotFoundError:
                 data = None
         else:
@@ -436,11 +437,14 @@ class FeatureDataset(IterableDataset):
         shape = (n, fmt.chunk_rows, *fmt.row_shape)
         dtype = np.dtype(fmt.dtype)
 
+        cache = self._shared_cache() if self.options.cache is not None else None
+
         def decode(out: np.ndarray) -> None:  # raises on a bad crc32c: nothing is cached then
-            decode_shard_rows(self._object(ref, shard), fmt, 0, n * fmt.chunk_rows,
+            # With the cache, the stored object is read to be decoded once per machine: its
+            # mapping is dropped with the last reference, not kept resident in this process.
+            decode_shard_rows(self._object(ref, shard, keep=cache is None), fmt, 0, n * fmt.chunk_rows,
                               out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref)
 
-        cache = self._shared_cache() if self.options.cache is not None else None
         key = f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
         view = cache.get(key) if cache is not None else None
         if view is None and cache is not None:

@@ -149,6 +149,22 @@ def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_p
     assert same(batches(ds, workers=2), want)  # new worker processes, other shards each
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_compressed_objects_not_kept_mapped_once_cached(versions, tmp_path):
+    """A compressed shard decoded into the cache is read once: its stored object does not stay
+    mapped (resident) in the process that decoded it."""
+    v = private_copy(versions["zstd"], tmp_path)
+    ds = v.dataset(batch_size=16, seed=3, cache="memory", cache_bytes=2**24)
+    want = batches(versions["zstd"].dataset(batch_size=16, seed=3))  # mapped in another folder
+    assert same(batches(ds), want)  # decoded and inserted
+    assert same(batches(ds), want)  # served from the cache
+    folder = os.path.realpath(v.storage.path(v.key))
+    with open("/proc/self/maps") as f:
+        mapped = [ln for ln in f if folder in ln]
+    assert mapped == []
+    assert entries(folder_of(ds))  # the cache itself is mapped and kept
+
+
 def test_bad_options_are_refused(versions):
     with pytest.raises(InvalidInput, match="cache must be one of"):
         versions["raw"].dataset(cache="disk-please")
