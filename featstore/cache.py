@@ -283,7 +283,11 @@ class SharedCache:
         try:
             view = _map(tmp, writable=True)
             fill(view)
-            os.rename(tmp, path)  # whole and verified: now visible to every process
+            # Whole and verified: now visible to every process. Under the eviction lock, so that no
+            # listing of the folder (another insert making room) sees neither the temporary name
+            # nor the final one and undercounts the folder by this entry.
+            with _flocked(os.path.join(self.folder, _EVICT), fcntl.LOCK_EX):
+                os.rename(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
