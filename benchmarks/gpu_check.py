@@ -232,8 +232,10 @@ def run_lm(store: Any, client: Any, device: torch.device, sequences: int, tiny: 
     sequences of 64-512 tokens, stored ``topk:64`` per real token (the codec runs on the GPU,
     before the copy to the host), against the same LM's pure inference over the same batches."""
     from featstore import ComputeOptions, Tokens
+    from featstore.ragged import attention_mask
+    from featstore.ragged import pad_sequences as pad
 
-    from .tokens import Profile, Sequences, ToyLM, attention_mask, pad
+    from .tokens import Profile, Sequences, ToyLM
 
     prof = Profile(sequences=sequences, vocab=1000 if tiny else 32000, dim=16 if tiny else 512,
                    min_len=8 if tiny else 64, max_len=32 if tiny else 512, batch_size=8 if tiny else 32)

@@ -28,6 +28,8 @@ import torch
 
 import featstore
 from featstore import ComputeOptions, Tokens
+from featstore.ragged import attention_mask
+from featstore.ragged import pad_sequences as pad
 
 from .procfs import dir_bytes
 from .sections import write_marked
@@ -64,20 +66,6 @@ class Sequences(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"input": self.items[i]}
-
-
-def pad(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Right padding and an attention mask (the user's collate)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, True
-    return {"ids": ids, "attention_mask": mask}
-
-
-def attention_mask(x: dict[str, torch.Tensor]) -> torch.Tensor:
-    return x["attention_mask"]
 
 
 class ToyLM(torch.nn.Module):

@@ -136,18 +136,20 @@ class PartsCodec:
         """Encode one batch (samples ``first_sample, ...``): the stored parts (by part name) and
         the codec's error statistics (merge with :func:`merge_error`)."""
         x = values.detach().to("cpu", torch.float32)
-        _check_finite(self, finite_rows(x), first_sample, output)
+        finite = finite_rows(x)
+        _check_finite(self, finite, first_sample, output)  # before any codec-specific check
         if not self.sparse:
             return _encode_int8(x)
-        return self.finish(self.encode_tensors(x, first_sample, output), first_sample, output)
+        return self.finish(self.encode_tensors(x, first_sample, output, finite), first_sample, output)
 
-    def encode_tensors(self, values: torch.Tensor, first_sample: int,
-                       output: str = "output") -> dict[str, torch.Tensor]:
+    def encode_tensors(self, values: torch.Tensor, first_sample: int, output: str = "output",
+                       finite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The heavy half of a sparse codec's :meth:`encode`, on ``values``' device (a GPU runs
         it before the copy to the host, which then moves K entries per row, not every class):
         the parts as tensors (ids int64, -1 unused; float16 log-probs; counts) and per-row
         diagnostics (:data:`DIAGNOSTICS`), which :meth:`finish` turns into stored arrays and
-        statistics on the host."""
+        statistics on the host. ``finite``: :func:`finite_rows` of ``values`` when the caller
+        has it already."""
         x = values.detach().to(dtype=torch.float32)
         self.parts(tuple(x.shape[1:]), output)  # K larger than the class count: InvalidInput here
         classes = x.shape[-1]
@@ -165,7 +167,8 @@ class PartsCodec:
             ids, counts = _sample(logp, self.k, row_ids)
             vals = torch.where(ids >= 0, torch.gather(logp, 1, ids.clamp(min=0)), -math.inf)
         lead = (x.shape[0], *x.shape[1:-1], self.k)
-        out = {"ids": ids.reshape(lead), "values": _fp16_logp(vals, ids).reshape(lead), "finite": finite_rows(x),
+        out = {"ids": ids.reshape(lead), "values": _fp16_logp(vals, ids).reshape(lead),
+               "finite": finite_rows(x) if finite is None else finite,
                "classes": torch.tensor(classes), **_sparse_diagnostics(logp, ids, vals, self.rule)}
         if counts is not None:
             out["counts"] = counts.reshape(lead)

@@ -90,6 +90,27 @@ class Tokens:
         return tuple(o for o in outputs if o in self.outputs)
 
 
+def pad_sequences(seqs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collate for token sequences of different lengths: ``{"ids": [B, L] right-padded with 0,
+    "attention_mask": [B, L] bool}``, L the longest. Pair it with :func:`attention_mask`:
+    ``ComputeOptions(collate=pad_sequences)``, ``Tokens(mask=attention_mask, max_tokens=...)``.
+
+    >>> pad_sequences([torch.tensor([5, 6]), torch.tensor([7])])["attention_mask"].tolist()
+    [[True, True], [True, False]]
+    """
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.as_tensor(s), True
+    return {"ids": ids, "attention_mask": mask}
+
+
+def attention_mask(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The real-token mask of a batch collated by :func:`pad_sequences` (a ``Tokens.mask``)."""
+    return x["attention_mask"]
+
+
 def batch_mask(tokens: Tokens, x: Any, rows: int, start: int) -> torch.Tensor:
     """The real-token mask of one input batch as bool ``[rows, L]``, checked."""
     try:

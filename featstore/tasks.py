@@ -320,12 +320,6 @@ def _tokens_per_shard(spec: TaskSpec) -> int:
     return 0 if a is None else spec.layout.of(a).samples_per_shard
 
 
-def _token_rows(spec: TaskSpec, index: int, buffers: dict[str, Any]) -> int:
-    """The first token row of the next batch of shard ``index`` (after its earlier batches')."""
-    name = next((n for n, a in spec.arrays.items() if a.ragged), None)
-    return 0 if name is None else index * _tokens_per_shard(spec) + sum(len(b) for b in buffers[name])
-
-
 def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
                  buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
     start, stop = spec.layout.shard_range(index)
@@ -434,10 +428,10 @@ def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -
     return _collate(spec, _fetch_checked(dataset, b0, b1), b0, pinned)
 
 
-def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
+def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int, token0: int,
                  buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
     """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
-    once its device->host copies have landed."""
+    once its device->host copies have landed; ``token0``: its first token row (per-token outputs)."""
     values = batch.wait()
     mask = values.pop(_MASK, None)
     staged = _unstage(values)
@@ -445,8 +439,7 @@ def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
         if name in values:
             values[name] = pack(values[name], mask, name)[0]
     _check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
-    enc, st = _encode(spec, {**values, **staged}, b0,
-                      _token_rows(spec, start // spec.layout.samples_per_shard, buffers))
+    enc, st = _encode(spec, {**values, **staged}, b0, token0)
     for n, arr in enc.items():
         if isinstance(buffers[n], list):
             buffers[n].append(arr)
@@ -636,16 +629,18 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                     shard_tokens = 0  # real tokens of the shard's earlier batches (per-token outputs)
                     batch_jobs: list[Future] = []
                     report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
+                token0 = index * per_shard + shard_tokens  # the batch's first token row
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
                     outs = _forward(spec, net, x, b0, b1 - b0, device)
                     if on_device:
-                        outs = device_stage(spec, outs, kept.get(_MASK), b0, index * per_shard + shard_tokens)
+                        outs = device_stage(spec, outs, kept.get(_MASK), b0, token0)
                 if _MASK in kept:
                     shard_tokens += int(kept[_MASK].sum())
                 report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
                 # on CUDA: starts the copies, returns at once
                 host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
-                job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, buffers, stats)
+                job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, token0, buffers,
+                                       stats)
                 waiting.append(job)
                 batch_jobs.append(job)
                 if last:

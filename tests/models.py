@@ -231,20 +231,6 @@ class TokenSeqs(torch.utils.data.Dataset):
         return {"input": self.items[i], "target": i % 3}
 
 
-def pad_tokens(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A user's collate for token sequences: right padding and an attention mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, True
-    return {"ids": ids, "attention_mask": mask}
-
-
-def attention_mask(x: dict[str, torch.Tensor]) -> torch.Tensor:
-    return x["attention_mask"]
-
-
 class TinyLM(nn.Module):
     """A toy causal language model: per-token logits ``[B, L, vocab]`` (position-dependent
     through a cumulative mean, so padding never changes a real token's output)."""

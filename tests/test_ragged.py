@@ -11,9 +11,10 @@ import zarr
 import featstore
 from featstore import ComputeOptions, InvalidInput, Tokens, kd
 from featstore.format import shard_index
-from featstore.ragged import RaggedWindow, RaggedRows, gather_rows, offsets, pack, padded, token_layout
+from featstore.ragged import RaggedRows, RaggedWindow, attention_mask, gather_rows, offsets, pack, padded, token_layout
+from featstore.ragged import pad_sequences as pad_tokens
 
-from .models import TinyLM, TokenSeqs, attention_mask, drop_a_token, pad_tokens
+from .models import TinyLM, TokenSeqs, drop_a_token
 
 OPTS = ComputeOptions(progress=False, collate=pad_tokens)
 TOKENS = Tokens(mask=attention_mask, max_tokens=12)
