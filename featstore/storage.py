@@ -30,6 +30,7 @@ import zarr.storage
 
 from .errors import FeatstoreError, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable
 from .manifest import canonical_json, load_json
+from .s3get import S3Getter, plan
 
 _WRITE_ID = "_write_id"
 #: Serialises the exists-check and the write of :meth:`Storage.create` on backends without a
@@ -153,6 +154,9 @@ class Storage:
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        self._is_s3 = bool({"s3", "s3a"} & set(_protocols(self.fs)))
+        #: (pid, getter or None): this process's obstore client for GETs, built on first use.
+        self._getter: tuple[int, S3Getter | None] | None = None
 
     def __repr__(self) -> str:  # never the storage options: they may hold secrets
         return f"Storage({self.url!r})"
@@ -205,9 +209,30 @@ class Storage:
                     ) from None
 
     # -- bytes --------------------------------------------------------------------------
+    def _s3_getter(self) -> S3Getter | None:
+        """This process's obstore client for S3 GETs, or None (not S3, not translatable, or
+        ``FEATSTORE_S3_CLIENT=s3fs``: s3fs reads). Built lazily and again in every new process:
+        a forked child must never use its parent's runtime and connections. No lock: a fork
+        while another thread held one would deadlock the child; two threads racing here build
+        two clients and one is dropped."""
+        if not self._is_s3:
+            return None
+        held, pid = self._getter, os.getpid()
+        if held is not None and held[0] == pid:
+            return held[1]
+        with backend_errors(self.url):
+            p = plan(self.url, self._options, self.fs)
+            getter = S3Getter(p, self.url) if p is not None else None
+        self._getter = (pid, getter)
+        return getter
+
     def read_bytes(self, key: str) -> bytes | None:
-        """The object's bytes, or ``None`` if it does not exist."""
+        """The object's bytes, or ``None`` if it does not exist (one GET on S3, through obstore
+        where :mod:`featstore.s3get` can translate the options)."""
         path = self.path(key)
+        getter = self._s3_getter()
+        if getter is not None:
+            return getter.get(path)
         with backend_errors(self.url, path):
             # s3fs answers "not found" from a cached listing of the parent folder (its size
             # lookup before a GET): a manifest another process just committed would read as
@@ -222,6 +247,9 @@ class Storage:
         """Bytes ``[start, stop)`` of an object (one ranged GET on S3), or ``None`` if it does not
         exist. A negative ``start`` with no ``stop`` reads the last ``-start`` bytes."""
         path = self.path(key)
+        getter = self._s3_getter()
+        if getter is not None and (start >= 0 or stop is None) and (stop is None or stop >= 0):
+            return getter.get(path, start, stop)
         with backend_errors(self.url):
             self.fs.invalidate_cache(path)
             try:
