@@ -30,7 +30,8 @@ import zarr.storage
 
 from .errors import FeatstoreError, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable
 from .manifest import canonical_json, load_json
-from .s3get import S3Getter, plan
+from .s3config import plan
+from .s3get import S3Getter, usable
 
 _WRITE_ID = "_write_id"
 #: Serialises the exists-check and the write of :meth:`Storage.create` on backends without a
@@ -221,16 +222,18 @@ class Storage:
         if held is not None and held[0] == pid:
             return held[1]
         with backend_errors(self.url):
-            p = plan(self.url, self._options, self.fs)
+            p = plan(self.url, self._options, self.fs) if usable() else None
             getter = S3Getter(p, self.url) if p is not None else None
         self._getter = (pid, getter)
         return getter
 
-    def read_bytes(self, key: str) -> bytes | None:
+    def read_bytes(self, key: str, *, metadata: bool = False) -> bytes | None:
         """The object's bytes, or ``None`` if it does not exist (one GET on S3, through obstore
-        where :mod:`featstore.s3get` can translate the options)."""
+        where :mod:`featstore.s3get` can translate the options). ``metadata=True`` (manifests,
+        receipts, tags, ``zarr.json``): through s3fs, so a process that only opened versions has
+        not started obstore's runtime and its forked DataLoader workers can still use obstore."""
         path = self.path(key)
-        getter = self._s3_getter()
+        getter = None if metadata else self._s3_getter()
         if getter is not None:
             return getter.get(path)
         with backend_errors(self.url, path):
@@ -334,7 +337,7 @@ class Storage:
     # -- JSON ---------------------------------------------------------------------------
     def read_json(self, key: str) -> dict[str, Any] | None:
         """Parse a JSON object (never a pickle); ``None`` if absent."""
-        data = self.read_bytes(key)
+        data = self.read_bytes(key, metadata=True)
         return None if data is None else load_json(data, self.child_url(key))
 
     def write_json(self, key: str, obj: dict[str, Any]) -> None:

@@ -261,11 +261,14 @@ def forget_receipts(storage: Storage, vkey: str, indices: Iterable[int]) -> None
 
 
 def read_many(storage: Storage, keys: Sequence[str], threads: int = IO_THREADS) -> dict[str, bytes | None]:
-    """Read many small objects concurrently (the latency of S3 GETs overlaps)."""
+    """Read many small metadata objects concurrently (the latency of S3 GETs overlaps)."""
+    def read(key: str) -> bytes | None:
+        return storage.read_bytes(key, metadata=True)
+
     if len(keys) <= 1:
-        return {k: storage.read_bytes(k) for k in keys}
+        return {k: read(k) for k in keys}
     with ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="featstore-meta") as pool:
-        return dict(zip(keys, pool.map(storage.read_bytes, keys), strict=True))
+        return dict(zip(keys, pool.map(read, keys), strict=True))
 
 
 def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = None) -> dict[int, ShardReceipt]:
@@ -544,7 +547,7 @@ class Version:
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             self._arrays[(home, field)] = open_array(
                 group_store(self.storage, home, self.spread, read_only=True), field, self.manifest.arrays[field],
-                layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json"))
+                layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json", metadata=True))
         return self._arrays[(home, field)]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
