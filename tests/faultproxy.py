@@ -110,6 +110,7 @@ class FaultProxy:
         self.faults: collections.Counter = collections.Counter()  # by (kind, op)
         self.attempts: collections.Counter = collections.Counter()  # by request identity
         self.forwarded: collections.Counter = collections.Counter()  # by op, reached moto
+        self.clients: collections.Counter = collections.Counter()  # by (op, path, client): who sent it
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
         self._faulted: set = set()
         self._owner: dict = {}  # request identity -> the one rule that faults it
@@ -153,7 +154,7 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self.lock:
-            for c in (self.requests, self.faults, self.attempts, self.forwarded):
+            for c in (self.requests, self.faults, self.attempts, self.forwarded, self.clients):
                 c.clear()
             self.retries = 0
             self._faulted.clear()
@@ -254,6 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
         op = classify(self.command, u.path, u.query)
         query = "&".join(sorted(q for q in u.query.split("&") if not q.startswith("X-Amz-")))
         ident = (self.command, u.path, query, self.headers.get("Range", ""))
+        with self.owner.lock:
+            self.owner.clients[(op, u.path, client_of(self.headers.get("User-Agent", "")))] += 1
         kind = self.owner.fault_for(op, ident)
         if kind in _ERRORS:
             status, code, msg = _ERRORS[kind]
@@ -277,6 +280,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, headers, data)
 
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+
+def client_of(user_agent: str) -> str:
+    """``"obstore"`` (the Rust object_store client), ``"botocore"`` (s3fs, boto3) or the agent."""
+    if "object_store" in user_agent or "obstore" in user_agent:
+        return "obstore"
+    return "botocore" if "botocore" in user_agent.lower() else user_agent
 
 
 def wait_until(cond, timeout: float = 30.0, step: float = 0.05) -> bool:

@@ -188,3 +188,39 @@ def test_reader_fast_path_reads_featstore_layout(versions):
     assert all(ds._shard_format(f) is not None for f in ds.fields)
     got = torch.cat([b["logits"] for b in ds])
     assert torch.equal(got, v[0:len(v)]["logits"])
+
+
+def _client_in_worker(_: int) -> None:
+    """worker_init_fn: which client this worker's reads go through, as an attribute of the
+    dataset copy (read back through a batch is not possible; the assertion is in the worker)."""
+    from torch.utils.data import get_worker_info
+
+    ds = get_worker_info().dataset
+    getter = ds._proc.storage._s3_getter()
+    from featstore import s3get
+
+    assert (getter is None) == (not s3get.usable()), "obstore used where its runtime cannot run"
+
+
+@pytest.mark.timeout(180)
+def test_fork_workers_after_parent_used_obstore(versions):
+    """The parent reads a shard object through obstore (its tokio runtime starts), then forks
+    DataLoader workers: they must not touch the inherited runtime (it hangs), read through s3fs,
+    and yield every sample once with the stored values, within the DataLoader timeout."""
+    from featstore import s3get
+
+    v = versions["s3"]
+    ds = v.dataset(batch_size=40, seed=5)
+    storage = ds._proc.storage
+    assert storage._s3_getter() is not None or not s3get.usable()  # obstore in this process
+    key = v.object_key("logits", 0)
+    assert storage.read_bytes(key)  # the runtime is started now (or was already)
+    assert s3get._STARTED_IN is not None or not s3get.usable()
+    expected = v.load()
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60,
+                        worker_init_fn=_client_in_worker)
+    batches = list(loader)
+    idx = torch.cat([b["index"] for b in batches])
+    assert sorted(idx.tolist()) == list(range(N))
+    for field in ("features", "logits"):
+        assert torch.equal(torch.cat([b[field] for b in batches]), expected[field][idx]), field

@@ -7,6 +7,7 @@ the typed error): run with ``-s`` to see them.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import boto3
@@ -98,9 +99,11 @@ def test_compute_and_read_survive_transient_faults(faulty, proxy, reference, das
     # a request identity is faulted by its rule once): the first 6 chunk GETs of the workers
     # fail 1-2 times, then 20% of them.
     proxy.set_rules(Rule(KINDS, ops=("GET",), path=r"/c/", times=2, first=6, rate=0.2, seed=11))
-    before = proxy.n_faults
+    before, clients_before = proxy.n_faults, proxy.clients.copy()
     got_loader = read_all_through_loader(store.open("flt/set"), workers=2)
     loader_faults = proxy.n_faults - before
+    # The workers (forked: the parent only read metadata, through s3fs) GET through obstore.
+    loader_clients = {c for (op, path, c) in proxy.clients - clients_before if op == "GET" and "/c/" in path}
     print(f"\n[faults] compute+tag: {compute[0]} faults, {compute[1]} retries, {compute[2]} requests; "
           f"DataLoader workers' reads: {loader_faults} faults; total {proxy.n_faults} faults "
           f"{sorted(proxy.faults.items())}, {proxy.retries_seen} retries, {sum(proxy.requests.values())} requests")
@@ -108,6 +111,7 @@ def test_compute_and_read_survive_transient_faults(faulty, proxy, reference, das
     assert compute[0] >= 4 * len(OPS) + 3 + 3  # the first four of each type, and the two triples
     assert compute[1] == compute[0]  # every fault was retried (and then the request succeeded)
     assert loader_faults >= 6 and proxy.retries_seen == proxy.n_faults
+    assert loader_clients == {"obstore"}
     assert v.id == ref_version.id
     assert [s.digests for s in v.shard_receipts()] == [s.digests for s in ref_version.shard_receipts()]
     for k in ref:
@@ -171,6 +175,18 @@ def test_persistent_failure_is_store_unavailable_and_commits_nothing(faulty, pro
                       batch_size=32, samples_per_shard=32, client=dask_client, options=QUIET)
     proxy.reset_counts()
     proxy.set_rules(Rule("500", ops=("GET",), path=r"/c/", times=None))
+    # The DataLoader workers' chunk GETs (obstore) first: the typed error after the budget. (The
+    # zarr reads of load() below go on in the background after it raised: they come last.)
+    with pytest.raises(StoreUnavailable, match="cannot reach the store") as err:
+        read_all_through_loader(featstore.open_store(url, storage_options=opts).open(f"flt/set@{v.id}"), workers=2)
+    chunk = {k[1]: n for k, n in proxy.attempts.items() if "/c/" in k[1]}
+    clients = {c for (op, path, c) in proxy.clients if op == "GET" and "/c/" in path}
+    print(f"\n[persistent] DataLoader workers' chunk GET attempts per request={sorted(chunk.values())} by {clients}")
+    # Each failed after exactly the budget; a worker's request still retrying when the other
+    # worker's error stopped the loader has fewer.
+    assert clients == {"obstore"} and max(chunk.values()) == S3_MAX_ATTEMPTS
+    assert all(n <= S3_MAX_ATTEMPTS for n in chunk.values()) and "FEATSTORE_S3_CLIENT" in str(err.value)
+    proxy.reset_counts()
     with pytest.raises(StoreUnavailable):
         featstore.open_store(url, storage_options=opts).open(f"flt/set@{v.id}").load()
     per_request = max(n for k, n in proxy.attempts.items() if "/c/" in k[1])
@@ -181,16 +197,20 @@ def test_persistent_failure_is_store_unavailable_and_commits_nothing(faulty, pro
 
 #: s3fs's own retries of throttling and connection errors, around botocore's (s3fs's default).
 S3FS_RETRIES = 5
+#: The clients a Storage reads with: obstore (the default), s3fs (FEATSTORE_S3_CLIENT=s3fs).
+CLIENTS = ("obstore", "s3fs")
 
 
-def with_retries(opts: dict, attempts: int) -> dict:
-    """``opts`` with the user's own botocore retry policy."""
-    return {**opts, "config_kwargs": {**opts["config_kwargs"],
-                                      "retries": {"mode": "standard", "total_max_attempts": attempts}}}
+def with_retries(opts: dict, attempts: int, key: str = "total_max_attempts") -> dict:
+    """``opts`` with the user's own botocore retry policy (``max_attempts``: botocore's client
+    config counts retries there, so ``attempts`` + 1 attempts)."""
+    return {**opts, "config_kwargs": {**opts["config_kwargs"], "retries": {"mode": "standard", key: attempts}}}
 
 
-def _read_attempts(proxy, url: str, opts: dict, rule: Rule) -> tuple[BaseException, int]:
-    """Read one object with ``rule`` in force: (the error raised, attempts of that request)."""
+def _read_attempts(proxy, url: str, opts: dict, rule: Rule, client: str = "obstore",
+                   ) -> tuple[BaseException, int]:
+    """Read one object with ``rule`` in force: (the error raised, attempts of that request),
+    checking that ``client`` sent them."""
     storage = Storage(url, {**opts, "skip_instance_cache": True})
     storage.write_bytes("x/obj", b"payload")
     proxy.reset_counts()
@@ -202,42 +222,66 @@ def _read_attempts(proxy, url: str, opts: dict, rule: Rule) -> tuple[BaseExcepti
     else:
         error = AssertionError("the read succeeded through a persistent fault")
     proxy.set_rules()
+    assert {c for (op, path, c) in proxy.clients if op == "GET" and path.endswith("/x/obj")} == {client}
     return error, max(n for k, n in proxy.attempts.items() if k[1].endswith("/x/obj"))
 
 
 @pytest.mark.timeout(120)
-def test_persistent_503_and_reset_end_in_store_unavailable_within_the_budget(faulty, proxy):
+def test_persistent_503_and_reset_end_in_store_unavailable_within_the_budget(faulty, proxy, monkeypatch):
     """The documented budget (README, docs/reliability.md): a persistent 503 or connection
-    reset fails after at most s3fs's retries x botocore's attempts per request, as
-    StoreUnavailable. The 503 case runs with the user's own botocore budget of 2 attempts
-    (featstore's default 5 makes it 25 attempts, ~36 s: measured, not run in CI); the arithmetic
-    is the same."""
+    reset fails as StoreUnavailable after exactly the attempts of the policy through obstore
+    (featstore's reads), and after at most s3fs's retries x botocore's attempts through s3fs
+    (writes, listings, the zarr path, FEATSTORE_S3_CLIENT=s3fs). The s3fs 503 case runs with the
+    user's own botocore budget of 2 attempts (featstore's default 5 makes it 25 attempts, ~36 s:
+    measured, not run in CI); the arithmetic is the same."""
     url, opts, _, _ = faulty
     user = with_retries(opts, 2)
-    error, attempts = _read_attempts(proxy, url, user, Rule("503", ops=("GET",), path=r"/x/obj", times=None))
-    print(f"\n[persistent] 503 with 2 botocore attempts: {attempts} attempts, {type(error).__name__}")
+    rule_503 = Rule("503", ops=("GET",), path=r"/x/obj", times=None)
+    rule_reset = Rule("reset", ops=("GET",), path=r"/x/obj", times=None)
+    error, attempts = _read_attempts(proxy, url, user, rule_503)
+    print(f"\n[persistent] obstore: 503 with 2 attempts: {attempts} attempts, {type(error).__name__}")
+    assert isinstance(error, StoreUnavailable) and "cannot reach the store" in str(error)
+    assert attempts == 2  # exactly the user's budget: obstore adds no retries of its own
+    error, attempts = _read_attempts(proxy, url, opts, rule_reset)
+    print(f"[persistent] obstore: reset with featstore's policy: {attempts} attempts, {type(error).__name__}")
+    assert isinstance(error, StoreUnavailable) and attempts == S3_MAX_ATTEMPTS
+    # A stall past the read timeout: each attempt gives up after the timeout, not the stall.
+    t0 = time.monotonic()
+    error, attempts = _read_attempts(proxy, url, user, Rule("timeout", ops=("GET",), path=r"/x/obj", times=None))
+    took = time.monotonic() - t0
+    print(f"[persistent] obstore: stall with 2 attempts: {attempts} attempts, {took:.1f} s, {type(error).__name__}")
+    assert isinstance(error, StoreUnavailable) and attempts == 2 and took < 2 * proxy.stall
+
+    monkeypatch.setenv("FEATSTORE_S3_CLIENT", "s3fs")
+    error, attempts = _read_attempts(proxy, url, user, rule_503, client="botocore")
+    print(f"[persistent] s3fs: 503 with 2 botocore attempts: {attempts} attempts, {type(error).__name__}")
     assert isinstance(error, StoreUnavailable) and "cannot reach the store" in str(error)
     assert attempts == S3FS_RETRIES * 2  # the user's budget, times s3fs's own retries: bounded
-    error, attempts = _read_attempts(proxy, url, opts, Rule("reset", ops=("GET",), path=r"/x/obj", times=None))
-    print(f"[persistent] reset with featstore's policy: {attempts} attempts, {type(error).__name__}")
+    error, attempts = _read_attempts(proxy, url, opts, rule_reset, client="botocore")
+    print(f"[persistent] s3fs: reset with featstore's policy: {attempts} attempts, {type(error).__name__}")
     assert isinstance(error, StoreUnavailable)
     assert S3_MAX_ATTEMPTS <= attempts <= S3FS_RETRIES * S3_MAX_ATTEMPTS
 
 
 @pytest.mark.timeout(120)
-def test_users_own_retry_settings_win(faulty, proxy, monkeypatch):
+@pytest.mark.parametrize("client", CLIENTS)
+def test_users_own_retry_settings_win(faulty, proxy, monkeypatch, client):
     """featstore fills in its retry policy only where the user set none: config_kwargs retries,
-    or AWS_MAX_ATTEMPTS / AWS_RETRY_MODE in the environment, win (counted on a persistent 500,
-    which s3fs does not retry around botocore)."""
+    or AWS_MAX_ATTEMPTS / AWS_RETRY_MODE in the environment, win, through either client (counted
+    on a persistent 500, which s3fs does not retry around botocore)."""
     url, opts, _, _ = faulty
+    monkeypatch.setenv("FEATSTORE_S3_CLIENT", client)
+    sender = "obstore" if client == "obstore" else "botocore"
     rule = Rule("500", ops=("GET",), path=r"/x/obj", times=None)
-    _, attempts = _read_attempts(proxy, url, opts, rule)
+    _, attempts = _read_attempts(proxy, url, opts, rule, sender)
     assert attempts == S3_MAX_ATTEMPTS  # featstore's policy
     mine = with_retries(opts, 3)
-    _, attempts = _read_attempts(proxy, url, mine, rule)
-    assert attempts == 3  # config_kwargs
+    _, attempts = _read_attempts(proxy, url, mine, rule, sender)
+    assert attempts == 3  # config_kwargs total_max_attempts
+    _, attempts = _read_attempts(proxy, url, with_retries(opts, 1, "max_attempts"), rule, sender)
+    assert attempts == 2  # config_kwargs max_attempts: botocore counts retries there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("AWS_RETRY_MODE", "standard")
     assert "retries" not in Storage(url, opts)._options["config_kwargs"]
-    _, attempts = _read_attempts(proxy, url, opts, rule)
+    _, attempts = _read_attempts(proxy, url, opts, rule, sender)
     assert attempts == 2  # the environment

@@ -59,7 +59,17 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     v = store.open("sec/set@best")
     v.load()
     ds = store.dataset("sec/set", batch_size=16)
-    batches = list(ds)
+    batches = list(ds)  # shard objects through obstore, with the secret in its config
+    getter = ds._proc.storage._s3_getter()
+    assert getter is not None  # the obstore path really ran
+    seen += [repr(getter), repr(getter._store), repr(vars(getter))]
+    # An obstore error (nothing listens on port 9; no retries): the message, never the secret.
+    dead = Storage(f"s3://{bucket}/feats", {**opts, "endpoint_url": "http://127.0.0.1:9",
+                                             "config_kwargs": {"retries": {"total_max_attempts": 1}}})
+    with pytest.raises(FeatstoreError) as err:
+        dead.read_bytes("x")
+    assert "FEATSTORE_S3_CLIENT" in str(err.value)  # obstore's message
+    seen += [str(err.value), repr(err.value), repr(err.value.__cause__), repr(err.value.__context__)]
     seen += [repr(x) for x in (store, store.storage, v, ds, v.manifest, batches[0].keys())]
     seen.append(repr(store.storage.options) + str(store.storage.options))
     # Error messages: a missing version, and a bucket that does not exist.
@@ -76,6 +86,8 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     records = all_logs.records + worker_records
     names = {n.split(".")[0] for n, _ in records}
     assert {"botocore", "s3fs", "featstore"} <= names  # the capture really saw these loggers
+    # obstore (Rust) does not log through Python logging at all: nothing of it to leak there.
+    assert not any("obstore" in n or "object_store" in n for n in names)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
     stored = [s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys]
     token_loggers = sorted({n for n, m in records if TOKEN in m})

@@ -16,8 +16,9 @@ from featstore.errors import FeatstoreError, StoreConflict
 from featstore.storage import Storage
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
-def storage(request, tmp_path):
+@pytest.fixture(params=["local", "memory", "s3", "s3-s3fs"])
+def storage(request, tmp_path, monkeypatch):
+    """S3 twice: reads through obstore (the default) and through s3fs (FEATSTORE_S3_CLIENT)."""
     if request.param == "local":
         yield Storage(str(tmp_path / "root"))
     elif request.param == "memory":
@@ -25,8 +26,11 @@ def storage(request, tmp_path):
         yield s
         s.delete("", recursive=True)
     else:
+        monkeypatch.setenv("FEATSTORE_S3_CLIENT", "s3fs" if request.param == "s3-s3fs" else "obstore")
         url, opts = request.getfixturevalue("s3_url")
-        yield Storage(url, opts)
+        s = Storage(url, opts)
+        assert (s._s3_getter() is None) == (request.param == "s3-s3fs")  # the client under test
+        yield s
 
 
 class LostReplyStorage(Storage):
@@ -111,3 +115,14 @@ def test_keys_cannot_leave_the_root(storage, key):
     with pytest.raises(FeatstoreError):
         storage.write_bytes(key, b"x")
     assert storage.find("") == []
+
+
+def test_ranges(storage):
+    storage.write_bytes("r/obj", b"0123456789")
+    assert storage.read_bytes("r/obj") == b"0123456789"
+    assert storage.read_range("r/obj", 0, 3) == b"012"
+    assert storage.read_range("r/obj", -4) == b"6789"  # the suffix, one request
+    assert storage.read_range("r/obj", 5) == b"56789"
+    assert storage.read_range("r/obj", 8, 100) == b"89"  # past the end: what there is
+    assert storage.read_range("r/obj", 3, 7) == b"3456"
+    assert storage.read_range("r/nope", 0, 3) is None and storage.read_range("r/nope", -3) is None
