@@ -62,7 +62,7 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     batches = list(ds)  # shard objects through obstore, with the secret in its config
     getter = ds._proc.storage._s3_getter()
     assert getter is not None  # the obstore path really ran
-    seen += [repr(getter), repr(getter._store), repr(vars(getter))]
+    seen += [repr(getter), repr(getter._store)]  # its attributes hold them, as Storage._options does
     # An obstore error (nothing listens on port 9; no retries): the message, never the secret.
     dead = Storage(f"s3://{bucket}/feats", {**opts, "endpoint_url": "http://127.0.0.1:9",
                                              "config_kwargs": {"retries": {"total_max_attempts": 1}}})
