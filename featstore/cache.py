@@ -131,12 +131,14 @@ class MappedFiles:
 
     Every ``get`` checks the file (one ``stat``, about a microsecond): a file deleted since it
     was mapped raises ``FileNotFoundError`` (a deleted version reads as deleted, not from a
-    stale map), and a file replaced or rewritten is mapped afresh.
+    stale map), and a file replaced or rewritten is mapped afresh. Each kept map carries the set
+    of its chunks whose crc32c the reader has checked (:meth:`checked`): a map is checked once,
+    and a rewritten file, being mapped afresh, is checked again.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._maps: OrderedDict[str, tuple[tuple[int, int, int], memoryview]] = OrderedDict()
+        self._maps: OrderedDict[str, tuple[tuple[int, int, int], memoryview, set[int]]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -159,12 +161,19 @@ class MappedFiles:
             old = self._maps.pop(path, None)
             if old is not None:
                 self._bytes -= len(old[1])
-            self._maps[path] = (sig, view)
+            self._maps[path] = (sig, view, set())
             self._bytes += len(view)
             while self._bytes > self.max_bytes and len(self._maps) > 1:
-                _, (_, evicted) = self._maps.popitem(last=False)  # unmapped once its last array is freed
+                _, (_, evicted, _) = self._maps.popitem(last=False)  # unmapped once its last array is freed
                 self._bytes -= len(evicted)
         return view
+
+    def checked(self, path: str, view: memoryview) -> set[int]:
+        """The chunks of ``view`` (the map of ``path`` that :meth:`get` returned) already checked
+        in this process; the caller adds those it checks. A map not kept gets a fresh set."""
+        with self._lock:
+            hit = self._maps.get(path)
+        return hit[2] if hit is not None and hit[1] is view else set()
 
     def clear(self) -> None:
         """Forget every map (each is unmapped once no array uses it any more)."""

@@ -13,6 +13,7 @@ and its batches carry ``"view"``. ``source=`` joins the student's own input: eac
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,7 +105,9 @@ def _rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: int, b
     groups = None
     out = {}
     for k, v in arrays.items():
-        if isinstance(v, _InPlace):
+        if isinstance(v, _InPlace) and order is None:
+            out[k] = v.span(drop + a, drop + b)
+        elif isinstance(v, _InPlace):
             groups = groups if groups is not None else v.groups(pos)  # same pieces for every field
             out[k] = v.take(groups, len(pos))
         elif isinstance(v, RaggedWindow):
@@ -136,6 +139,23 @@ class _InPlace:
         bounds = np.searchsorted(pid[slots], np.arange(len(self.sources) + 1))
         return [(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
                 if len(sel := slots[bounds[p]:bounds[p + 1]])]
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """Window rows ``[lo, hi)`` in order: one block copy per chunk they cross (an unshuffled
+        batch reads sequentially, not row by row)."""
+        first = self.sources[0]
+        out = np.empty((hi - lo, *first.shape[2:]), dtype=first.dtype)
+        at = lo
+        while at < hi:
+            p = int(np.searchsorted(self.ends, at, side="right"))
+            stop = min(hi, int(self.ends[p]))
+            row = at - int(self.starts[p]) + int(self.los[p])
+            while at < stop:
+                c, r = divmod(row, self.chunk_rows)
+                k = min(stop - at, self.chunk_rows - r)
+                out[at - lo:at - lo + k] = self.sources[p][c, r:r + k]
+                at, row = at + k, row + k
+        return out
 
     def take(self, groups: list, n: int) -> np.ndarray:
         if len(groups) == 1 and groups[0][1] is None:
@@ -399,8 +419,7 @@ class FeatureDataset(IterableDataset):
         """One shard object's bytes: mapped for a local store (no copy), else read whole.
         ``keep=False``: read once (decoded into the shared cache), so not kept mapped."""
         st = self._proc
-        # a base's folder for an inherited shard; this epoch's view's group with views
-        key = self._viewing.reading.object_key(ref.array, shard)
+        key = self._object_key(ref, shard)
         if st.storage.is_local:
             try:
                 data: Any = st.maps.get(st.storage.path(key), keep)
@@ -414,20 +433,30 @@ class FeatureDataset(IterableDataset):
             raise CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
         return data
 
+    def _object_key(self, ref: ChunkRef, shard: int) -> str:
+        # a base's folder for an inherited shard; this epoch's view's group with views
+        return self._viewing.reading.object_key(ref.array, shard)
+
     def _source(self, piece: Piece, field: str) -> np.ndarray:
         """The piece's whole shard as ``(chunks, chunk_rows, *row)``: mapped in place (local,
-        uncompressed; the crc32c of the piece's chunks checked on every read, so a byte that
-        changes on disk between epochs is caught, at ~0.07 of an epoch's time) or decoded once
-        per machine into the shared cache."""
+        uncompressed) or decoded once per machine into the shared cache.
+
+        A mapped chunk's crc32c is checked once per map, not on every epoch (that cost ~0.12 of
+        a read-only epoch, docs/benchmarks.md): a file rewritten or replaced since is mapped
+        afresh and checked again; what a map no longer covers is a damage below the page cache
+        after the check, which ``verify()`` finds."""
         fmt = self._shard_format(field)
         assert fmt is not None
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         start, stop = self.version.manifest.layout.shard_range(piece.shard)
         n = -(-(stop - start) // fmt.chunk_rows)
         if self._proc.storage.is_local and not fmt.compressed:
-            todo = list(range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)))
-            arr = mapped_chunks(self._object(ref, piece.shard), fmt, n, todo, ref)
+            data = self._object(ref, piece.shard)
+            checked = self._proc.maps.checked(self._proc.storage.path(self._object_key(ref, piece.shard)), data)
+            todo = [c for c in range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)) if c not in checked]
+            arr = mapped_chunks(data, fmt, n, todo, ref)
             if arr is not None:
+                checked.update(todo)
                 return arr
         return self._cached(fmt, n, ref, piece.shard)
 
@@ -654,6 +683,19 @@ class _WindowReader:
 #: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again
 #: costs about as much as copying them, so a version up to this size is mapped once per process.
 MAPPED_BYTES = 256 * 2**20
+_MAPS: tuple[int, MappedFiles] | None = None
+_MAPS_LOCK = threading.Lock()
+
+
+def process_maps() -> MappedFiles:
+    """This process's mapped shard objects, shared by all its readers (so each chunk's crc32c
+    is checked once per process); a forked child starts its own (a lock may have been held
+    by another thread at the fork)."""
+    global _MAPS
+    with _MAPS_LOCK:
+        if _MAPS is None or _MAPS[0] != os.getpid():
+            _MAPS = (os.getpid(), MappedFiles(MAPPED_BYTES))
+        return _MAPS[1]
 
 
 class _ProcessState:
@@ -665,7 +707,7 @@ class _ProcessState:
         self.pid = os.getpid()
         self.storage = version.storage.reopen()
         self.formats: dict[str, ShardFormat | None] = {}
-        self.maps = MappedFiles(MAPPED_BYTES)
+        self.maps = process_maps()
         self.cache: SharedCache | None = None
 
 

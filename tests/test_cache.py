@@ -264,6 +264,35 @@ def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
         batches(v.dataset(batch_size=16), workers=2)
 
 
+def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versions, tmp_path, monkeypatch):
+    """Epoch 2 of one reader checks no crc32c of a mapped shard it checked in epoch 1; a shard
+    object replaced on disk between epochs is mapped afresh and its damage is caught."""
+    import featstore.format as fmt
+
+    src = versions["raw"]
+    shutil.copytree(src.storage.root, tmp_path / "store")
+    v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
+    checks: list[str] = []
+    real = fmt._check_crc
+    monkeypatch.setattr(fmt, "_check_crc", lambda data, what, ref: checks.append(what) or real(data, what, ref))
+    ds = v.dataset(batch_size=16, fields=("logits",))
+    first = batches(ds)
+    n_first = len(checks)
+    ds.set_epoch(1)
+    second = batches(ds)
+    chunk_checks = [w for w in checks[n_first:] if w.startswith("chunk")]
+    assert n_first > 0 and chunk_checks == [] and len(second) == len(first)
+    obj = Path(v.storage.path(v.key)) / "logits" / "c" / "4" / "0"
+    data = bytearray(obj.read_bytes())
+    data[int(len(data) * 0.3)] ^= 0x08
+    tmp = obj.with_name("0.new")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, obj)  # as a tool rewrites a file: a new inode
+    ds.set_epoch(2)
+    with pytest.raises(CorruptChunk, match="logits/c/4/0"):
+        batches(ds)
+
+
 def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
     src = versions["zstd"]
     shutil.copytree(src.storage.root, tmp_path / "store")
@@ -274,3 +303,28 @@ def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
         with pytest.raises(CorruptChunk, match="features/c/3/0"):
             list(ds)
         assert "features.3" not in entries(folder_of(ds))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_in_place_span_equals_the_row_by_row_gather(seed):
+    """An unshuffled batch's block copies give exactly the rows the shuffled path's gather gives,
+    across pieces that start mid-shard and batches that cross chunk and piece edges."""
+    import numpy as np
+
+    from featstore.dataset import _InPlace
+    from featstore.plan import Piece
+
+    rng = np.random.default_rng(seed)
+    chunk_rows, n_chunks = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+    sources, pieces = [], []
+    for shard in range(int(rng.integers(1, 5))):
+        sources.append(rng.standard_normal((n_chunks, chunk_rows, 3)).astype(np.float32))
+        lo = int(rng.integers(0, n_chunks * chunk_rows))
+        pieces.append(Piece(shard, lo, int(rng.integers(lo + 1, n_chunks * chunk_rows + 1))))
+    place = _InPlace(sources, tuple(pieces), chunk_rows)
+    total = sum(p.size for p in pieces)
+    for _ in range(20):
+        lo = int(rng.integers(0, total))
+        hi = int(rng.integers(lo + 1, total + 1))
+        pos = np.arange(lo, hi)
+        assert np.array_equal(place.span(lo, hi), place.take(place.groups(pos), len(pos)))
