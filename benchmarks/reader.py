@@ -102,6 +102,19 @@ def torch_threads(n: int):
         torch.set_num_threads(old)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 # -- memory with 2 workers --------------------------------------------------------------------
 def _smaps(pid: int) -> dict[str, int]:
     try:
@@ -260,6 +273,8 @@ def run_reader(n: int, repeats: int, workdir: str, endpoint: str | None, say: An
             # which client the reader's GETs went through (obstore unless FEATSTORE_S3_CLIENT=s3fs)
             r["s3_client"] = "obstore" if s3ds._proc.storage._s3_getter() is not None else "s3fs"
             r["s3_stored_bytes"] = _bytes(s3v)
+            with _env("FEATSTORE_S3_CLIENT", "s3fs"):  # the reader as it was: every GET through s3fs
+                r["s3fs_read_s"], _ = read_only(featstore_batches(s3v.dataset(batch_size=BATCH, seed=0)))
             r["s3"] = s3_clients(s3v, endpoint)
         res["reps"].append(r)
     return res
@@ -335,6 +350,9 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
         (f"S3 reader byte rate (through {client}) / raw GET rate (obstore, 4 concurrent, same objects)",
          "(info)", lambda r: r["s3_stored_bytes"] / r["s3_read_s"] / r["s3"]["obstore_bps"],
          "the same epoch against the fastest raw client"),
+        ("S3 reader byte rate: featstore's client / every GET through s3fs", "(info)",
+         lambda r: r["s3fs_read_s"] / r["s3_read_s"],
+         "the same read-only epoch with `FEATSTORE_S3_CLIENT=s3fs`: what adopting obstore changed"),
         ("S3 client GET rate: obstore / s3fs (4 concurrent)", "(info)",
          lambda r: r["s3"]["obstore_bps"] / r["s3"]["s3fs_bps"], "whole-object GETs of the same objects"),
         ("S3 client GET rate: boto3 / s3fs (4 concurrent)", "(info)",
@@ -412,7 +430,9 @@ NOTES = (
     "process forked after obstore's runtime started, or `FEATSTORE_S3_CLIENT=s3fs` read through "
     "s3fs. The retry budget, the typed `StoreUnavailable`, the secret masking and fork/spawn/"
     "forkserver DataLoader workers are tested against the obstore path (fault proxy, secrets, "
-    "contract and DataLoader tests); the reader row names the client it used.",
+    "contract and DataLoader tests); the reader row names the client it used. On S3 "
+    "`compression='auto'` stores the fp16 features with zstd (bytes matter there), so that epoch "
+    "decodes them; the uncompressed logits are gathered straight from the fetched objects.",
 )
 
 

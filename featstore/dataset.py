@@ -389,11 +389,12 @@ class FeatureDataset(IterableDataset):
         return formats[field]
 
     def _in_place(self, field: str) -> bool:
-        """Whether the field's pieces are read where they lie (a mapped local object, or the
-        shared cache) rather than copied into a window buffer."""
+        """Whether the field's pieces are read where they lie (a mapped local object, an
+        uncompressed object as fetched, or the shared cache) rather than copied into a window
+        buffer."""
         fmt = self._shard_format(field)
-        return fmt is not None and not self.version.manifest.arrays[field].ragged and (self.options.cache is not None
-                                    or (self._proc.storage.is_local and not fmt.compressed))
+        return (fmt is not None and not self.version.manifest.arrays[field].ragged
+                and (self.options.cache is not None or not fmt.compressed))
 
     def _shared_cache(self) -> SharedCache:
         st = self._proc
@@ -450,6 +451,8 @@ class FeatureDataset(IterableDataset):
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         start, stop = self.version.manifest.layout.shard_range(piece.shard)
         n = -(-(stop - start) // fmt.chunk_rows)
+        if not fmt.compressed and self.options.cache is None and not self._proc.storage.is_local:
+            return self._fetched(piece, field, fmt, n, ref)
         if self._proc.storage.is_local and not fmt.compressed:
             data = self._object(ref, piece.shard)
             checked = self._proc.maps.checked(self._proc.storage.path(self._object_key(ref, piece.shard)), data)
@@ -459,6 +462,26 @@ class FeatureDataset(IterableDataset):
                 checked.update(todo)
                 return arr
         return self._cached(fmt, n, ref, piece.shard)
+
+    def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef) -> np.ndarray:
+        """An uncompressed shard of a remote store as ``(chunks, chunk_rows, *row)``: batches
+        gather straight from the fetched object's bytes once the piece's chunks pass their
+        crc32c (no copy into a window buffer). A piece needing only a few of the shard's chunks
+        reads just those (:meth:`Version.read_shard_rows`) into an array of the shard's shape
+        whose other rows are never touched."""
+        c0, c1 = piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)
+        full = None
+        if 2 * (c1 - c0) > fmt.chunks_per_shard:
+            data = self._object(ref, piece.shard)
+            arr = mapped_chunks(data, fmt, n, range(c0, c1), ref)
+            if arr is not None:
+                return arr
+            full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
+            decode_shard_rows(data, fmt, piece.lo, piece.hi, full[piece.lo:piece.hi], ref)
+        else:
+            full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
+            self._read_field(piece, field, full[piece.lo:piece.hi])
+        return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
 
     def _cached(self, fmt: ShardFormat, n: int, ref: ChunkRef, shard: int) -> np.ndarray:
         """The shard decoded, from the shared cache (decoded and inserted on a miss; kept by

@@ -31,7 +31,7 @@ import zarr.storage
 from .errors import FeatstoreError, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable
 from .manifest import canonical_json, load_json
 from .s3config import plan
-from .s3get import S3Getter, usable
+from .s3get import S3Getter, shared_getter
 
 _WRITE_ID = "_write_id"
 #: Serialises the exists-check and the write of :meth:`Storage.create` on backends without a
@@ -222,8 +222,7 @@ class Storage:
         if held is not None and held[0] == pid:
             return held[1]
         with backend_errors(self.url):
-            p = plan(self.url, self._options, self.fs) if usable() else None
-            getter = S3Getter(p, self.url) if p is not None else None
+            getter = shared_getter(self.url, self._options, lambda: plan(self.url, self._options, self.fs))
         self._getter = (pid, getter)
         return getter
 
