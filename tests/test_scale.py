@@ -30,8 +30,8 @@ class CountingStorage(Storage):
         self.reads: list[tuple[str, int]] = []
         self.lists: list[str] = []
 
-    def read_bytes(self, key):
-        data = super().read_bytes(key)
+    def read_bytes(self, key, *, metadata=False):
+        data = super().read_bytes(key, metadata=metadata)
         self.reads.append((key, len(data or b"")))
         return data
 
