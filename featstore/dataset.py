@@ -641,6 +641,10 @@ class _WindowReader:
         self.queue: deque[tuple[int, int, dict[str, Any], list[Future], tuple[Piece, ...]]] = deque()
         self.in_flight = 0  # pieces submitted and not yet consumed
         self.placed = [f for f in ds.fields if ds._in_place(f)]
+        # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
+        # pool thread that would wait for a core behind Model B's busy torch threads.
+        self.mapped = {f for f in self.placed if ds._proc.storage.is_local and ds.options.cache is None
+                       and not ds._shard_format(f).compressed}
         self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
         self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
         self.chunk_rows = ds.version.manifest.layout.chunk_rows
@@ -693,7 +697,8 @@ class _WindowReader:
                          for f in self.dense]
                 off += p.size
             for f in self.placed:  # futures of each piece's source; an _InPlace once all are done
-                arrays[f] = [self.pool.submit(self.ds._source, p, f) for p in window]
+                run = _now if f in self.mapped else self.pool.submit
+                arrays[f] = [run(self.ds._source, p, f) for p in window]
                 futs += arrays[f]
             if self.ragged:  # each piece's token rows of every per-token array; RaggedWindows once done
                 tokens = [self.pool.submit(self.ds._read_tokens, p, tuple(self.ragged)) for p in window]
@@ -701,6 +706,16 @@ class _WindowReader:
                 futs += tokens
             self.queue.append((wi, drop, arrays, futs, window))
             self.in_flight += len(window)
+
+
+def _now(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` run in the calling thread, as a finished future (its error kept in it)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - re-raised where the result is taken, as from a pool
+        fut.set_exception(exc)
+    return fut
 
 
 #: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again

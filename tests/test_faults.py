@@ -71,7 +71,14 @@ def read_all_through_loader(version, workers: int) -> dict[str, np.ndarray]:
     # forked one inherits it once started here, and then reads through s3fs: see s3get.py).
     loader = DataLoader(ds, batch_size=None, num_workers=workers, timeout=120 if workers else 0,
                         multiprocessing_context="spawn" if workers else None)
-    batches = list(loader)
+    it = iter(loader)
+    try:
+        batches = list(it)
+    finally:
+        # Stop the workers now: on an error the traceback keeps the iterator (and its workers,
+        # still retrying their GETs) alive, and the next request counts would include theirs.
+        if hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
     order = np.argsort(torch.cat([b["index"] for b in batches]).numpy())
     return {k: torch.cat([b[k] for b in batches]).numpy()[order] for k in batches[0]}
 
@@ -276,8 +283,8 @@ def test_users_own_retry_settings_win(faulty, proxy, monkeypatch, client):
     monkeypatch.setenv("FEATSTORE_S3_CLIENT", client)
     sender = "obstore" if client == "obstore" else "botocore"
     rule = Rule("500", ops=("GET",), path=r"/x/obj", times=None)
-    _, attempts = _read_attempts(proxy, url, opts, rule, sender)
-    assert attempts == S3_MAX_ATTEMPTS  # featstore's policy
+    # featstore's own policy (5 attempts) is counted on persistent 500s by
+    # test_persistent_failure_is_store_unavailable_and_commits_nothing, for both clients
     mine = with_retries(opts, 3)
     _, attempts = _read_attempts(proxy, url, mine, rule, sender)
     assert attempts == 3  # config_kwargs total_max_attempts

@@ -1,6 +1,6 @@
 """SIGKILL a real computing process at random points, resume, and compare with a clean run.
 
-CI runs 10 kills on local disk and 5 on S3; FEATSTORE_KILLS_LOCAL / FEATSTORE_KILLS_S3 raise
+CI runs 4 kills on local disk and 2 on S3; FEATSTORE_KILLS_LOCAL / FEATSTORE_KILLS_S3 raise
 them for a longer local run.
 """
 
@@ -29,8 +29,8 @@ SHARDS = N // SPP
 OUT = {"features": "float16", "logits": "float32"}
 # Kill/resume cycles per backend (each ~5-10 s); raise them for a soak run, e.g.
 # FEATSTORE_KILLS_LOCAL=50. The defaults keep CI's whole suite under its time budget.
-KILLS = {"local": int(os.environ.get("FEATSTORE_KILLS_LOCAL", 6)),
-         "s3": int(os.environ.get("FEATSTORE_KILLS_S3", 3))}
+KILLS = {"local": int(os.environ.get("FEATSTORE_KILLS_LOCAL", 4)),
+         "s3": int(os.environ.get("FEATSTORE_KILLS_S3", 2))}
 
 
 def compute(store, client, data, seed=0):
