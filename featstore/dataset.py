@@ -470,16 +470,13 @@ class FeatureDataset(IterableDataset):
         reads just those (:meth:`Version.read_shard_rows`) into an array of the shard's shape
         whose other rows are never touched."""
         c0, c1 = piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)
-        full = None
-        if 2 * (c1 - c0) > fmt.chunks_per_shard:
-            data = self._object(ref, piece.shard)
-            arr = mapped_chunks(data, fmt, n, range(c0, c1), ref)
-            if arr is not None:
-                return arr
-            full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
+        data = self._object(ref, piece.shard) if 2 * (c1 - c0) > fmt.chunks_per_shard else None
+        if data is not None and (arr := mapped_chunks(data, fmt, n, range(c0, c1), ref)) is not None:
+            return arr
+        full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
+        if data is not None:  # fetched whole, chunks not back to back: decoded from those bytes
             decode_shard_rows(data, fmt, piece.lo, piece.hi, full[piece.lo:piece.hi], ref)
         else:
-            full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
             self._read_field(piece, field, full[piece.lo:piece.hi])
         return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
 
