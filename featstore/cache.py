@@ -243,6 +243,15 @@ class SharedCache:
                 pass
             os.close(fd)  # the last user removed the folder meanwhile: start over
 
+    def path(self, key: str) -> str:
+        """The file that holds ``key`` once cached (it may not exist)."""
+        return self._path(key)
+
+    def touch(self, key: str) -> None:
+        """Count a use of ``key`` (least recently used goes first)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self._path(key))
+
     def _path(self, key: str) -> str:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"bad cache key {key!r}")

@@ -24,9 +24,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .arena import Arena, Slot, process_arena
+from .arena import supported as arena_supported
 from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format
+from .gather import ArenaRows, InPlace, window_rows
 from .partcodecs import assemble, expand_fields
 from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
                      RaggedWindow, concat_rows, offsets, pad_value, padded)
@@ -96,76 +99,6 @@ class ReaderOptions:
             raise InvalidInput(f"cache must be one of {CACHE_KINDS} or None, got {self.cache!r}.")
         if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 1):
             raise InvalidInput(f"cache_bytes must be a positive int, got {self.cache_bytes!r}.")
-
-
-def _rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: int, b: int) -> dict[str, np.ndarray]:
-    """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``;
-    fields held in place (:class:`_InPlace`) are gathered straight into the batch."""
-    pos = np.arange(drop + a, drop + b) if order is None else order[a:b]
-    groups = None
-    out = {}
-    for k, v in arrays.items():
-        if isinstance(v, _InPlace) and order is None:
-            out[k] = v.span(drop + a, drop + b)
-        elif isinstance(v, _InPlace):
-            groups = groups if groups is not None else v.groups(pos)  # same pieces for every field
-            out[k] = v.take(groups, len(pos))
-        elif isinstance(v, RaggedWindow):
-            out[k] = v.take(pos)
-        else:
-            out[k] = v[drop + a:drop + b] if order is None else v[pos]
-    return out
-
-
-class _InPlace:
-    """One field of a window left where it lies: piece ``i``'s rows are rows ``lo_i..`` of
-    ``sources[i]``, a ``(chunks, chunk_rows, *row)`` array on a mapped shard object or a shard
-    in the shared cache. A batch gathers its rows from there: one copy, as from a tensor."""
-
-    def __init__(self, sources: list[np.ndarray], pieces: tuple[Piece, ...], chunk_rows: int) -> None:
-        self.sources, self.chunk_rows = sources, chunk_rows
-        sizes = np.array([p.size for p in pieces], dtype=np.int64)
-        self.ends = np.cumsum(sizes)
-        self.starts = self.ends - sizes
-        self.los = np.array([p.lo for p in pieces], dtype=np.int64)
-
-    def groups(self, pos: np.ndarray) -> list[tuple[int, np.ndarray | None, np.ndarray, np.ndarray]]:
-        """Window positions -> per piece: (piece, batch slots or None for all, chunk, row)."""
-        pid = np.searchsorted(self.ends, pos, side="right")
-        chunk, row = np.divmod(pos - self.starts[pid] + self.los[pid], self.chunk_rows)
-        if len(pid) == 0 or pid[0] == pid[-1] and (pid == pid[0]).all():
-            return [(int(pid[0]) if len(pid) else 0, None, chunk, row)]
-        slots = np.argsort(pid, kind="stable")
-        bounds = np.searchsorted(pid[slots], np.arange(len(self.sources) + 1))
-        return [(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
-                if len(sel := slots[bounds[p]:bounds[p + 1]])]
-
-    def span(self, lo: int, hi: int) -> np.ndarray:
-        """Window rows ``[lo, hi)`` in order: one block copy per chunk they cross (an unshuffled
-        batch reads sequentially, not row by row)."""
-        first = self.sources[0]
-        out = np.empty((hi - lo, *first.shape[2:]), dtype=first.dtype)
-        at = lo
-        while at < hi:
-            p = int(np.searchsorted(self.ends, at, side="right"))
-            stop = min(hi, int(self.ends[p]))
-            row = at - int(self.starts[p]) + int(self.los[p])
-            while at < stop:
-                c, r = divmod(row, self.chunk_rows)
-                k = min(stop - at, self.chunk_rows - r)
-                out[at - lo:at - lo + k] = self.sources[p][c, r:r + k]
-                at, row = at + k, row + k
-        return out
-
-    def take(self, groups: list, n: int) -> np.ndarray:
-        if len(groups) == 1 and groups[0][1] is None:
-            p, _, chunk, row = groups[0]
-            return self.sources[p][chunk, row]
-        first = self.sources[groups[0][0]]
-        out = np.empty((n, *first.shape[2:]), dtype=first.dtype)
-        for p, sel, chunk, row in groups:
-            out[sel] = self.sources[p][chunk, row]
-        return out
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -463,6 +396,80 @@ class FeatureDataset(IterableDataset):
                 return arr
         return self._cached(fmt, n, ref, piece.shard)
 
+    def _arena_rows(self, window: tuple[Piece, ...], field: str) -> ArenaRows | InPlace:
+        """A window's pieces of an array held in this process's arena (one ``index_select`` per
+        batch, :mod:`featstore.arena`): the stored objects of a local uncompressed array, else
+        the decoded shards of the shared cache. Shard by shard (:meth:`_source`) when a shard
+        does not fit a slot, is not laid out back to back, or cannot be cached."""
+        fmt = self._shard_format(field)
+        assert fmt is not None
+        row_bytes = int(np.prod(fmt.row_shape, dtype=np.int64)) * np.dtype(fmt.dtype).itemsize
+        stored = self._proc.storage.is_local and not fmt.compressed
+        gap = 4 if stored else 0  # a stored chunk's crc32c follows it; the cache holds values only
+        size = fmt.chunks_per_shard * (fmt.chunk_rows * row_bytes + gap) + (16 * fmt.chunks_per_shard + 4) * stored
+        arena = process_arena(size, MAPPED_BYTES)
+        pin = self._pin if stored else self._pin_cached
+        slots: list[Slot] = []
+        try:
+            while arena is not None and len(slots) < len(window):
+                slot = pin(arena, window[len(slots)], field, fmt)
+                if slot is None:
+                    break
+                slots.append(slot)
+            else:
+                if arena is not None:
+                    return ArenaRows(arena, slots, window, fmt, gap)
+        finally:
+            if arena is not None and len(slots) < len(window):
+                for slot in slots:
+                    arena.unpin(slot)
+        return InPlace([self._source(p, field) for p in window], window, fmt.chunk_rows)
+
+    def _pin_cached(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
+        """The piece's decoded shard, from the shared cache (decoded and inserted on a miss),
+        held in ``arena``; None when it cannot be cached (then read shard by shard)."""
+        ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
+        cache = self._shared_cache()
+        key = self._cache_key(ref, piece.shard)
+        for attempt in range(2):
+            try:
+                slot = arena.pin(cache.path(key))
+            except FileNotFoundError:  # a miss (or evicted by another process meanwhile)
+                slot = None
+            if slot is not None:
+                cache.touch(key)
+                return slot
+            if attempt == 0:
+                start, stop = self.version.manifest.layout.shard_range(piece.shard)
+                self._cached(fmt, -(-(stop - start) // fmt.chunk_rows), ref, piece.shard)
+                arena.drop_stale()  # what the insert evicted: free its memory in this process too
+        return None
+
+    def _pin(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
+        """The piece's shard object held in ``arena``, its layout and the piece's chunks
+        checked (crc32c once per mapping, as in :meth:`_source`); None: read it shard by shard
+        (that path says why a missing object is missing)."""
+        ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
+        try:
+            slot = arena.pin(self._proc.storage.path(self._object_key(ref, piece.shard)))
+        except FileNotFoundError:
+            return None
+        if slot is None:
+            return None
+        try:
+            todo = [c for c in range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows))
+                    if c not in slot.checked]
+            if todo or not slot.checked:
+                start, stop = self.version.manifest.layout.shard_range(piece.shard)
+                if mapped_chunks(arena.view(slot), fmt, -(-(stop - start) // fmt.chunk_rows), todo, ref) is None:
+                    arena.unpin(slot)
+                    return None
+                slot.checked.update(todo)
+        except BaseException:
+            arena.unpin(slot)
+            raise
+        return slot
+
     def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef) -> np.ndarray:
         """An uncompressed shard of a remote store as ``(chunks, chunk_rows, *row)``: batches
         gather straight from the fetched object's bytes once the piece's chunks pass their
@@ -480,6 +487,9 @@ class FeatureDataset(IterableDataset):
             self._read_field(piece, field, full[piece.lo:piece.hi])
         return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
 
+    def _cache_key(self, ref: ChunkRef, shard: int) -> str:
+        return f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
+
     def _cached(self, fmt: ShardFormat, n: int, ref: ChunkRef, shard: int) -> np.ndarray:
         """The shard decoded, from the shared cache (decoded and inserted on a miss; kept by
         this process alone when it cannot fit)."""
@@ -494,7 +504,7 @@ class FeatureDataset(IterableDataset):
             decode_shard_rows(self._object(ref, shard, keep=cache is None), fmt, 0, n * fmt.chunk_rows,
                               out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref)
 
-        key = f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
+        key = self._cache_key(ref, shard)
         view = cache.get(key) if cache is not None else None
         if view is None and cache is not None:
             view = cache.put(key, int(np.prod(shape)) * dtype.itemsize,
@@ -557,6 +567,11 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
+        if self._proc.storage.is_local and _spare_cores() < 1:
+            # Nothing to hide on a local store but decode CPU, and no core to overlap it on:
+            # pool threads would only take turns with Model B's torch threads (measured slower).
+            yield from _WindowReader(self, _InThread(), todo)
+            return
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
             yield from _WindowReader(self, pool, todo)
 
@@ -576,17 +591,17 @@ class FeatureDataset(IterableDataset):
             pos = 0
             if carry is not None:
                 take = min(bs - len(carry["index"]), n)
-                more = _rows(arrays, order, drop, 0, take)
+                more = window_rows(arrays, order, drop, 0, take)
                 carry = {k: concat_rows([carry[k], more[k]]) for k in arrays}
                 pos = take
                 if len(carry["index"]) == bs:
                     yield self._to_tensors(carry)
                     carry = None
             while n - pos >= bs:
-                yield self._to_tensors(_rows(arrays, order, drop, pos, pos + bs))
+                yield self._to_tensors(window_rows(arrays, order, drop, pos, pos + bs))
                 pos += bs
             if pos < n:
-                carry = _rows(arrays, order, drop, pos, n)
+                carry = window_rows(arrays, order, drop, pos, n)
         if carry is not None and not self.options.drop_last:
             yield self._to_tensors(carry)
 
@@ -630,7 +645,7 @@ class _WindowReader:
     straight into its rows of the window's buffers: no concatenation.
     """
 
-    def __init__(self, ds: FeatureDataset, pool: ThreadPoolExecutor,
+    def __init__(self, ds: FeatureDataset, pool: ThreadPoolExecutor | _InThread,
                  todo: list[tuple[int, int, tuple[Piece, ...]]]) -> None:
         self.ds, self.pool, self.todo = ds, pool, iter(todo)
         self.specs = ds.version.manifest.arrays
@@ -640,8 +655,10 @@ class _WindowReader:
         self.placed = [f for f in ds.fields if ds._in_place(f)]
         # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
         # pool thread that would wait for a core behind Model B's busy torch threads.
-        self.mapped = {f for f in self.placed if ds._proc.storage.is_local and ds.options.cache is None
-                       and not ds._shard_format(f).compressed}
+        local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
+        # one index_select per batch: local uncompressed objects, or the shared cache's shards
+        self.arena = (local_raw if ds.options.cache is None else set(self.placed)) if arena_supported() else set()
+        self.mapped = local_raw - self.arena if ds.options.cache is None else set()
         self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
         self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
         self.chunk_rows = ds.version.manifest.layout.chunk_rows
@@ -651,6 +668,7 @@ class _WindowReader:
         self.spare: list[dict[str, np.ndarray]] | None = [] if ds.options.shuffle else None
 
     def __iter__(self) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+        arrays: dict[str, Any] = {}
         try:
             self._fill()
             while self.queue:
@@ -658,18 +676,22 @@ class _WindowReader:
                 for f in futs:
                     f.result()
                 for f in self.placed:
-                    arrays[f] = _InPlace([x.result() for x in arrays[f]], window, self.chunk_rows)
+                    arrays[f] = (arrays[f].result() if f in self.arena
+                                 else InPlace([x.result() for x in arrays[f]], window, self.chunk_rows))
                 for f in self.ragged:
                     arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
                 self.in_flight -= len(window)
                 self._fill()
                 yield wi, drop, arrays
-                if self.spare is not None:  # the consumer has cut every batch of this window
+                _release(arrays.values())  # the consumer has cut every batch of this window
+                if self.spare is not None:
                     self.spare.append({k: v for k, v in arrays.items() if k in self.dense or k == "index"})
         finally:
-            for _, _, _, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
+            _release(arrays.values())
+            for _, _, queued, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
                 for f in futs:
                     f.cancel()
+                _release(queued.values())
 
     def _buffers(self, total: int) -> dict[str, np.ndarray]:
         while self.spare:
@@ -693,7 +715,11 @@ class _WindowReader:
                 futs += [self.pool.submit(self.ds._read_field, p, f, arrays[f][off:off + p.size])
                          for f in self.dense]
                 off += p.size
-            for f in self.placed:  # futures of each piece's source; an _InPlace once all are done
+            for f in self.placed:  # each piece's source; an InPlace once all are done
+                if f in self.arena:  # bookkeeping only, in this thread: the window's slots, held
+                    arrays[f] = _now(self.ds._arena_rows, window, f)
+                    futs.append(arrays[f])
+                    continue
                 run = _now if f in self.mapped else self.pool.submit
                 arrays[f] = [run(self.ds._source, p, f) for p in window]
                 futs += arrays[f]
@@ -703,6 +729,29 @@ class _WindowReader:
                 futs += tokens
             self.queue.append((wi, drop, arrays, futs, window))
             self.in_flight += len(window)
+
+
+class _InThread:
+    """An executor that runs each read in the calling thread (a finished future)."""
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        return _now(fn, *args)
+
+
+def _spare_cores() -> int:
+    """Cores this process may use beyond its torch intra-op threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - torch.get_num_threads()
+
+
+def _release(values: Any) -> None:
+    """Give back the arena slots of a window's arrays (an :class:`ArenaRows`, or the finished
+    future of one)."""
+    for v in values:
+        if isinstance(v, Future) and v.done() and not v.cancelled() and v.exception() is None:
+            v = v.result()
+        if isinstance(v, ArenaRows):
+            v.release()
 
 
 def _now(fn: Any, *args: Any) -> Future:

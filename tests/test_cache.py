@@ -311,7 +311,7 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
     across pieces that start mid-shard and batches that cross chunk and piece edges."""
     import numpy as np
 
-    from featstore.dataset import _InPlace
+    from featstore.gather import InPlace
     from featstore.plan import Piece
 
     rng = np.random.default_rng(seed)
@@ -321,10 +321,81 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
         sources.append(rng.standard_normal((n_chunks, chunk_rows, 3)).astype(np.float32))
         lo = int(rng.integers(0, n_chunks * chunk_rows))
         pieces.append(Piece(shard, lo, int(rng.integers(lo + 1, n_chunks * chunk_rows + 1))))
-    place = _InPlace(sources, tuple(pieces), chunk_rows)
+    place = InPlace(sources, tuple(pieces), chunk_rows)
     total = sum(p.size for p in pieces)
     for _ in range(20):
         lo = int(rng.integers(0, total))
         hi = int(rng.integers(lo + 1, total + 1))
         pos = np.arange(lo, hi)
         assert np.array_equal(place.span(lo, hi), place.take(place.groups(pos), len(pos)))
+
+
+def _held_slots() -> int:
+    from featstore import arena
+
+    return sum(s.pins for a in (arena._ARENAS[1].values() if arena._ARENAS else ()) for s in a._slots.values())
+
+
+@pytest.mark.parametrize("kind,cache", [("raw", None), ("raw", "memory"), ("zstd", "memory"), ("s3", "memory")])
+@pytest.mark.parametrize("shuffle,partition,world", [(True, None, 1), (False, None, 1), (True, "pad", 3)])
+def test_arena_gives_the_batches_of_the_per_shard_gather(versions, kind, cache, shuffle, partition, world,
+                                                         monkeypatch):
+    """One index_select over the arena == the shard-by-shard numpy gather, for stored objects
+    (crc32c between chunks) and the cache's decoded shards, in every order and partition."""
+    v = versions[kind]
+    for rank in range(world):
+        opts = dict(batch_size=20, shuffle=shuffle, seed=3, partition=partition, rank=rank, world_size=world,
+                    cache=cache, cache_bytes=2**24)
+        for epoch in (0, 1):
+            got = {}
+            for env in ("0", "1"):
+                monkeypatch.setenv("FEATSTORE_ARENA", env)
+                ds = v.dataset(**opts)
+                ds.set_epoch(epoch)
+                got[env] = batches(ds)
+            assert same(got["1"], got["0"]), (epoch, rank)
+    assert _held_slots() == 0
+
+
+def test_arena_slots_are_let_go_after_an_epoch_an_abandoned_one_and_an_error(versions, tmp_path):
+    v = versions["raw"]
+    batches(v.dataset(batch_size=16))
+    assert _held_slots() == 0
+    it = iter(v.dataset(batch_size=16))
+    next(it)
+    assert _held_slots() > 0  # the windows in flight hold theirs
+    it.close()
+    assert _held_slots() == 0
+    shutil.copytree(v.storage.root, tmp_path / "store")
+    bad = featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
+    flip(Path(bad.storage.path(bad.key)) / "features" / "c" / "7" / "0")
+    with pytest.raises(CorruptChunk, match="features/c/7/0"):
+        list(bad.dataset(batch_size=16, seed=1))
+    assert _held_slots() == 0
+
+
+def test_fork_workers_read_through_their_own_arenas(versions, monkeypatch):
+    """The parent read first (its arenas exist when the DataLoader forks): the workers' batches
+    are those of the per-shard gather."""
+    v = versions["raw"]
+    batches(v.dataset(batch_size=16))
+    got = batches(v.dataset(batch_size=16, seed=2), workers=2)
+    monkeypatch.setenv("FEATSTORE_ARENA", "0")
+    assert same(got, batches(v.dataset(batch_size=16, seed=2), workers=2))
+
+
+@pytest.mark.parametrize("torch_threads,pool", [(os.cpu_count() or 1, False), (1, (os.cpu_count() or 1) > 1)])
+def test_local_reads_run_in_the_reading_thread_when_no_core_is_spare(versions, torch_threads, pool):
+    """With torch's threads on every core, pool threads would only take turns with Model B:
+    local reads run in the consuming thread; with a core to spare, on the pool."""
+    import threading
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        seen = set()
+        for _ in versions["zstd"].dataset(batch_size=16):
+            seen |= {t.name for t in threading.enumerate() if t.name.startswith("featstore-read")}
+    finally:
+        torch.set_num_threads(old)
+    assert bool(seen) == pool
