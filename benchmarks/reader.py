@@ -67,12 +67,17 @@ def train_light(batches: Any, epochs: int = EPOCHS) -> float:
     return time.perf_counter() - t0
 
 
-def memory_batches(m: dict[str, torch.Tensor]) -> Any:
+def memory_batches(m: dict[str, torch.Tensor], select: bool = False) -> Any:
+    """Shuffled batches of the in-memory tensors, indexed as a training loop does
+    (``tensor[idx]``); ``select=True``: with ``torch.index_select`` (a faster kernel for rows)."""
     def batches(epoch: int):
         perm = torch.randperm(len(m["target"]), generator=torch.Generator().manual_seed(epoch))
         for i in range(0, len(perm), BATCH):
             idx = perm[i:i + BATCH]
-            yield m["features"][idx], m["logits"][idx], m["target"][idx]
+            if select:
+                yield tuple(torch.index_select(m[k], 0, idx) for k in FIELDS)
+            else:
+                yield m["features"][idx], m["logits"][idx], m["target"][idx]
     return batches
 
 
@@ -206,6 +211,9 @@ def _local_rows(v: featstore.Version, vz: featstore.Version, m: dict[str, torch.
     r["mem_read_s"], r["mem_read_cpu_s"] = read_only(memory_batches(m))
     r["fs_read_s"], r["fs_read_cpu_s"] = read_only(featstore_batches(v.dataset(batch_size=BATCH, seed=0)))
     r["fs_seq_read_s"], _ = read_only(featstore_batches(v.dataset(batch_size=BATCH, seed=0, shuffle=False)))
+    with _env("FEATSTORE_ARENA", "0"):  # the gather as it was: numpy, shard by shard
+        r["fs_pershard_read_s"], _ = read_only(featstore_batches(v.dataset(batch_size=BATCH, seed=0)))
+    r["mem_sel_read_s"], _ = read_only(memory_batches(m, select=True))
     r["zstd_read_s"], r["zstd_read_cpu_s"] = read_only(featstore_batches(vz.dataset(batch_size=BATCH, seed=0)))
     r["zstd_stored_bytes"] = _bytes(vz)
     pre = [list(memory_batches(m)(e)) for e in range(EPOCHS)]  # B alone: batches gathered beforehand
@@ -313,6 +321,14 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
         ("featstore shuffled read-only epoch: in-memory tensor's time / featstore's", "(info)",
          lambda r: r["mem_read_s"] / r["fs_read_s"],
          "how close the reader comes to the bound above (1.0: as fast as the in-memory tensor)"),
+        ("featstore shuffled read-only epoch: shard-by-shard numpy gather's time / the arena's", "(info)",
+         lambda r: r["fs_pershard_read_s"] / r["fs_read_s"],
+         "the same epoch with `FEATSTORE_ARENA=0`: what gathering each batch with one `index_select` over "
+         "the window's shards mapped back to back changed"),
+        ("featstore shuffled read-only epoch: in-memory tensor with `torch.index_select`'s time / featstore's",
+         "(info)", lambda r: r["mem_sel_read_s"] / r["fs_read_s"],
+         "the in-memory reference indexes as a training loop does (`tensor[idx]`); `index_select` is "
+         "torch's faster kernel for rows, the one featstore uses"),
         ("where the bound lifts: unshuffled read-only epoch byte rate / raw page-cache read rate", "≥ 0.5",
          lambda r: r["stored_bytes"] / r["fs_seq_read_s"] / r["raw_bps"],
          "the same version read with `shuffle=False`: each batch is block copies of whole chunk runs "
@@ -420,18 +436,22 @@ NOTES = (
     "",
     "- *Local byte rate*: a shuffled epoch gathers random rows into every batch, a whole-file read "
     "copies sequentially; the *reference* row gathers the same batches from the in-memory tensor. "
-    "featstore gathers from the page cache through memory maps (no read, no decode for raw arrays) "
-    "with numpy; the reference row is what the random gather costs any reader: it bounds the "
-    "shuffled row below 0.5 on this machine, and the unshuffled row shows the reader where that "
-    "bound lifts.",
+    "featstore maps each array's shard objects back to back into one reserved address range per "
+    "process (`featstore/arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
+    "array with one `torch.index_select` over it, straight from the page cache; each chunk's crc32c "
+    "is checked once per mapping. The *shard-by-shard* row is the numpy gather it replaced "
+    "(`FEATSTORE_ARENA=0`, also what non-Linux systems use).",
     "- *Load*: the header gives the machine's load during the run. On a shared machine absolute "
     "times grow and torch's OpenMP threads (B, the in-memory tensor's indexing) suffer most; the "
     "ratios are paired within a repeat, and the ranges show the spread between repeats.",
     "- *Light B*: B's two torch threads use both cores, so whatever the reader adds is added to the "
     "time (the *no-overlap bound*); the *one core left free* rows run both sides with B on one "
-    "thread. On the local store `compression='auto'` leaves fp16 features and fp32 logits raw (see "
+    "thread. With no core to spare the local reader reads in the training loop's thread (pool "
+    "threads would only take turns with B's). On the local store `compression='auto'` leaves fp16 "
+    "features and fp32 logits raw (see "
     "the compression rows), so `cache='memory'` has only the int64 target to hold: the page cache "
-    "is already the machine's one copy of raw arrays. The *reader's cost inside B's loop* rows "
+    "is already the machine's one copy of raw arrays (the cache's shards are mapped into an arena "
+    "too, so a cached array is gathered the same way). The *reader's cost inside B's loop* rows "
     "show that B's loop magnifies every reader's work, the in-memory tensor's included (caches and "
     "cores shared with B's threads), so a reader whose read-only epoch is x times the in-memory "
     "tensor's adds about x times as much to B.",

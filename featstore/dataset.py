@@ -60,6 +60,8 @@ class ReaderOptions:
             every DataLoader worker and rank on the machine: once the version fits, later epochs
             read no storage and decode nothing. Uncompressed arrays of a local store are not
             copied into it: they are read in place from the page cache (already one shared copy).
+            Either way a batch of an array is one ``index_select`` over its window's shards
+            mapped back to back (:mod:`featstore.arena`).
         cache_bytes: the cache's budget (its files never exceed it; least recently used shards
             go first). None: half the free space of ``/dev/shm`` when the cache is opened.
         view: with a version computed with views, which view each epoch reads: ``"epoch"``

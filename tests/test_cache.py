@@ -399,3 +399,18 @@ def test_local_reads_run_in_the_reading_thread_when_no_core_is_spare(versions, t
     finally:
         torch.set_num_threads(old)
     assert bool(seen) == pool
+
+
+def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, monkeypatch):
+    """An arena of 2 slots cannot hold the three one-shard windows in flight: some windows are
+    gathered shard by shard, the others from the arena, and the batches are the same."""
+    from featstore import arena, dataset
+
+    v = versions["raw"]
+    want = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
+    monkeypatch.setattr(arena, "_ARENAS", None)  # a fresh registry, restored afterwards
+    monkeypatch.setattr(arena, "MIN_SLOTS", 2)
+    monkeypatch.setattr(dataset, "MAPPED_BYTES", 1)
+    got = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
+    assert same(got, want)
+    assert all(a.n_slots == 2 for a in arena._ARENAS[1].values()) and _held_slots() == 0
