@@ -26,12 +26,11 @@ def window_rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: 
     fields left in place (:class:`InPlace`, :class:`ArenaRows`) are gathered straight into the
     batch."""
     pos = np.arange(drop + a, drop + b) if order is None else order[a:b]
-    groups = where = None
+    groups = None
     out = {}
     for k, v in arrays.items():
         if isinstance(v, ArenaRows):
-            where = where if where is not None else v.locate(pos)  # same pieces for every field
-            out[k] = v.take(where)
+            out[k] = v.take(pos)
         elif isinstance(v, InPlace) and order is None:
             out[k] = v.span(drop + a, drop + b)
         elif isinstance(v, InPlace):
@@ -122,24 +121,20 @@ class ArenaRows(_Pieces):
         stride = fmt.chunk_rows * row_bytes + gap
         # rows are addressed in the largest unit every offset is a multiple of
         unit = next(u for u in (8, 4, 2, 1) if stride % u == 0 and row_bytes % u == 0)
-        self.base = np.array([s.index * (arena.slot_bytes // unit) for s in slots], dtype=np.int64)
-        self.stride, self.row = stride // unit, row_bytes // unit
-        self.src = arena.rows(unit, self.row)
+        base = np.array([s.index * (arena.slot_bytes // unit) for s in slots], dtype=np.int64)
+        # every window row's offset, once per window: a batch is then one lookup and one copy
+        pid, rows = self.shard_rows(np.arange(int(self.ends[-1]) if len(pieces) else 0))
+        chunk, row = np.divmod(rows, fmt.chunk_rows)
+        self.offsets = base[pid] + chunk * (stride // unit) + row * (row_bytes // unit)
+        self.src = arena.rows(unit, row_bytes // unit)
 
-    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Window positions -> (piece, chunk, row in chunk): the same for every array."""
-        pid, rows = self.shard_rows(pos)
-        chunk, row = np.divmod(rows, self.fmt.chunk_rows)
-        return pid, chunk, row
-
-    def take(self, where: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-        pid, chunk, row = where
-        offsets = torch.from_numpy(self.base[pid] + chunk * self.stride + row * self.row)
-        rows = torch.index_select(self.src, 0, offsets).numpy()
-        return rows.view(self.dtype).reshape(len(pid), *self.fmt.row_shape)
+    def take(self, pos: np.ndarray) -> np.ndarray:
+        """Window rows ``pos`` (in that order) as a new array."""
+        rows = torch.index_select(self.src, 0, torch.from_numpy(self.offsets[pos])).numpy()
+        return rows.view(self.dtype).reshape(len(pos), *self.fmt.row_shape)
 
     def span(self, lo: int, hi: int) -> np.ndarray:
-        return self.take(self.locate(np.arange(lo, hi)))
+        return self.take(np.arange(lo, hi))
 
     def release(self) -> None:
         """Give the slots back (once; the rows gathered before stay valid: they are copies)."""
