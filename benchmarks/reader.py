@@ -487,7 +487,11 @@ NOTES = (
     "process (`featstore/arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
     "array with one `torch.index_select` over it, straight from the page cache; each chunk's crc32c "
     "is checked once per mapping. The *shard-by-shard* row is the numpy gather it replaced "
-    "(`FEATSTORE_ARENA=0`, also what non-Linux systems use).",
+    "(`FEATSTORE_ARENA=0`, also what non-Linux systems use). The in-memory reference indexes as a "
+    "training loop does (`tensor[idx]`); gathered with `torch.index_select` the same in-memory "
+    "epoch is about twice as fast, which is the bound the shuffled row misses: its remaining "
+    "time is featstore's per-batch work beyond the copy (the zstd int64 target decoded every "
+    "epoch, window bookkeeping, batch assembly).",
     "- *Load*: the header gives the machine's load during the run. On a shared machine absolute "
     "times grow and torch's OpenMP threads (B, the in-memory tensor's indexing) suffer most; the "
     "ratios are paired within a repeat, and the ranges show the spread between repeats.",
