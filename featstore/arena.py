@@ -230,6 +230,9 @@ def _sig(path: str) -> tuple[int, int, int] | None:
 #: Slots of an arena at least (address space only): a window's pieces are held together, and
 #: up to three windows are in flight.
 MIN_SLOTS = 64
+#: ... and at most: each mapped slot is a memory map of its own, and Linux allows a process
+#: ~65,000 (``vm.max_map_count``); an array of tiny shards (labels) must not use them up.
+MAX_SLOTS = 2048
 _ARENAS: tuple[int, dict[int, Arena]] | None = None
 _ARENAS_LOCK = threading.Lock()
 
@@ -248,7 +251,8 @@ def process_arena(object_bytes: int, max_bytes: int) -> Arena | None:
         arenas = _ARENAS[1]
         if slot_bytes not in arenas:
             try:
-                arenas[slot_bytes] = Arena(slot_bytes, max(MIN_SLOTS, max_bytes // slot_bytes + 1), max_bytes)
+                slots = max(MIN_SLOTS, min(MAX_SLOTS, max_bytes // slot_bytes + 1))
+                arenas[slot_bytes] = Arena(slot_bytes, slots, max_bytes)
             except OSError:  # no address space for it: gather shard by shard
                 return None
         return arenas[slot_bytes]

@@ -438,6 +438,8 @@ class FeatureDataset(IterableDataset):
                 slot = arena.pin(cache.path(key))
             except FileNotFoundError:  # a miss (or evicted by another process meanwhile)
                 slot = None
+            except OSError:  # no memory map left: read shard by shard
+                return None
             if slot is not None:
                 cache.touch(key)
                 return slot
@@ -454,7 +456,7 @@ class FeatureDataset(IterableDataset):
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         try:
             slot = arena.pin(self._proc.storage.path(self._object_key(ref, piece.shard)))
-        except FileNotFoundError:
+        except OSError:  # missing (that path says why), or no memory map left: read shard by shard
             return None
         if slot is None:
             return None

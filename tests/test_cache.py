@@ -414,3 +414,25 @@ def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, m
     got = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
     assert same(got, want)
     assert all(a.n_slots == 2 for a in arena._ARENAS[1].values()) and _held_slots() == 0
+
+
+def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypatch):
+    """mmap failing (ENOMEM: the process's memory maps used up, which a real part cannot be
+    made to do here without exhausting the machine) reads shard by shard, same batches."""
+    import errno
+
+    from featstore import arena
+
+    v = versions["raw"]
+    want = batches(v.dataset(batch_size=16, seed=6))
+    monkeypatch.setattr(arena, "_ARENAS", None)
+    real = arena._Libc.map
+
+    def no_more_maps(self, addr, size, prot, flags, fd=-1):
+        if fd != -1:
+            raise OSError(errno.ENOMEM, "mmap failed: Cannot allocate memory")
+        return real(self, addr, size, prot, flags, fd)
+
+    monkeypatch.setattr(arena._Libc, "map", no_more_maps)
+    assert same(batches(v.dataset(batch_size=16, seed=6)), want)
+    assert _held_slots() == 0 and all(a.mapped_bytes() == 0 for a in arena._ARENAS[1].values())
