@@ -46,9 +46,6 @@ class _Libc:
         self.mmap.restype = ctypes.c_void_p
         self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_long]
-        self.munmap = lib.munmap
-        self.munmap.restype = ctypes.c_int
-        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
     def map(self, addr: int | None, size: int, prot: int, flags: int, fd: int = -1) -> int:
         got = self.mmap(addr, size, prot, flags, fd, 0)

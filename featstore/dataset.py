@@ -28,7 +28,7 @@ from .arena import Arena, Slot, process_arena
 from .arena import supported as arena_supported
 from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
 from .errors import CorruptChunk, InvalidInput
-from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format
+from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format, shard_index_bytes
 from .gather import ArenaRows, InPlace, window_rows
 from .partcodecs import assemble, expand_fields
 from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
@@ -405,26 +405,26 @@ class FeatureDataset(IterableDataset):
         does not fit a slot, is not laid out back to back, or cannot be cached."""
         fmt = self._shard_format(field)
         assert fmt is not None
-        row_bytes = int(np.prod(fmt.row_shape, dtype=np.int64)) * np.dtype(fmt.dtype).itemsize
         stored = self._proc.storage.is_local and not fmt.compressed
-        gap = 4 if stored else 0  # a stored chunk's crc32c follows it; the cache holds values only
-        size = fmt.chunks_per_shard * (fmt.chunk_rows * row_bytes + gap) + (16 * fmt.chunks_per_shard + 4) * stored
-        arena = process_arena(size, MAPPED_BYTES)
-        pin = self._pin if stored else self._pin_cached
-        slots: list[Slot] = []
-        try:
-            while arena is not None and len(slots) < len(window):
-                slot = pin(arena, window[len(slots)], field, fmt)
-                if slot is None:
-                    break
-                slots.append(slot)
-            else:
-                if arena is not None:
-                    return ArenaRows(arena, slots, window, fmt, gap)
-        finally:
-            if arena is not None and len(slots) < len(window):
+        per_chunk = fmt.stored_stride if stored else fmt.chunk_rows * fmt.row_bytes
+        arena = process_arena(fmt.chunks_per_shard * per_chunk + shard_index_bytes(fmt) * stored, MAPPED_BYTES)
+        if arena is not None:
+            pin = self._pin if stored else self._pin_cached
+            slots: list[Slot] = []
+            try:
+                for piece in window:
+                    slot = pin(arena, piece, field, fmt)
+                    if slot is None:
+                        break
+                    slots.append(slot)
+                else:
+                    return ArenaRows(arena, slots, window, fmt, stored)
+            except BaseException:
                 for slot in slots:
                     arena.unpin(slot)
+                raise
+            for slot in slots:  # a shard that cannot be held: this window is read shard by shard
+                arena.unpin(slot)
         return InPlace([self._source(p, field) for p in window], window, fmt.chunk_rows)
 
     def _pin_cached(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:

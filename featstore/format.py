@@ -583,6 +583,17 @@ class ShardFormat:
     chunks_per_shard: int
     compressed: bool = True  # zstd before the crc32c; False: the chunk bytes are the values
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row's values."""
+        return int(np.prod(self.row_shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def stored_stride(self) -> int:
+        """Bytes from one uncompressed chunk to the next in a stored shard: its values, then its
+        crc32c."""
+        return self.chunk_rows * self.row_bytes + 4
+
 
 def shard_format(array: zarr.Array) -> ShardFormat | None:
     """The :class:`ShardFormat` of ``array``, or None when it is not featstore's exact layout."""
@@ -749,8 +760,7 @@ def mapped_chunks(data: Any, fmt: ShardFormat, n_chunks: int, verify: Iterable[i
     view = memoryview(data)
     index = shard_index(view, fmt, ref)
     dtype = np.dtype(fmt.dtype)
-    row_bytes = int(np.prod(fmt.row_shape, dtype=np.int64)) * dtype.itemsize
-    stride = fmt.chunk_rows * row_bytes + 4  # each chunk's values, then its crc32c
+    row_bytes, stride = fmt.row_bytes, fmt.stored_stride
     want = np.arange(n_chunks, dtype=np.uint64) * np.uint64(stride)
     if (n_chunks > len(index) or not np.array_equal(index[:n_chunks, 0], want)
             or not np.all(index[:n_chunks, 1] == stride) or n_chunks * stride > len(view) - len(index) * 16 - 4):
