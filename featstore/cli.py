@@ -7,56 +7,85 @@ prefer the standard credential chain for secrets) and ``--json`` (one JSON docum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
+import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import (ComputeFailed, ComputeOptions, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput,
-               StoreConflict, StoreUnavailable, VersionNotFound, open_store)
+from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, CorruptChunk, DeviceSetupError,
+               FeatstoreWarning, IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
+               StoreUnavailable, VersionNotFound, open_store)
+
+#: Set (to anything but 0) to print the traceback of every error, like ``--debug``.
+DEBUG_ENV = "FEATSTORE_DEBUG"
 
 
 class Exit(enum.IntEnum):
-    """The exit codes of ``featstore`` (documented in ``featstore --help``)."""
+    """The exit codes of ``featstore`` (documented in ``featstore --help`` and the README)."""
 
     OK = 0
     DAMAGED = 1            # verify found damaged shards (or a read hit a corrupt chunk)
     USAGE = 2              # bad arguments or bad input (argparse, InvalidInput)
-    UNAVAILABLE = 3        # the store cannot be reached, or no valid credentials
-    NOT_FOUND = 4          # no such feature set, version or tag
-    COMPUTE_FAILED = 5     # Model A or the dataset raised in a task; finished shards are kept
+    UNAVAILABLE = 3        # the store cannot be reached or used (credentials, permissions, full)
+    NOT_FOUND = 4          # no such store, feature set, version or tag
+    COMPUTE_FAILED = 5     # Model A, its factory or the dataset raised; finished shards are kept
     CONFLICT = 6           # another writer got there first
     INCOMPATIBLE = 7       # metadata malformed or written by a newer featstore
+    ENVIRONMENT = 8        # the Dask scheduler cannot be reached, or no usable device (CUDA)
+    INTERNAL = 70          # a bug in featstore (EX_SOFTWARE): rerun with --debug and report it
     INTERRUPTED = 130      # Ctrl-C
 
 
+#: The one map from errors to exit codes, most specific first: every class of featstore's error
+#: tree has its row (tests/test_mistakes.py holds it to the tree and to the README's table).
 _EXIT_OF: tuple[tuple[type[BaseException], Exit], ...] = (
-    (CorruptChunk, Exit.DAMAGED), (StoreUnavailable, Exit.UNAVAILABLE), (VersionNotFound, Exit.NOT_FOUND),
-    (ComputeFailed, Exit.COMPUTE_FAILED), (StoreConflict, Exit.CONFLICT), (IncompatibleFormat, Exit.INCOMPATIBLE),
-    (InvalidInput, Exit.USAGE),
+    (CorruptChunk, Exit.DAMAGED), (StoreFull, Exit.UNAVAILABLE), (StoreUnavailable, Exit.UNAVAILABLE),
+    (StoreNotFound, Exit.NOT_FOUND), (VersionNotFound, Exit.NOT_FOUND), (ComputeFailed, Exit.COMPUTE_FAILED),
+    (StoreConflict, Exit.CONFLICT), (IncompatibleFormat, Exit.INCOMPATIBLE), (InvalidInput, Exit.USAGE),
+    (ClusterUnavailable, Exit.ENVIRONMENT), (DeviceSetupError, Exit.ENVIRONMENT), (KeyboardInterrupt, Exit.INTERRUPTED),
 )
 
 EXIT_CODES_HELP = """exit codes:
   0    ok
   1    verify found damaged data (or a read hit a corrupt chunk)
-  2    usage: bad arguments or bad input (import path, outputs, name, ...)
-  3    the store cannot be reached, or there are no valid credentials for it
-  4    no such feature set, version or tag
-  5    compute failed: Model A or the dataset raised in a task (finished shards are kept;
-       rerun the same command to resume)
+  2    usage: bad arguments or bad input (import path, outputs, name, items, ...)
+  3    the store cannot be reached or used: no valid credentials, permission denied, disk full
+  4    no such store, feature set, version or tag
+  5    compute failed: Model A, its factory or the dataset raised (fix it and rerun: finished
+       shards are kept)
   6    conflict: another writer committed first
   7    incompatible: stored metadata is malformed or from a newer featstore
+  8    environment: the Dask scheduler cannot be reached, or Model A asks for a device
+       (CUDA) the workers lack
+  70   internal error: a bug in featstore (rerun with --debug and report the traceback)
   130  interrupted"""
 
 
 def exit_code(exc: BaseException) -> Exit:
-    """The exit code for an error featstore raised."""
+    """The exit code for an error (:data:`Exit.INTERNAL` for anything featstore did not expect).
+
+    >>> int(exit_code(VersionNotFound("x"))), int(exit_code(TypeError("x")))
+    (4, 70)
+    """
     for cls, code in _EXIT_OF:
         if isinstance(exc, cls):
             return code
-    return Exit.COMPUTE_FAILED if isinstance(exc, FeatstoreError) else Exit.USAGE
+    return Exit.INTERNAL
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are :class:`InvalidInput` (so ``--json`` prints them as JSON
+    and they exit 2 like every other bad input), not a print and ``sys.exit``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InvalidInput(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')}; "
+                           f"see `{self.prog} --help`)")
 
 
 def parse_value(text: str) -> Any:
@@ -92,8 +121,9 @@ def parse_outputs(text: str) -> dict[str, str]:
     return _pairs([p for p in text.split(",") if p.strip()], "--outputs entry") or {"features": "float32"}
 
 
-def _store(args: argparse.Namespace) -> Any:
-    return open_store(args.url, storage_options=storage_options(args))
+def _store(args: argparse.Namespace, create: bool = False) -> Any:
+    """The store the command names; only ``compute`` (and ``demo``) may create one."""
+    return open_store(args.url, storage_options=storage_options(args), create=create)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,9 +141,9 @@ def cmd_compute(args: argparse.Namespace) -> Result:
     """Compute Model A's outputs over a dataset on Dask and commit them as a version."""
     from .imports import Factory, FactoryDataset
 
-    store = _store(args)
+    store = _store(args, create=True)
     options = ComputeOptions(progress=not args.no_progress and not args.json, model_id=args.model_id,
-                             dataset_id=args.dataset_id)
+                             dataset_id=args.dataset_id, connect_timeout=args.connect_timeout)
     v = store.compute(args.name, model=Factory(args.model), dataset=FactoryDataset(args.dataset),
                       input_key=_key(args.input_key), keep=[_key(k) for k in args.keep],
                       outputs=parse_outputs(args.outputs), batch_size=args.batch_size,
@@ -129,15 +159,23 @@ def _key(text: str | None) -> Any:
 
 
 def cmd_list(args: argparse.Namespace) -> Result:
-    """List feature sets and their committed versions (with tags)."""
+    """List feature sets and their committed versions (with tags); a version whose manifest is
+    damaged is listed as such, with the command that removes it."""
     store = _store(args)
-    rows = []
+    rows, lines = [], []
     for name in [args.name] if args.name else store.names():
         tags = store.tags(name)
-        rows.extend(_version_json(v, tags) for v in store.versions(name))
-    text = "\n".join(f"{r['name']}@{r['version']}  {r['samples']:>10} samples  {r['created_at']}  "
-                     f"{','.join(r['tags'])}" for r in rows)
-    return Exit.OK, rows, text or "(no committed versions)"
+        versions, damaged = store.scan(name)
+        for v in versions:
+            r = {**_version_json(v, tags), "damaged": None}
+            rows.append(r)
+            lines.append(f"{r['name']}@{r['version']}  {r['samples']:>10} samples  {r['created_at']}  "
+                         f"{','.join(r['tags'])}")
+        for vid, exc in sorted(damaged.items()):
+            rows.append({"name": name, "version": vid, "samples": None, "created_at": None,
+                         "tags": sorted(t for t, target in tags.items() if target == vid), "damaged": str(exc)})
+            lines.append(f"{name}@{vid}  DAMAGED: {exc}")
+    return Exit.OK, rows, "\n".join(lines) or "(no committed versions)"
 
 
 def cmd_info(args: argparse.Namespace) -> Result:
@@ -166,16 +204,15 @@ def cmd_tag(args: argparse.Namespace) -> Result:
 
 def cmd_delete(args: argparse.Namespace) -> Result:
     """Delete a committed version (its tags, manifest and data)."""
-    store = _store(args)
-    v = store.open(args.ref)
-    store.delete(v)
-    return Exit.OK, {"name": v.name, "version": v.id, "deleted": True}, f"deleted {v.name}@{v.id}"
+    name, _, vid = _store(args).delete(args.ref).partition("@")  # a version with a damaged manifest too
+    return Exit.OK, {"name": name, "version": vid, "deleted": True}, f"deleted {name}@{vid}"
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
     """Delete what no committed version needs: never-committed version folders older than
-    --older-than, and temporary objects left by killed writers."""
-    deleted = _store(args).gc(older_than=args.older_than, dry_run=args.dry_run)
+    --older-than, temporary objects left by killed writers, and with --damaged every version
+    whose manifest is damaged."""
+    deleted = _store(args).gc(older_than=args.older_than, dry_run=args.dry_run, damaged=args.damaged)
     verb = "would delete" if args.dry_run else "deleted"
     return (Exit.OK, {"deleted": deleted, "dry_run": args.dry_run},
             "\n".join([*deleted, f"{verb} {len(deleted)} objects"]))
@@ -212,7 +249,9 @@ def _common(p: argparse.ArgumentParser, url: bool = True) -> None:
     p.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                    help="an fsspec storage option, repeatable (e.g. endpoint_url=http://127.0.0.1:9000); values "
                         "are JSON when they parse. Prefer the credential chain (environment, profile) for secrets")
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text "
+                   "(errors too: {\"error\", \"message\", \"exit_code\"})")
+    p.add_argument("--debug", action="store_true", help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
 
 
 def _add_compute(sub: Any) -> None:
@@ -232,8 +271,9 @@ def _add_compute(sub: Any) -> None:
     c.add_argument("--dataset", required=True, metavar="PKG.MODULE:FACTORY",
                    help="a zero-argument callable returning a map-style dataset")
     c.add_argument("--outputs", default="features=float32", metavar="NAME=CODEC,...",
-                   help="Model A's outputs and how to store each: float32, float16 or bfloat16 "
-                        "(default features=float32)")
+                   help="Model A's outputs and how to store each: float32, float16, bfloat16, int8, or sparse soft "
+                        "labels topk:K, topp:P:MIN_K, sample:S (an unknown codec's error lists every form; "
+                        "default features=float32)")
     c.add_argument("--keep", action="append", default=[], metavar="FIELD",
                    help="a per-sample field of the dataset's items to store too (e.g. target), repeatable")
     c.add_argument("--input-key", default="input", metavar="KEY",
@@ -243,6 +283,8 @@ def _add_compute(sub: Any) -> None:
                    help="rows per stored shard (default: about 16 MiB shards)")
     c.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="a Dask scheduler (tcp://host:8786); default: an embedded local cluster")
+    c.add_argument("--connect-timeout", type=float, default=ComputeOptions.connect_timeout, metavar="SECONDS",
+                   help=f"how long to wait for --scheduler to answer (default {ComputeOptions.connect_timeout:g})")
     c.add_argument("--model-id", default=None, metavar="ID",
                    help="names Model A's exact weights, so the factory is not built here to fingerprint it")
     c.add_argument("--dataset-id", default=None, metavar="ID",
@@ -262,8 +304,8 @@ def _add_simple(sub: Any, name: str, fn: Callable[[argparse.Namespace], Result],
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    p = argparse.ArgumentParser(prog="featstore", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="featstore", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compute(sub)
     _add_simple(sub, "list", cmd_list, lambda s: s.add_argument(
@@ -281,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
                        help="only folders untouched this long (default 3600: a younger one may be a running compute)")
         s.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+        s.add_argument("--damaged", action="store_true", help="also delete versions whose manifest is damaged "
+                       "(`featstore list` shows them; a newer featstore's are kept)")
     _add_simple(sub, "gc", cmd_gc, gc_args)
 
     def demo_args(s: argparse.ArgumentParser) -> None:
@@ -298,28 +342,77 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _emit(args: argparse.Namespace, code: int, result: Any, text: str) -> int:
+def _emit(args: argparse.Namespace, code: int, result: Any, text: str, warned: list[str]) -> int:
     if args.json:
+        if warned and isinstance(result, dict):
+            result = {**result, "warnings": warned}
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
     elif text:
         print(text)
     return int(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``featstore`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+@contextlib.contextmanager
+def _warnings_on_one_line() -> Iterator[list[str]]:
+    """featstore's warnings (:class:`FeatstoreWarning`) printed as ``featstore: warning: ...``
+    on stderr, one line each, and collected for the JSON document; others as Python prints them."""
+    warned: list[str] = []
+    shown = warnings.showwarning
+
+    def show(message: Any, category: type, *rest: Any, **kw: Any) -> None:
+        if issubclass(category, FeatstoreWarning):
+            warned.append(str(message))
+            print(f"featstore: warning: {_one_line(message)}", file=sys.stderr)
+        else:
+            shown(message, category, *rest, **kw)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", FeatstoreWarning)
+        warnings.showwarning = show
+        yield warned
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(exc: BaseException, want_json: bool, debug: bool) -> int:
+    """Report an error the way every command does: the traceback only when asked, one line on
+    stderr, and with ``--json`` one JSON document on stdout."""
+    code = exit_code(exc)
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    if code == Exit.INTERNAL:
+        message = (f"internal error: {type(exc).__name__}: {exc}. This is a bug in featstore: rerun with --debug "
+                   f"(or {DEBUG_ENV}=1) and report the traceback.")
+    elif code == Exit.INTERRUPTED:
+        message = "interrupted"
+    else:
+        message = str(exc)
+    if want_json:
+        print(json.dumps({"error": type(exc).__name__, "message": message, "exit_code": int(code)}))
+    print(f"featstore: {'error: ' if code != Exit.INTERRUPTED else ''}{_one_line(message)}", file=sys.stderr)
+    return int(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``featstore`` console script; returns the exit code.
+
+    Every failure is one line on stderr (``featstore: error: ...``) and the exit code of its
+    class (:data:`EXIT_CODES_HELP`); ``--json`` prints one JSON document on stdout either way.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Read before parsing: argparse's own errors must honour them too.
+    want_json = "--json" in argv
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
-        return _emit(args, *args.fn(args))
-    except FeatstoreError as exc:
-        code = exit_code(exc)
-        if args.json:
-            print(json.dumps({"error": type(exc).__name__, "message": str(exc), "exit_code": int(code)}))
-        print(f"featstore: error: {exc}", file=sys.stderr)
-        return int(code)
-    except KeyboardInterrupt:
-        print("featstore: interrupted", file=sys.stderr)
-        return int(Exit.INTERRUPTED)
+        args = build_parser().parse_args(argv)
+        with _warnings_on_one_line() as warned:
+            return _emit(args, *args.fn(args), warned)
+    except SystemExit:  # --help, --version
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the one place a command's failure becomes an exit code
+        return _fail(exc, want_json, debug)
 
 
 if __name__ == "__main__":

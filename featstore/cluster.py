@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .errors import ClusterUnavailable, InvalidInput
 from .devices import GPU, ClusterPlan, gpu_worker_specs, plan_cluster, visible_gpu_ids
 from .events import PAGE, PLUGIN
 from .logs import quiet_task_failures
@@ -72,18 +73,52 @@ class Cluster:
             obj.close()
 
 
-def connect(client: Any, n_workers: int | None = None, processes: bool | None = None) -> Cluster:
+def connect(client: Any, n_workers: int | None = None, processes: bool | None = None,
+            timeout: float = 5.0) -> Cluster:
     """``client`` as a :class:`Cluster`: None starts the embedded one, a string is a scheduler
-    address, anything else is a ``distributed.Client`` used as is."""
+    address (reached within ``timeout`` seconds, else :class:`ClusterUnavailable`), a Dask
+    cluster object is connected to, and a ``distributed.Client`` is used as is."""
     from distributed import Client
 
     if client is None:
         ids = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
         return start(plan_cluster(ids, n_workers, processes, dask_cuda=bool(ids) and _has_dask_cuda()))
-    if isinstance(client, str):
-        c = Client(client)
-        return Cluster(c, [c])
-    return Cluster(client)
+    if isinstance(client, Client):
+        return Cluster(client)
+    address = getattr(client, "scheduler_address", client)  # a LocalCluster, SLURMCluster, ...
+    if not isinstance(address, str):
+        raise InvalidInput(f"client must be None (an embedded cluster), a scheduler address such as "
+                           f"'tcp://scheduler:8786', a Dask cluster or a distributed.Client; got "
+                           f"{type(client).__name__}.")
+    c = _connect(address, timeout)
+    return Cluster(c, [c])
+
+
+def _connect(address: str, timeout: float) -> Any:
+    """A client of the scheduler at ``address``; a malformed address is :class:`InvalidInput`, one
+    that does not answer in ``timeout`` seconds :class:`ClusterUnavailable`."""
+    from distributed import Client
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)  # "localhost" without a port is refused here, not after a wait
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"client={address!r} is not a Dask scheduler address ({exc}); write it as "
+                           "tcp://host:port (the scheduler prints it: `dask scheduler` listens on "
+                           "tcp://<host>:8786).") from None
+    try:
+        return Client(address, timeout=timeout)
+    except (OSError, TimeoutError) as exc:
+        raise ClusterUnavailable(
+            f"cannot reach the Dask scheduler at {address} within {timeout:g} s ({type(exc).__name__}: {exc}). "
+            "Check that it runs (dask scheduler) and that this machine can reach that host and port; for a "
+            "scheduler still starting, raise ComputeOptions(connect_timeout=...) (--connect-timeout).") from exc
+    except ValueError as exc:  # an address distributed cannot use (unknown scheme, ...)
+        raise InvalidInput(f"client={address!r} is not a Dask scheduler address ({exc}); write it as "
+                           "tcp://host:port.") from exc
 
 
 def start(plan: ClusterPlan) -> Cluster:

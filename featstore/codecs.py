@@ -27,25 +27,42 @@ class Codec:
     def encode(self, values: torch.Tensor) -> np.ndarray:
         """Turn A's output (any float dtype, any device) into the stored numpy array.
 
-        Raises :class:`NonFiniteOutput` when finite values overflow the stored type (float16
-        holds at most 65504): silently storing ``inf`` would change the user's data.
+        Raises :class:`NonFiniteOutput` when finite values cannot be represented in the stored
+        type (they overflow it: float16 holds at most 65504, float32 and bfloat16 about 3.4e38):
+        silently storing ``inf`` would change the user's data. :meth:`store` returns the rows
+        instead of raising.
         """
+        out, lost = self.store(values)
+        if lost is not None:
+            raise NonFiniteOutput(unrepresentable(self, "output", torch.nonzero(lost).reshape(-1).tolist(),
+                                                  largest_finite(values)))
+        return out
+
+    def store(self, values: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:
+        """The stored array, and per row (axis 0) whether the cast turned a finite value into
+        inf or NaN (None when no row lost one; always None without a cast: float32 outputs of a
+        float32 codec are stored bit for bit)."""
         x = values.detach()
         out = self.cast(x)
-        if self.lossy:
-            # Fast path: a cast only produces inf from finite values, so the usual all-finite
-            # result needs one pass over the small stored array, not two float tensors.
-            stored = decode_np(self, out)
-            if not bool(torch.isinf(stored).any()):
-                return out
-            overflow = torch.isinf(stored) & torch.isfinite(x.to("cpu"))
-            if bool(overflow.any()):
-                raise NonFiniteOutput(
-                    f"{int(overflow.sum())} finite values overflow {self.name} "
-                    f"(largest |value| {float(x.abs().max()):.4g}); store this output as "
-                    "'float32' or 'bfloat16' instead."
-                )
-        return out
+        if x.dtype == self.torch_dtype or not x.numel():
+            return out, None
+        # Fast path: a cast only makes inf/NaN from finite values in rows whose stored values are
+        # not all finite, so the usual result needs one pass over the small stored array.
+        stored = decode_np(self, out)
+        bad = ~finite_rows(stored)
+        if not bool(bad.any()):
+            return out, None
+        rows = len(stored) if stored.dim() else 1
+        src = x.to("cpu").reshape(rows, -1)[bad]
+        lost = torch.zeros(rows, dtype=torch.bool)
+        lost[bad] = (~torch.isfinite(stored.reshape(rows, -1)[bad]) & torch.isfinite(src)).any(dim=1)
+        return out, (lost if bool(lost.any()) else None)
+
+    @property
+    def largest(self) -> float:
+        """The largest finite magnitude the stored type holds."""
+        return float(torch.finfo(self.torch_dtype).max) if self.torch_dtype.is_floating_point else float(
+            torch.iinfo(self.torch_dtype).max)
 
     def cast(self, values: torch.Tensor) -> np.ndarray:
         """``values`` in the stored dtype, on the CPU, without :meth:`encode`'s overflow check."""
@@ -80,13 +97,39 @@ _KEEP_DTYPES = {
 
 
 def output_codec(name: str) -> Codec:
-    """Look up an output codec by name (``float32``, ``float16``, ``bfloat16``)."""
-    try:
-        return OUTPUT_CODECS[name]
-    except KeyError:
-        raise InvalidInput(
-            f"unknown output codec {name!r}; choose one of {sorted(OUTPUT_CODECS)}."
-        ) from None
+    """Look up a dense output codec by name (``float32``, ``float16``, ``bfloat16``); every
+    output codec a compute accepts is validated by :func:`featstore.partcodecs.check_output_codec`."""
+    codec = OUTPUT_CODECS.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise InvalidInput(f"unknown dense output codec {name!r}; choose one of {sorted(OUTPUT_CODECS)}.")
+    return codec
+
+
+def unrepresentable(codec: Codec, output: str, samples: list[int], largest: float) -> str:
+    """The one message for finite values a codec cannot store (they would become inf): which
+    samples, how large, and which codec holds them, if any.
+
+    >>> unrepresentable(OUTPUT_CODECS["float16"], "x", [3], 1e6)[:50]
+    "finite values of 'x' overflow float16 in 1 samples"
+    """
+    fits = [c.name for c in OUTPUT_CODECS.values() if c.name != codec.name and largest <= c.largest]
+    fix = (f"Store this output as {' or '.join(repr(f) for f in fits)} instead" if fits else
+           f"No featstore codec holds values that large (float32 and bfloat16 reach {_F32_MAX:.3g}): scale "
+           "or clamp them in Model A")
+    return (f"finite values of {output!r} overflow {codec.name} in {len(samples)} samples (first: "
+            f"{samples[:10]}; largest |value| {largest:.4g}, {codec.name} holds at most {codec.largest:.4g}), "
+            f"so they would be stored as inf. {fix}, or pass ComputeOptions(allow_nonfinite=True) to store "
+            "them as inf.")
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def largest_finite(values: torch.Tensor) -> float:
+    """The largest finite |value| (0.0 if there is none), on an error path: for messages."""
+    x = values.detach().to("cpu", torch.float64).abs()
+    x = x[torch.isfinite(x)]
+    return float(x.max()) if x.numel() else 0.0
 
 
 def keep_codec(dtype: torch.dtype) -> Codec:

@@ -66,6 +66,11 @@ class StoreConflict(FeatstoreError, FileExistsError):
     """Another writer committed the same object first."""
 
 
+class StoreNotFound(FeatstoreError, FileNotFoundError):
+    """No store at that URL: a read-only command (``featstore list``/``info``/``verify``/``tag``)
+    or ``open_store(url, create=False)`` never creates one. Check the URL."""
+
+
 # -- the caller must fix the environment ----------------------------------------------------
 class StoreUnavailable(FeatstoreError, ConnectionError):
     """The store URL cannot be reached, or there are no (valid) credentials for it."""
@@ -85,9 +90,15 @@ class IncompatibleFormat(FeatstoreError, ValueError):
     """Stored metadata is malformed or was written by a newer featstore."""
 
 
+class ClusterUnavailable(FeatstoreError, ConnectionError):
+    """The Dask scheduler named by ``client=`` (``--scheduler``) did not answer within
+    ``ComputeOptions.connect_timeout``: check that it runs and the address."""
+
+
 class DeviceSetupError(FeatstoreError, RuntimeError):
     """A compute worker sees several GPUs and cannot tell which is its own, or was told to use
-    one it does not have (see :mod:`featstore.devices` for the rules and the fixes)."""
+    one it does not have (see :mod:`featstore.devices` for the rules and the fixes), or Model A
+    asks for CUDA where there is none."""
 
 
 # -- the data or the run is broken ----------------------------------------------------------
@@ -131,4 +142,16 @@ def _rebuild_corrupt(message: str, version: str, array: str, chunk: str) -> Corr
 
 
 class ComputeFailed(FeatstoreError, RuntimeError):
-    """Model A or the dataset raised inside a compute task; finished shards are kept for resume."""
+    """Model A, its factory or the dataset raised (the user's exception is the ``__cause__``);
+    finished shards are kept for resume."""
+
+
+# -- warnings: the run goes on, but the caller should know -----------------------------------
+class FeatstoreWarning(UserWarning):
+    """Base class of the warnings featstore gives (the command line prints each on one line)."""
+
+
+class FingerprintWarning(FeatstoreWarning):
+    """The fingerprint is likely blind to something that changes Model A's outputs (a plain
+    function held by Model A, a dataset whose items change between reads): name the model or
+    the dataset yourself (``ComputeOptions(model_id=...)`` / ``dataset_id=``)."""

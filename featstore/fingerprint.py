@@ -16,14 +16,16 @@ import hashlib
 import inspect
 import textwrap
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import InvalidInput
+from .errors import FingerprintWarning, InvalidInput
 from .manifest import canonical_json
+from .usercode import build_model, dataset_length, read_item
 
 DATASET_SAMPLES = 16
 
@@ -50,7 +52,8 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _update_item(h: "hashlib._Hash", item: Any) -> None:
+def _update_item(h: "hashlib._Hash", item: Any, path: str = "") -> None:
+    """Feed one dataset item into ``h``; ``path`` names the field being digested (for messages)."""
     if isinstance(item, torch.Tensor):
         h.update(f"T{item.dtype}{tuple(item.shape)}".encode())
         h.update(_tensor_bytes(item))
@@ -61,20 +64,29 @@ def _update_item(h: "hashlib._Hash", item: Any) -> None:
         h.update(b"{")
         for k in sorted(item, key=str):
             h.update(repr(k).encode())
-            _update_item(h, item[k])
+            _update_item(h, item[k], f"{path}[{k!r}]")
         h.update(b"}")
     elif isinstance(item, (tuple, list)):
         h.update(b"[")
-        for v in item:
-            _update_item(h, v)
+        for i, v in enumerate(item):
+            _update_item(h, v, f"{path}[{i}]")
         h.update(b"]")
     elif item is None or isinstance(item, (bool, int, float, str, bytes)):
         h.update(repr(item).encode())
     else:
+        where = f"its field item{path}" if path else "the item"
         raise InvalidInput(
-            f"cannot fingerprint a dataset item of type {type(item).__name__}; pass "
-            "ComputeOptions(dataset_id='...') naming the dataset's exact contents instead."
+            f"cannot fingerprint the dataset's items: {where} is a {type(item).__module__}.{type(item).__qualname__}; "
+            "pass ComputeOptions(dataset_id='...') naming the dataset's exact contents (--dataset-id), or make "
+            "that field a tensor, numpy array, number or string."
         )
+
+
+def item_digest(item: Any) -> str:
+    """sha256 of one dataset item (tensors, arrays, numbers, strings, and dicts/lists of them)."""
+    h = hashlib.sha256()
+    _update_item(h, item)
+    return h.hexdigest()
 
 
 def sample_positions(n: int, k: int = DATASET_SAMPLES) -> list[int]:
@@ -85,11 +97,14 @@ def sample_positions(n: int, k: int = DATASET_SAMPLES) -> list[int]:
 
 
 def dataset_digest(dataset: Sequence[Any], dataset_id: str | None = None) -> dict[str, Any]:
-    """The dataset's identity: its length plus a user id or a digest of sampled items."""
-    n = len(dataset)
+    """The dataset's identity: its length plus a user id or a digest of sampled items (a
+    :class:`FingerprintWarning` when the same index reads back different items)."""
+    n = dataset_length(dataset)
     if dataset_id is not None:
         return {"length": n, "id": str(dataset_id)}
-    return {"length": n, "sampled": DATASET_SAMPLES, "digest": sampled_digest(dataset)}
+    digest = sampled_digest(dataset)
+    check_repeatable(dataset)
+    return {"length": n, "sampled": DATASET_SAMPLES, "digest": digest}
 
 
 def sampled_digest(dataset: Sequence[Any]) -> str:
@@ -97,9 +112,26 @@ def sampled_digest(dataset: Sequence[Any]) -> str:
     :func:`dataset_digest` records without an id, and what ``extends`` compares on the range
     a dataset shares with its parent. Raises :class:`InvalidInput` for items it cannot digest."""
     h = hashlib.sha256()
-    for i in sample_positions(len(dataset)):
-        _update_item(h, dataset[i])
+    for i in sample_positions(dataset_length(dataset)):
+        _update_item(h, read_item(dataset, i))
     return h.hexdigest()
+
+
+def check_repeatable(dataset: Sequence[Any]) -> bool:
+    """Whether the first and the last item read back the same a second time; if not, warn: the
+    sampled digest differs on every run, so every rerun would compute a new version (and the
+    stored outputs would belong to one random draw of the items)."""
+    n = dataset_length(dataset)
+    for i in sorted({0, n - 1}):
+        if item_digest(read_item(dataset, i)) != item_digest(read_item(dataset, i)):
+            warnings.warn(FingerprintWarning(
+                f"dataset[{i}] gave two different items on two reads (its __getitem__ draws random numbers or "
+                "reads changing data), so the dataset's sampled digest changes on every run: each rerun computes "
+                "a new version. Make __getitem__ deterministic (augment with views=K and augment=fn, which replay "
+                "exactly), or name the contents with ComputeOptions(dataset_id='...') (--dataset-id)."),
+                stacklevel=2)
+            return False
+    return True
 
 
 def describe_key(key: Any) -> Any:
@@ -122,19 +154,55 @@ def fingerprint(parts: Mapping[str, Any]) -> str:
 
 def model_digest(model: torch.nn.Module | Callable[[], torch.nn.Module], model_id: str | None) -> dict[str, Any]:
     """``{"model": weights digest, "model_code": code digest}`` for a module, or for a factory
-    (built once here unless ``model_id`` is given; then the id is all there is)."""
+    (built once here unless ``model_id`` is given; then the id is all there is). Warns
+    (:class:`FingerprintWarning`) when Model A holds code the digests cannot see."""
     if model_id is not None:
         return {"model": "id:" + str(model_id), "model_code": None}
-    if isinstance(model, torch.nn.Module):
-        built = model
-    elif callable(model):
-        built = model()
-        if not isinstance(built, torch.nn.Module):
-            raise InvalidInput("the model factory must return a torch.nn.Module.")
-    else:
-        raise InvalidInput(
-            f"model must be a torch.nn.Module or a zero-argument factory, got {type(model).__name__}.")
+    built = build_model(model)
+    blind = blind_spots(built)
+    if blind:
+        warnings.warn(FingerprintWarning(
+            f"Model A holds code its fingerprint cannot see: {'; '.join(blind[:5])}"
+            f"{f' (and {len(blind) - 5} more)' if len(blind) > 5 else ''}. Changing it would not make a new "
+            "version: compute would return the outputs stored for the old one. Name this exact Model A with "
+            "ComputeOptions(model_id='...') (--model-id; a new id whenever that code changes), or make it a "
+            "method or a submodule of your classes."), stacklevel=2)
     return {"model": weights_digest(built), "model_code": code_digest(built)}
+
+
+def _plain_callable(value: Any) -> bool:
+    """A callable the code digest cannot see: a function, lambda, partial, bound method or callable
+    object of the user's (not a module, not a class, not torch's or Python's own function)."""
+    if isinstance(value, (torch.nn.Module, type)) or not callable(value):
+        return False
+    target = getattr(value, "func", value)  # functools.partial: the function it wraps
+    module = getattr(target, "__module__", None) or type(target).__module__ or ""
+    return module.split(".")[0] not in LIBRARY_PACKAGES | {"math", "operator", "numpy"}
+
+
+def blind_spots(model: torch.nn.Module) -> list[str]:
+    """What of Model A the fingerprint cannot see, found in the module tree: plain functions
+    held as attributes (also in lists, tuples and dicts) and forward hooks.
+
+    >>> blind_spots(torch.nn.Linear(2, 2))
+    []
+    """
+    found = []
+    for path, module in model.named_modules():
+        where = f"{type(module).__name__} {path!r}" if path else type(module).__name__
+        for name, value in sorted(vars(module).items()):
+            if name.startswith("_"):
+                continue
+            values = list(value.values()) if isinstance(value, Mapping) else (
+                list(value) if isinstance(value, (list, tuple)) else [value])
+            for v in values:
+                if _plain_callable(v):
+                    found.append(f"{where}.{name} = {getattr(v, '__qualname__', type(v).__name__)}")
+                    break
+        hooks = sum(len(getattr(module, h, {})) for h in ("_forward_hooks", "_forward_pre_hooks"))
+        if hooks:
+            found.append(f"{hooks} forward hook(s) on {where}")
+    return found
 
 
 #: Classes from these packages are identified by name, not read: their code is the library's

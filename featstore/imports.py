@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidInput
+from .usercode import call_factory, check_zero_arguments
 
 
 def resolve(path: str) -> Any:
@@ -44,9 +45,12 @@ class Factory:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        if not callable(resolve(path)):
+        target = resolve(path)
+        if not callable(target):
             raise InvalidInput(f"{path!r} is not callable; name a class or a function that "
                                "takes no arguments.")
+        check_zero_arguments(target, f"{path!r} names", "name a function without arguments that builds it "
+                             "(def teacher(): return Model(...))")
 
     def __call__(self) -> Any:
         return resolve(self.path)()
@@ -72,7 +76,7 @@ class FactoryDataset:
     @property
     def dataset(self) -> Any:
         if self._dataset is None:
-            self._dataset = self.factory()
+            self._dataset = call_factory(self.factory, "the dataset factory")
         return self._dataset
 
     def __len__(self) -> int:

@@ -89,6 +89,18 @@ def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bo
         )
 
 
+def newer_manifest(obj: Any) -> bool:
+    """Whether ``obj`` is a manifest of a newer schema than this featstore reads: not damaged,
+    only unreadable here (upgrade featstore), so never deleted as damaged.
+
+    >>> newer_manifest({"schema": SCHEMA, "schema_version": SCHEMA_VERSION + 1})
+    True
+    """
+    version = obj.get("schema_version") if isinstance(obj, dict) else None
+    return (obj.get("schema") == SCHEMA and isinstance(version, int) and not isinstance(version, bool)
+            and version > SCHEMA_VERSION) if isinstance(obj, dict) else False
+
+
 def _digest(value: Any) -> str:
     if not isinstance(value, str) or len(value) != 64 or not set(value) <= _HEX:
         raise ValueError(f"digest {value!r} is not 64 hex digits")

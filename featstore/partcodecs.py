@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codecs import finite_rows
+from .codecs import OUTPUT_CODECS, finite_rows
 from .errors import IncompatibleFormat, InvalidInput, NonFiniteOutput
 from .names import check_field
 
@@ -383,6 +383,26 @@ DEFAULT_TOPP_CAP = 100
 def is_parts_codec(name: str) -> bool:
     """Whether ``name`` (a user's or a manifest's codec name) is one of this module's codecs."""
     return isinstance(name, str) and (name == "int8" or name.split(":", 1)[0] in _PATTERNS)
+
+
+#: Every output codec ``compute(outputs=...)`` accepts, as messages and the command line's help list them.
+CODEC_CHOICES = ("float32 (exact for float32 outputs), float16, bfloat16, int8 (per-sample absmax), and sparse "
+                 "soft labels topk:K[@T], topp:P:MIN_K[:CAP][@T], sample:S[@T]")
+
+
+def check_output_codec(name: Any) -> str:
+    """The canonical name of any output codec a compute accepts (dense or stored in parts): the
+    one place that validates what a user writes in ``outputs``.
+
+    >>> check_output_codec("float16"), check_output_codec("topk:20")
+    ('float16', 'topk:20@1')
+    """
+    if is_parts_codec(name):
+        return parts_codec(name).name
+    if isinstance(name, str) and name in OUTPUT_CODECS:
+        return OUTPUT_CODECS[name].name
+    raise InvalidInput(f"unknown output codec {name!r}; choose one of {CODEC_CHOICES} (README: 'Stored dtypes' "
+                       "and 'Soft labels and int8').")
 
 
 @functools.lru_cache(maxsize=64)

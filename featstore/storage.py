@@ -28,7 +28,8 @@ import fsspec
 import zarr.abc.store
 import zarr.storage
 
-from .errors import FeatstoreError, StoreConflict, StoreFull, StorePermissionDenied, StoreUnavailable
+from .errors import (FeatstoreError, InvalidInput, StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied,
+                     StoreUnavailable)
 from .manifest import canonical_json, load_json
 from .s3config import plan
 from .s3get import S3Getter, shared_getter
@@ -193,11 +194,13 @@ class Storage:
         return posixpath.join(self.url, key)
 
     # -- probing ------------------------------------------------------------------------
-    def check_reachable(self) -> None:
-        """Fail fast with :class:`StoreUnavailable` if the root cannot be listed or created."""
+    def check_reachable(self, create: bool = True) -> None:
+        """Fail fast with :class:`StoreUnavailable` if the root cannot be listed or created (a local
+        root is created unless ``create=False``: then a missing one is :class:`StoreNotFound`; a
+        path that is a file is :class:`InvalidInput`)."""
         with backend_errors(self.url):
             if self.is_local:
-                os.makedirs(self.root, exist_ok=True)
+                self._check_local_root(create)
                 return
             try:
                 self.fs.ls(self.root, detail=False, refresh=True)
@@ -208,6 +211,23 @@ class Storage:
                         f"the bucket of {self.url} does not exist or is not visible with these "
                         "credentials; create it first or fix the URL."
                     ) from None
+
+    def _check_local_root(self, create: bool) -> None:
+        if os.path.isdir(self.root):
+            return
+        if os.path.lexists(self.root) or not create:
+            parent = next((p for p in _parents(self.root) if os.path.lexists(p)), None)
+            if parent is not None and not os.path.isdir(parent):
+                where = "is a file" if parent == self.root else f"lies under {parent}, which is a file"
+                raise InvalidInput(f"the store {self.url} {where}, not a folder; give the path of a folder (it is "
+                                   "created if it does not exist).")
+            raise StoreNotFound(f"there is no store at {self.url} (no such folder); check the URL. A store is "
+                                "created by its first compute (featstore compute URL NAME ..., or "
+                                "featstore.open_store(URL)); read-only commands never create one.")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file on the way to the root
+            self._check_local_root(create=False)
 
     # -- bytes --------------------------------------------------------------------------
     def _s3_getter(self) -> S3Getter | None:
@@ -472,6 +492,14 @@ class BackendErrorStore(zarr.storage.WrapperStore):
     async def getsize(self, key: str) -> int:
         with backend_errors(self._url, self._at(key)):
             return await self._store.getsize(key)
+
+
+def _parents(path: str) -> list[str]:
+    """``path`` and each folder above it, nearest first."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
 
 
 def _durable_temp(path: str, data: bytes) -> str:

@@ -83,14 +83,21 @@ class FeatureStore(Catalog):
         return FeatureDataset(self.open(ref), **options)
 
 
-def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> FeatureStore:
-    """Open (and for a local path, create) a store at any fsspec URL.
+def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
+               create: bool = True) -> FeatureStore:
+    """Open a store at any fsspec URL; a local folder is created unless ``create=False``.
+
+    ``create=False`` is for reading: a local store that does not exist is
+    :class:`~featstore.StoreNotFound` and nothing is created (what ``featstore list``, ``info``,
+    ``verify``, ``tag``, ``delete`` and ``gc`` use). A path that is a file is
+    :class:`~featstore.InvalidInput`.
 
     Prefer the standard credential chain (environment, profile, role) over secrets in
     ``storage_options``: options travel to DataLoader workers and Dask workers.
 
     >>> store = featstore.open_store("s3://bucket/feats", storage_options={"endpoint_url": url})
+    >>> store = featstore.open_store("./feats", create=False)     # StoreNotFound if there is none
     """
     storage = Storage(os.fspath(url), storage_options)
-    storage.check_reachable()
+    storage.check_reachable(create=create)
     return FeatureStore(storage)

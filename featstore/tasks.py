@@ -33,7 +33,7 @@ import zarr
 
 from .events import batch_done, shard_started, shard_written
 from .allocator import tuned as tuned_allocator
-from .codecs import codec_by_name, finite_rows, keep_codec, output_codec
+from .codecs import Codec, codec_by_name, finite_rows, keep_codec, largest_finite, output_codec, unrepresentable
 from .devices import task_device
 from .errors import ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput, OutputMismatch
 from .format import chunk_key, open_for_write, shard_digest, zstd_saving
@@ -43,6 +43,7 @@ from .ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack
 from .stats import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
 from .storage import Storage
 from .transfer import HostBatch, Offloader, pin, to_device
+from .usercode import build_model, describe, read_items, user_error
 from .versions import group_store, object_key, read_receipts, version_key, view_key, write_receipt
 from .views import SEED_FIELD, ViewDataset, view_seeds
 
@@ -63,7 +64,13 @@ def select(item: Any, key: Any, what: str) -> Any:
     if key is None:
         return item
     if callable(key):
-        return key(item)
+        try:
+            return key(item)
+        except FeatstoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's selector raises anything
+            raise user_error(exc, f"the {'input_key' if what == 'input' else 'keep'} callable {describe(key)}",
+                             "fix it, then rerun.") from exc
     try:
         return item[key]
     except (KeyError, IndexError, TypeError):
@@ -74,6 +81,48 @@ def select(item: Any, key: Any, what: str) -> Any:
             f"dataset items have no {what} {key!r} (items are {have}); pass the right "
             f"{'input_key' if what == 'input' else 'keep'} (a key, an index or a callable)."
         ) from None
+
+
+def collate_batch(items: Sequence[Any], input_key: Any, keep: Mapping[str, Any], collate: Any,
+                  start: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Model A's input batch and the kept fields' tensors for dataset items ``start, ...``.
+
+    What cannot be batched is an :class:`InvalidInput` naming the field and the fix (the driver
+    calls this on the first item before anything runs, so most such items never reach a task).
+    """
+    from torch.utils.data import default_collate
+
+    stop = start + len(items)
+    try:
+        x = (collate or default_collate)([select(it, input_key, "input") for it in items])
+    except FeatstoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - default_collate and the user's collate raise anything
+        if collate is not None:
+            raise user_error(exc, f"ComputeOptions.collate {describe(collate)} on samples [{start}, {stop})",
+                             "fix it, then rerun.") from exc
+        raise InvalidInput(
+            f"collating the input ({describe_field(input_key)}) of samples [{start}, {stop}) failed "
+            f"({type(exc).__name__}: {exc}): Model A's inputs must be tensors, numpy arrays or numbers of one "
+            "shape. Convert them in the dataset (PIL images: torchvision.transforms.functional.pil_to_tensor), "
+            "or pass ComputeOptions(collate=fn) to build the batch (e.g. featstore.ragged.pad_sequences).") from exc
+    kept = {}
+    for name, key in keep.items():
+        values = [select(it, key, "keep field") for it in items]
+        try:
+            kept[name] = torch.as_tensor(default_collate(values))
+        except Exception as exc:  # noqa: BLE001
+            raise InvalidInput(
+                f"keep field {name!r} of samples [{start}, {stop}) cannot be stored ({type(exc).__name__}: "
+                f"{exc}): a kept field must be a number or a tensor of one fixed shape per sample (a "
+                f"{type(values[0]).__name__} here). Convert or pad it in the dataset, or leave it out of keep."
+            ) from exc
+    return x, kept
+
+
+def describe_field(key: Any) -> str:
+    """``input_key`` as messages name it."""
+    return "the whole item" if key is None else describe(key) if callable(key) else repr(key)
 
 
 def as_outputs(out: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -176,7 +225,7 @@ def worker_model(model: Any, key: str, threads: int, device: torch.device) -> to
         if cached is None:
             # A copy of a module: an in-process worker receives the caller's own object, and
             # .eval()/.requires_grad_(False)/.to() must not change the caller's model.
-            built = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model()
+            built = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else build_model(model)
             cached = built.to(device).eval().requires_grad_(False)
             _MODELS[(key, str(device))] = cached
             while len(_MODELS) > _MODELS_KEPT:  # free the device memory of older runs' models
@@ -184,29 +233,18 @@ def worker_model(model: Any, key: str, threads: int, device: torch.device) -> to
         return cached
 
 
-def _fetch(dataset: Any, start: int, stop: int) -> list[Any]:
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:
-        return list(getitems(list(range(start, stop))))
-    return [dataset[i] for i in range(start, stop)]
-
-
 def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
     """The input batch for A (in pinned memory if ``pinned``) and the kept fields."""
-    from torch.utils.data import default_collate
-
-    try:
-        x = (spec.collate or default_collate)([select(it, spec.input_key, "input") for it in items])
-        kept = {n: torch.as_tensor(default_collate([select(it, k, "field") for it in items]))
-                for n, k in spec.keep.items()}
-        if spec.tokens is not None:
+    x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
+    if spec.tokens is not None:
+        try:
             kept[_MASK] = batch_mask(spec.tokens, x, len(items), start)
-            kept[TOKEN_LENGTH] = kept[_MASK].sum(1).to(torch.int32)
-    except FeatstoreError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user datasets raise anything
-        raise ComputeFailed(f"collating dataset items [{start}, {start + len(items)}) failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+        except FeatstoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's mask function raises anything
+            raise user_error(exc, f"Tokens(mask={describe(spec.tokens.mask)}) on samples [{start}, "
+                             f"{start + len(items)})", "fix it, then rerun.") from exc
+        kept[TOKEN_LENGTH] = kept[_MASK].sum(1).to(torch.int32)
     return (pin(x) if pinned else x), kept
 
 
@@ -221,9 +259,8 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: i
             else:
                 out = model(x)
     except Exception as exc:  # noqa: BLE001
-        raise ComputeFailed(f"Model A raised {type(exc).__name__}: {exc} on samples "
-                            f"[{start}, {start + rows}); fix the model or the data, then "
-                            "rerun: finished shards are kept.") from exc
+        raise user_error(exc, "Model A", f"on samples [{start}, {start + rows}): fix the model or the data, then "
+                         "rerun: finished shards are kept.") from exc
     return as_outputs(out, list(spec.outputs))
 
 
@@ -274,25 +311,38 @@ def _encode(spec: TaskSpec, values: dict[str, Any], start: int, token0: int = 0)
             continue
         want = spec.arrays[name]
         codec = codec_by_name(want.codec)
-        bad_rows: list[int] = []
-        all_finite = None
-        if want.source == "output":  # one finiteness pass serves the check and the statistics
-            bad = ~finite_rows(t)
-            all_finite = not bool(bad.any())
-            bad_rows = [] if all_finite else (torch.nonzero(bad).reshape(-1) + start).tolist()
-            if bad_rows and not spec.allow_nonfinite:
-                raise NonFiniteOutput(
-                    f"Model A produced NaN/Inf in {name!r} for {len(bad_rows)} samples (first: "
-                    f"{bad_rows[:10]}); fix the model or data, or pass "
-                    "ComputeOptions(allow_nonfinite=True) to store them.")
-        arr = codec.encode(t)
-        s = value_stats(t, all_finite)
-        if bad_rows:
-            s["nonfinite_samples"] = bad_rows[:NONFINITE_KEPT]
-        if codec.lossy:
-            s["max_abs_error"] = max_abs_error(codec, arr, t)
-        encoded[name], stats[name] = arr, s
+        if want.source != "output":  # a kept field: stored exactly in its own dtype
+            encoded[name] = codec.encode(t)
+            stats[name] = value_stats(t)
+            continue
+        encoded[name], stats[name] = _encode_dense(spec, name, codec, t, start)
     return encoded, stats
+
+
+def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, start: int) -> tuple[np.ndarray, dict]:
+    """One dense output as stored, and the statistics of what is stored: NaN/Inf from Model A,
+    or finite values the codec cannot represent (float64 beyond float32's range, float32 beyond
+    float16's) are :class:`NonFiniteOutput` naming the samples unless ``allow_nonfinite``; a
+    cast's rounding is the codec error (``max_abs_error``)."""
+    bad = ~finite_rows(t)  # one finiteness pass serves the check and the statistics
+    if bool(bad.any()) and not spec.allow_nonfinite:
+        rows = (torch.nonzero(bad).reshape(-1) + start).tolist()
+        raise NonFiniteOutput(
+            f"Model A produced NaN/Inf in {name!r} for {len(rows)} samples (first: {rows[:10]}); fix the "
+            "model or data, or pass ComputeOptions(allow_nonfinite=True) to store them.")
+    arr, lost = codec.store(t)
+    if lost is not None:
+        if not spec.allow_nonfinite:
+            raise NonFiniteOutput(unrepresentable(codec, name, (torch.nonzero(lost).reshape(-1) + start).tolist(),
+                                                  largest_finite(t)))
+        bad |= lost
+    cast = t.dtype != codec.torch_dtype
+    s = value_stats(codec.decode(arr) if cast else t, not bool(bad.any()))  # what is stored
+    if bool(bad.any()):
+        s["nonfinite_samples"] = (torch.nonzero(bad).reshape(-1) + start).tolist()[:NONFINITE_KEPT]
+    if cast or codec.lossy:
+        s["max_abs_error"] = max_abs_error(codec, arr, t)
+    return arr, s
 
 
 def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
@@ -415,17 +465,9 @@ def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np
         max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
 
-def _fetch_checked(dataset: Any, b0: int, b1: int) -> list[Any]:
-    try:
-        return _fetch(dataset, b0, b1)
-    except Exception as exc:  # noqa: BLE001
-        raise ComputeFailed(f"the dataset raised {type(exc).__name__}: {exc} reading "
-                            f"samples [{b0}, {b1}); finished shards are kept.") from exc
-
-
 def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -> tuple[Any, dict]:
     """Read and collate one batch (runs on the fetch thread)."""
-    return _collate(spec, _fetch_checked(dataset, b0, b1), b0, pinned)
+    return _collate(spec, read_items(dataset, range(b0, b1)), b0, pinned)
 
 
 def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int, token0: int,
@@ -671,7 +713,7 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        x, kept = _collate(spec, _fetch(_as_seen(spec, dataset), 0, rows), 0, pinned=False)
+        x, kept = _collate(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
         outs = _forward(spec, net, x, 0, rows, device)
     out: dict[str, tuple[tuple[int, ...], str, float]] = {}
     if spec.tokens is not None:

@@ -28,6 +28,7 @@ import copy
 import hashlib
 import logging
 import os
+import shlex
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +46,8 @@ from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, Spread
                      create_views_group, decode_shard_rows, logical_key, open_array, shard_digest, shard_index,
                      shard_index_bytes, spread_folder, spread_key, view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
-                       ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json, ref_json,
-                       ref_target, tag_json, tag_target)
+                       ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json,
+                       newer_manifest, ref_json, ref_target, tag_json, tag_target)
 from .names import check_name, check_tag, check_version_id, is_version_id
 from .partcodecs import assemble, parts_codec
 from .ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets
@@ -545,9 +546,14 @@ class Version:
                 raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
                                    "version.view(v) or version[v, rows].")
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
-            self._arrays[(home, field)] = open_array(
-                group_store(self.storage, home, self.spread, read_only=True), field, self.manifest.arrays[field],
-                layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json", metadata=True))
+            try:
+                self._arrays[(home, field)] = open_array(
+                    group_store(self.storage, home, self.spread, read_only=True), field, self.manifest.arrays[field],
+                    layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json", metadata=True))
+            except CorruptChunk as exc:  # a missing zarr.json is a deleted version, not damaged data
+                if self.was_deleted():
+                    raise deleted_while_reading(self.ref) from exc
+                raise
         return self._arrays[(home, field)]
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
@@ -804,16 +810,42 @@ class Catalog:
         return sorted(names)
 
     def versions(self, name: str) -> list[Version]:
-        """Committed versions of ``name``, oldest first (uncommitted ones are invisible)."""
+        """Committed versions of ``name``, oldest first (uncommitted ones are invisible; one whose
+        manifest cannot be read is left out and logged: see :meth:`damaged`)."""
+        found, damaged = self.scan(name)
+        for vid, exc in damaged.items():
+            log.warning("skipping version %s@%s: %s", name, vid, exc)
+        return found
+
+    def scan(self, name: str) -> tuple[list[Version], dict[str, IncompatibleFormat]]:
+        """``(committed versions oldest first, {version id: why its manifest cannot be read})``:
+        a damaged manifest (or one of a newer featstore) affects only its own version."""
         base = f"{check_name(name)}/_versions"
-        out = []
+        out, damaged = [], {}
         for vid in self.storage.list_dirs(base):
             if not is_version_id(vid):
                 continue
-            m = self.read_manifest(name, vid)
+            try:
+                m = self.read_manifest(name, vid)
+            except IncompatibleFormat as exc:
+                damaged[vid] = exc
+                continue
             if m is not None:
                 out.append(self._version(m))
-        return sorted(out, key=lambda v: (v.manifest.created_at, v.id))
+        return sorted(out, key=lambda v: (v.manifest.created_at, v.id)), damaged
+
+    def damaged(self, name: str | None = None) -> dict[str, str]:
+        """``{"name@id": what is wrong and what to do}`` for every version (of ``name``, or of every
+        feature set) whose manifest exists but cannot be read; remove one with :meth:`delete`
+        (``featstore delete URL name@id``) or all with ``gc(damaged=True)``.
+
+        >>> store.damaged()
+        {'cnn-a/train@0123456789abcdef': '.../manifest.json is not valid JSON (...) ...'}
+        """
+        out = {}
+        for n in [name] if name is not None else self.names():
+            out.update({f"{n}@{vid}": str(exc) for vid, exc in self.scan(n)[1].items()})
+        return out
 
     def committed(self, name: str, vid: str) -> Version | None:
         """``name@vid`` if it is committed, else None (no tag or "newest" resolution)."""
@@ -821,7 +853,17 @@ class Catalog:
         return None if m is None else self._version(m)
 
     def read_manifest(self, name: str, vid: str) -> Manifest | None:
-        """The validated manifest of ``name@vid``, or None while it is not committed."""
+        """The validated manifest of ``name@vid``, or None while it is not committed; one that
+        cannot be read is :class:`IncompatibleFormat` saying how to remove that version."""
+        try:
+            return self._read_manifest(name, vid)
+        except IncompatibleFormat as exc:
+            ref = f"{name}@{vid}"
+            raise IncompatibleFormat(
+                f"{exc} Only version {ref} is affected: `featstore delete {shlex.quote(self.url)} {ref}` (or "
+                f"store.delete({ref!r})) removes it; recompute it if you need it.") from exc
+
+    def _read_manifest(self, name: str, vid: str) -> Manifest | None:
         key = f"{version_key(name, vid)}/{MANIFEST}"
         obj = self.storage.read_json(key)
         if obj is None:
@@ -830,7 +872,7 @@ class Catalog:
         m = Manifest.from_json(obj, where)
         if (m.name, m.id) != (name, vid):  # a manifest copied or planted under another path
             raise IncompatibleFormat(f"{where} describes {m.name}@{m.id}, not {name}@{vid}; the store "
-                                     "is damaged. Delete that version folder.")
+                                     "is damaged.")
         return m
 
     def _tag(self, name: str, tag: str) -> str | None:
@@ -848,7 +890,11 @@ class Catalog:
                     check_tag(entry[:-5])
                 except FeatstoreError:
                     continue  # not a tag featstore wrote: never addressed
-                vid = self._tag(name, entry[:-5])
+                try:
+                    vid = self._tag(name, entry[:-5])
+                except IncompatibleFormat as exc:  # a damaged tag hides only itself
+                    log.warning("skipping tag %s@%s: %s", name, entry[:-5], exc)
+                    continue
                 if vid is not None:
                     out[entry[:-5]] = vid
         return out
@@ -869,7 +915,13 @@ class Catalog:
         if at and not is_version_id(sel):
             check_tag(sel)
         if not sel:
-            versions = self.versions(name)
+            versions, damaged = self.scan(name)
+            if damaged:
+                vid, exc = next(iter(damaged.items()))
+                raise IncompatibleFormat(
+                    f"the newest version of {name!r} cannot be told: the manifests of {sorted(damaged)} cannot be "
+                    f"read ({vid}: {exc}). Open a version by id or tag ({name}@<id>), or remove the damaged ones "
+                    f"first (featstore delete URL {name}@<id>).") from exc
             if not versions:
                 raise VersionNotFound(
                     f"feature set {name!r} has no committed version in {self.url}; "
@@ -912,7 +964,7 @@ class Catalog:
             raise VersionNotFound(f"{name!r} has no tag {tag!r}; tags: {sorted(self.tags(name))}")
         self.storage.delete(tag_key(name, tag))
 
-    def delete(self, version: Version | str) -> None:
+    def delete(self, version: Version | str) -> str:
         """Delete a committed version: its tags first, then its manifest (it becomes invisible
         at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data,
         unless an incremental child still reads shards from it. A reader still streaming it gets
@@ -921,22 +973,54 @@ class Catalog:
         Shared shards stay until no version references them: a parent's data is kept while a
         child (committed or being computed) has a reference marker in it, and deleting the
         last such child removes the parent's data too.
+
+        A version whose manifest is damaged (:meth:`damaged`) is deleted the same way when named by
+        id or tag (``"name@id"``). Returns the ``name@id`` deleted.
         """
-        v = self.open(version)
-        self._untag_all(v)
-        self.storage.delete(f"{v.key}/{MANIFEST}")
-        self._untag_all(v)
-        self._drop_if_unreferenced(v.key)
+        try:
+            v = self.open(version)
+        except IncompatibleFormat:
+            target = self._damaged_target(version)
+            if target is None:
+                raise
+            self._delete_folder(*target)
+            return "@".join(target)
+        self._delete_folder(v.name, v.id)
         for b in reversed(v.manifest.bases):  # a child's folder first: it may hold refs to the parent
             bkey = version_key(b.name, b.id)
             self.storage.delete(ref_key(bkey, v.name, v.id))
             if not self.storage.exists(f"{bkey}/{MANIFEST}"):
                 self._drop_if_unreferenced(bkey)
+        return v.ref
 
-    def _untag_all(self, v: Version) -> None:
-        for tag, vid in self.tags(v.name).items():
-            if vid == v.id:
-                self.storage.delete(tag_key(v.name, tag))
+    def _delete_folder(self, name: str, vid: str) -> bool:
+        """Tags, manifest, tags again, then the data unless a child still reads it (see
+        :meth:`delete`); whether the data went."""
+        vkey = version_key(name, vid)
+        self._untag_all(name, vid)
+        self.storage.delete(f"{vkey}/{MANIFEST}")
+        self._untag_all(name, vid)
+        return self._drop_if_unreferenced(vkey)
+
+    def _damaged_target(self, ref: Any) -> tuple[str, str] | None:
+        """``(name, id)`` when ``ref`` names one version by id or tag whose manifest exists but
+        cannot be read (so :meth:`delete` can still remove it), else None."""
+        if not isinstance(ref, str) or "@" not in ref:
+            return None
+        name, _, sel = ref.partition("@")
+        vid = sel if is_version_id(sel) else self._tag(name, sel)
+        if vid is None:
+            return None
+        try:
+            self.read_manifest(name, vid)
+        except IncompatibleFormat:
+            return name, vid
+        return None
+
+    def _untag_all(self, name: str, vid: str) -> None:
+        for tag, target in self.tags(name).items():
+            if target == vid:
+                self.storage.delete(tag_key(name, tag))
 
     def live_refs(self, vkey: str) -> list[str]:
         """``name@id`` of every version that reads shards from folder ``vkey`` and still exists
@@ -951,19 +1035,24 @@ class Catalog:
                 out.append(f"{name}@{vid}")
         return out
 
-    def _drop_if_unreferenced(self, vkey: str) -> None:
+    def _drop_if_unreferenced(self, vkey: str) -> bool:
         refs = self.live_refs(vkey)
         if refs:
             log.info("keeping the data of %s: versions %s read shards from it", vkey, refs)
-            return
+            return False
         # Spread shard objects first: interrupted here, the folder (with its _pending.json) is
         # still there, and gc finds what is left by its logical keys either way.
         for root in spread_roots(self.storage, vkey):
             self.storage.delete(root, recursive=True)
         self.storage.delete(vkey, recursive=True)
+        return True
 
-    def gc(self, older_than: float = 3600.0, dry_run: bool = False) -> list[str]:
+    def gc(self, older_than: float = 3600.0, dry_run: bool = False, damaged: bool = False) -> list[str]:
         """Delete what no committed version needs, and return the keys deleted.
+
+        ``damaged=True`` also deletes every version whose manifest exists but is damaged (see
+        :meth:`damaged`; one written by a newer featstore is kept: upgrade to read it), as
+        :meth:`delete` would.
 
         That is: folders of versions that were never committed (an interrupted ``compute``),
         or were deleted while a child read shards from them and no longer are, whose newest
@@ -995,6 +1084,11 @@ class Catalog:
             self.storage.delete_many(deleted)
         for vkey, members in by_version.items():
             if f"{vkey}/{MANIFEST}" in members:
+                target = self._damaged_folder(vkey) if damaged else None
+                if target is not None:
+                    gone = dry_run or self._delete_folder(*target)
+                    deleted.extend(sorted(members) if gone else [f"{vkey}/{MANIFEST}"])
+                    continue
                 old = sorted(k for k, t in members.items() if ".partial" in k and now - t > older_than)
             elif now - max(members.values()) > older_than and not (
                     any(f"/{REFS}/" in k for k in members) and self.live_refs(vkey)):
@@ -1004,6 +1098,26 @@ class Catalog:
             if dry_run or self._gc_folder(vkey, old):
                 deleted.extend(old)
         return deleted
+
+    def _damaged_folder(self, vkey: str) -> tuple[str, str] | None:
+        """``(name, id)`` of the version in folder ``vkey`` if its manifest is damaged (not merely
+        newer than this featstore), else None."""
+        name, _, vid = vkey.partition("/_versions/")
+        try:
+            self.read_manifest(name, vid)
+            return None
+        except IncompatibleFormat:
+            pass
+        except FeatstoreError:  # not a folder featstore named (a name it refuses): never touched
+            return None
+        try:
+            newer = newer_manifest(self.storage.read_json(f"{vkey}/{MANIFEST}"))
+        except IncompatibleFormat:  # not even JSON
+            newer = False
+        if newer:
+            log.warning("gc keeps %s@%s: its manifest is from a newer featstore (upgrade to read it)", name, vid)
+            return None
+        return name, vid
 
     def _gc_folder(self, vkey: str, keys: list[str]) -> bool:
         """Delete ``keys`` of one version folder unless it got committed meanwhile.

@@ -33,10 +33,11 @@ from .incremental import Growth, plan_growth
 from .manifest import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
 from .monitor import RunState
 from .names import check_field, check_name
-from .partcodecs import PartsCodec, is_parts_codec, part_array, parts_codec
+from .partcodecs import PartsCodec, check_output_codec, is_parts_codec, part_array, parts_codec
 from .ragged import TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
 from .stats import summarize
-from .tasks import PROBE_TOKENS, REUSED, TaskSpec, probe, release_models, run_shards, select
+from .tasks import PROBE_TOKENS, REUSED, TaskSpec, collate_batch, probe, release_models, run_shards
+from .usercode import dataset_length, read_item
 from .versions import Catalog, Claim, ReceiptRuns, Version, version_key, view_key
 from .views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
 
@@ -102,6 +103,10 @@ class ComputeOptions:
             version's folder, as before. Not part of the fingerprint (the values are the same):
             the first run of a version fixes it and a resume adopts it, and ``extends=`` keeps
             the parent's. Plain Zarr then opens the version through ``version.zarr_store()``.
+        connect_timeout: seconds to wait for the Dask scheduler named by ``client="tcp://..."``
+            before :class:`~featstore.ClusterUnavailable` (Dask's own default is 30 s; a scheduler
+            that is up answers in well under a second, so a few seconds is plenty on a network
+            that works). Raise it for a scheduler that is still starting.
     """
 
     dataset_id: str | None = None
@@ -118,9 +123,13 @@ class ComputeOptions:
     shards_per_task: int | None = 1
     collate: Callable[[list[Any]], Any] | None = None
     spread_prefixes: int | None = None
+    connect_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         check_compression(self.compression)
+        if isinstance(self.connect_timeout, bool) or not isinstance(self.connect_timeout, (int, float)) \
+                or not self.connect_timeout > 0:
+            raise InvalidInput(f"connect_timeout must be a positive number of seconds, got {self.connect_timeout!r}.")
         try:
             check_spread(self.spread_prefixes)
         except ValueError as exc:
@@ -175,8 +184,7 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         outputs = {"features": "float32"}
     if not isinstance(outputs, Mapping) or not outputs:
         raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
-    outputs = {check_field(k): parts_codec(v).name if is_parts_codec(v) else output_codec(v).name
-               for k, v in outputs.items()}
+    outputs = {check_field(k): check_output_codec(v) for k, v in outputs.items()}
     keep_map = normalize_keep(keep)
     reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
     if tokens is not None and not isinstance(tokens, Tokens):
@@ -190,16 +198,13 @@ def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Map
         raise InvalidInput(f"batch_size must be a positive int, got {batch_size!r}.")
     if options.autocast not in (None, "float16", "bfloat16"):
         raise InvalidInput("ComputeOptions.autocast must be None, 'float16' or 'bfloat16'.")
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise InvalidInput("dataset must be a map-style dataset with __len__ and __getitem__.") from None
+    n = dataset_length(dataset)
     if n == 0:
         raise EmptyDataset("the dataset is empty; there is nothing to compute. Check its path or filter.")
     first = _first_seen(dataset, n, views, augment, augment_seed)
-    select(first, input_key, "input")
-    for k in keep_map.values():
-        select(first, k, "keep field")
+    # What a task would do with the first item, here, before anything runs: a missing field, or
+    # items that cannot be batched (PIL images, strings), fail now, naming the field and the fix.
+    collate_batch([first], input_key, keep_map, options.collate, 0)
     return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
                     views, augment, augment_seed, tokens, ragged)
 
@@ -211,7 +216,7 @@ def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_s
         if augment is not None:
             raise InvalidInput("augment= needs views=K (K augmented views per sample are computed and "
                                "stored); for one augmented view pass views=1.")
-        return dataset[0]
+        return read_item(dataset, 0)
     if isinstance(views, bool) or not isinstance(views, int) or views < 1:
         raise InvalidInput(f"views must be a positive int (augmented views per sample), got {views!r}.")
     if not callable(augment):
@@ -220,7 +225,7 @@ def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_s
     if isinstance(augment_seed, bool) or not isinstance(augment_seed, int):
         raise InvalidInput(f"augment_seed must be an int, got {augment_seed!r}.")
     check_replayable(dataset, augment, augment_seed, sorted({0, n // 2}))
-    return replay(augment, dataset[0], view_seed(augment_seed, 0, 0))
+    return replay(augment, read_item(dataset, 0), view_seed(augment_seed, 0, 0))
 
 
 def views_spec(req: _Request) -> ViewsSpec | None:
@@ -493,7 +498,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
     t_setup = time.perf_counter()
     # One model per compute call and worker: same weights may come with different code.
     run_key = f"{vid}-{uuid.uuid4().hex[:8]}"
-    cluster = connect(client, options.n_workers, options.processes)
+    cluster = connect(client, options.n_workers, options.processes, options.connect_timeout)
     try:
         print(f"featstore: Dask dashboard at {cluster.dashboard_link}", file=sys.stderr)
         page = cluster.page_link()
