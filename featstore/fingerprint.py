@@ -197,7 +197,7 @@ def blind_spots(model: torch.nn.Module) -> list[str]:
                 list(value) if isinstance(value, (list, tuple)) else [value])
             for v in values:
                 if _plain_callable(v):
-                    found.append(f"{where}.{name} = {getattr(v, '__qualname__', type(v).__name__)}")
+                    found.append(f"{where}.{name} = {getattr(v, '__name__', type(v).__name__)}")
                     break
         hooks = sum(len(getattr(module, h, {})) for h in ("_forward_hooks", "_forward_pre_hooks"))
         if hooks:

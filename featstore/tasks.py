@@ -259,8 +259,8 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: i
             else:
                 out = model(x)
     except Exception as exc:  # noqa: BLE001
-        raise user_error(exc, "Model A", f"on samples [{start}, {start + rows}): fix the model or the data, then "
-                         "rerun: finished shards are kept.") from exc
+        raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
+                         f"on samples [{start}, {start + rows})") from exc
     return as_outputs(out, list(spec.outputs))
 
 

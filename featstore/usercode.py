@@ -35,8 +35,9 @@ def cuda_missing(exc: BaseException) -> bool:
     return any(s in text for s in CUDA_MISSING)
 
 
-def user_error(exc: BaseException, what: str, fix: str) -> FeatstoreError:
-    """The featstore error for ``exc``, raised by the user's ``what`` (raise it ``from exc``).
+def user_error(exc: BaseException, what: str, fix: str, where: str = "") -> FeatstoreError:
+    """The featstore error for ``exc``, raised by the user's ``what`` (``where``: on which samples;
+    raise it ``from exc``).
 
     >>> str(user_error(ValueError("bad row"), "dataset[3]", "fix the dataset, then rerun."))
     'dataset[3] raised ValueError: bad row; fix the dataset, then rerun.'
@@ -48,7 +49,7 @@ def user_error(exc: BaseException, what: str, fix: str) -> FeatstoreError:
             f"{what} asks for CUDA, but this process sees no CUDA device ({type(exc).__name__}: {exc}). "
             "Build Model A on the CPU (no .cuda() or .to('cuda') in it): featstore moves it to each "
             "worker's GPU itself; or run the compute where a GPU is visible.")
-    return ComputeFailed(f"{what} raised {type(exc).__name__}: {exc}; {fix}")
+    return ComputeFailed(f"{what} raised {type(exc).__name__}: {exc}{' ' + where if where else ''}; {fix}")
 
 
 def describe(obj: Any) -> str:
@@ -122,7 +123,7 @@ def dataset_length(dataset: Any) -> int:
 def read_items(dataset: Any, indices: Sequence[int]) -> list[Any]:
     """``dataset[i]`` for each index (one ``__getitems__`` call where the dataset has one); what
     the dataset raises names the index and the fix."""
-    getitems = getattr(dataset, "__getitems__", None)
+    getitems = getattr(dataset, "__getitems__", None) if len(indices) > 1 else None
     if getitems is not None:
         try:
             return list(getitems(list(indices)))

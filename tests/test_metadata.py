@@ -127,12 +127,15 @@ def test_malformed_or_newer_manifests_are_refused_clearly(copy):
     variants = manifest_variants(json.loads(good))
     for label, (content, words) in variants.items():
         (vdir / "manifest.json").write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
-        for action in (lambda: store.open(f"{NAME}@{vid}"), lambda: store.versions(NAME)):
+        for action in (lambda: store.open(f"{NAME}@{vid}"), lambda: store.open(NAME)):
             with pytest.raises(IncompatibleFormat) as err:
                 action()
             msg = str(err.value)
             assert words in msg, (label, msg)
             assert re.search(r"delete|upgrade|recompute|point featstore", msg, re.I), (label, msg)
+        # it affects only its own version: listed as damaged (with the command that removes it), not hidden
+        assert vid not in [v.id for v in store.versions(NAME)]
+        assert words in store.damaged(NAME)[f"{NAME}@{vid}"] and "featstore delete" in msg, label
     (vdir / "manifest.json").write_bytes(good)
     assert store.open(NAME).id == vid
     print(f"\n[metadata] {len(variants)} malformed/newer manifest variants refused")
