@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInput, NondeterministicAugment
+from .usercode import read_item
 
 SEED_POLICY = "splitmix64(seed,view,index)>>1/v1"
 VIEW_MODES = ("epoch", "random")
@@ -205,7 +206,7 @@ def check_replayable(dataset: Any, augment: Augment, seed: int, positions: Seque
     states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
         for i in positions:
-            item = dataset[i]
+            item = read_item(dataset, i)
             s = view_seed(seed, i, 0)
             outs = []
             for salt in (1, 2):

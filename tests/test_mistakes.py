@@ -362,6 +362,10 @@ def test_a_damaged_manifest_affects_only_its_version(tmp_path, dask_client):
     assert store.delete(f"{NAME}@best") == other.ref  # by its tag, which goes with it
     assert store.tags(NAME) == {} and not (root / NAME / "_versions" / other.id).exists()
     assert store.open(NAME).id == good.id and store.damaged() == {}
+    (root / NAME / "_tags" / "broken.json").write_text("nope")  # a damaged tag hides only itself
+    assert store.tags(NAME) == {} and run_cli(["list", str(root)])[0] == 0
+    with pytest.raises(IncompatibleFormat, match="broken.json is not valid JSON"):
+        store.open(f"{NAME}@broken")
 
 
 def test_gc_damaged_deletes_damaged_versions_and_keeps_newer_ones(tmp_path, dask_client):

@@ -36,7 +36,7 @@ def test_dataset_error_in_one_task_keeps_finished_shards(local_store, dask_clien
     with pytest.raises(ComputeFailed) as err:
         local_store.compute("fail/set", dataset=FailsAt(N, BAD), **kw)
     msg = str(err.value)
-    assert "cannot decode item 200" in msg and "[192, 208)" in msg and "featstore-shards-" in msg
+    assert "dataset[200] raised ValueError: cannot decode item 200" in msg and "featstore-shards-" in msg
     assert local_store.versions("fail/set") == []
     quiescent(dask_client)
     kept = receipts(local_store)
