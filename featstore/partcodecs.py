@@ -277,9 +277,10 @@ def _check_finite(codec: "PartsCodec", finite: torch.Tensor, first_sample: int, 
     if bool(bad.any()):
         rows = (torch.nonzero(bad).reshape(-1) + first_sample).tolist()
         raise NonFiniteOutput(
-            f"Model A produced NaN/Inf in {output!r} for {len(rows)} samples (first: {rows[:10]}); "
-            f"{codec.name} cannot rank or quantise them (allow_nonfinite does not apply). Fix the "
-            "model or data, or store this output as 'float32'.")
+            f"Model A produced NaN/Inf in {output!r} for {len(rows)} samples (first: {rows[:10]}), or values "
+            f"beyond float32's range (~3.4e38, in which {codec.name} computes); {codec.name} cannot rank or "
+            "quantise them (allow_nonfinite does not apply). Fix the model or data, or store this output as "
+            "'float32'.")
 
 
 #: The per-row diagnostics a sparse codec's device half hands its host half (besides the parts).

@@ -91,6 +91,9 @@ API_CASES = {
                                    Exit.USAGE),
     "float64-beyond-bfloat16": Case(lambda s, c, t: compute(s, c, M.Float64At(1e300), outputs={"out": "bfloat16"}),
                                     NonFiniteOutput, r"overflow bfloat16 .*\[5\].*No featstore codec", Exit.USAGE),
+    "float64-beyond-float32-int8": Case(lambda s, c, t: compute(s, c, M.Float64At(1e300), outputs={"out": "int8"}),
+                                        NonFiniteOutput, r"\(first: \[5\]\), or values beyond float32's range",
+                                        Exit.USAGE),
     "float32-beyond-float16": Case(lambda s, c, t: compute(s, c, M.Float64At(1e6), outputs={"out": "float16"}),
                                    NonFiniteOutput, r"overflow float16 .*\[5\].*'float32' or 'bfloat16'", Exit.USAGE),
     # errors that were not featstore's, or said the wrong thing
