@@ -1,5 +1,5 @@
-"""Distillation helpers on stored soft labels: densify a batch's teacher distribution, and a KD
-loss computed straight from the sparse form.
+"""Distillation helpers on stored soft labels: densify a batch's teacher distribution, a KD loss
+computed straight from the sparse form, and ensembles of several teachers.
 
 A batch carries an output stored dense (``float32``/``float16``/``bfloat16``/``int8``) as one
 tensor ``batch[name]`` of teacher logits, and a sparse one (``topk``, ``topp``, ``sample``) as
@@ -9,121 +9,109 @@ and, for ``sample``, ``batch[name + ".counts"]`` (0 in unused slots).
 
 The teacher side of a sparse output is the distribution as stored, at the temperature chosen at
 compute time (``topk:10@4``: log-probabilities at T=4); the student side is at ``temperature``.
-Dense stored logits are divided by ``temperature`` like the student's (classic KD).
+Dense stored logits are divided by ``temperature`` like the student's (classic KD). A per-token
+output read with ``ragged="padded"`` (``[B, L, ...]`` plus ``"<name>.lengths"``) has padding
+rows: the loss is averaged over the real tokens only.
+
+Several teachers (:func:`ensemble`, from :mod:`featstore.ensemble`): their outputs for the same
+rows, as a mean or weighted mean of probabilities or a per-row selection; ``kd_loss`` and
+``densify`` take the ensemble in place of a batch, and sparse teachers stay sparse (the union of
+their supports plus one uniform tail, exactly).
 
 >>> loss = kd_loss(student(x), batch, "logits", temperature=1.0)
+>>> loss = kd_loss(student(x), ensemble(batch, ["a/logits", "b/logits"]), temperature=2.0)
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
+from .ensemble import Ensemble, Teacher, ensemble, most_confident
 from .errors import InvalidInput
-from .partcodecs import RULES, reconstruct, sparse_weights
+from .partcodecs import sparse_weights
+from .teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows, real_rows,
+                       row_mean, sparse_parts)
+
+__all__ = ["Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident"]
 
 
-def _form(batch: Mapping[str, torch.Tensor], name: str) -> str:
-    if f"{name}.ids" in batch and f"{name}.values" in batch:
-        return "sample" if f"{name}.counts" in batch else "sparse"
-    if name in batch:
-        return "dense"
-    raise InvalidInput(f"the batch has no output {name!r} (keys: {sorted(batch)}); read the version "
-                       f"with its '{name}' arrays (for a sparse output: '{name}.ids' and '{name}.values').")
+def _ensemble_args(what: str, name: object, rule: str | None) -> None:
+    if name is not None or rule is not None:
+        hint = "temperature=..." if isinstance(name, int | float) else "rules= in ensemble()"
+        raise InvalidInput(f"{what}(..., ensemble) takes no output name or rule: the ensemble names its "
+                           f"teachers; pass {hint} by keyword.")
 
 
-def _check_temperature(temperature: float) -> float:
-    t = float(temperature)
-    if not (math.isfinite(t) and t > 0):
-        raise InvalidInput(f"temperature must be a finite number > 0, got {temperature!r}.")
-    return t
-
-
-def _rule(form: str, rule: str | None) -> str:
-    rule = rule or ("counts" if form == "sample" else "uniform_tail")
-    if rule not in RULES or (rule == "counts") != (form == "sample"):
-        raise InvalidInput(f"rule {rule!r} does not apply to a {form} output; use "
-                           f"{'counts' if form == 'sample' else 'uniform_tail or renormalize'}.")
-    return rule
-
-
-def _sparse(batch: Mapping[str, torch.Tensor], name: str, classes: int) -> tuple[torch.Tensor, ...]:
-    """Rows of a sparse output: ids ``[rows, slots]`` (-1 unused), log-probs (-inf unused), counts."""
-    ids = batch[f"{name}.ids"]
-    ids = ids.reshape(-1, ids.shape[-1]).long()
-    if bool((ids >= classes).any()):
-        raise InvalidInput(f"{name}.ids holds class ids up to {int(ids.max())}, but num_classes is {classes}.")
-    kept = ids >= 0
-    logp = batch[f"{name}.values"].reshape(ids.shape).float().masked_fill(~kept, -math.inf)
-    counts = batch.get(f"{name}.counts")
-    counts = None if counts is None else counts.reshape(ids.shape).float() * kept
-    return ids, logp, counts
-
-
-def densify(batch: Mapping[str, torch.Tensor], name: str, num_classes: int, *, rule: str | None = None,
-            temperature: float = 1.0) -> torch.Tensor:
+def densify(batch: Mapping[str, torch.Tensor] | Ensemble, name: str | None = None, num_classes: int | None = None,
+            *, rule: str | None = None, temperature: float = 1.0) -> torch.Tensor:
     """The teacher distribution of output ``name`` as dense float32 probabilities ``[..., C]``.
 
     Sparse outputs are rebuilt by ``rule`` (default: ``uniform_tail`` for top-k/top-p, the
     remaining mass spread evenly over the classes not kept; ``counts`` for sample, ``counts / S``
     on the drawn ids; ``renormalize``: the kept probabilities scaled to sum to 1). Dense stored
-    logits give ``softmax(logits / temperature)``.
+    logits give ``softmax(logits / temperature)``. An :class:`Ensemble` in place of ``batch``
+    gives the ensemble's distribution (``densify(ens, num_classes=C)``).
 
     >>> densify(batch, "logits", 1000).sum(-1)  # tensor([1., 1., ...])
     """
-    form = _form(batch, name)
-    if form == "dense":
-        t = _check_temperature(temperature)
-        return torch.softmax(batch[name].float() / t, dim=-1)
-    rule = _rule(form, rule)
-    lead = batch[f"{name}.ids"].shape[:-1]
-    dense = reconstruct(*_sparse(batch, name, num_classes), num_classes, rule)
-    return dense.reshape(*lead, num_classes)
+    if isinstance(batch, Ensemble):
+        _ensemble_args("densify", name, rule)
+        if num_classes is None:
+            raise InvalidInput("densify(ensemble, num_classes=C): give the number of classes.")
+        return batch.densify(num_classes, temperature)
+    if name is None or num_classes is None:
+        raise InvalidInput("densify(batch, name, num_classes): name the output and give the number of classes.")
+    lead = batch[name].shape[:-1] if output_form(batch, name) == "dense" else batch[f"{name}.ids"].shape[:-1]
+    rows = read_rows(batch, name, num_classes, rule=rule, temperature=temperature)
+    return rows.dense().reshape(*lead, num_classes)
 
 
-def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], name: str,
+def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor] | Ensemble, name: str | None = None,
             temperature: float = 1.0, *, rule: str | None = None) -> torch.Tensor:
     """``KL(teacher || student at temperature) * temperature**2``, averaged over rows.
 
     Works on the sparse form directly (top-k/top-p: the kept classes plus the uniform tail, in
     closed form; sample: the unbiased estimate ``sum counts/S * (log p - log q)``), so no dense
     ``[B, C]`` teacher tensor is built; and on dense stored logits (softmax at ``temperature``).
-    ``student_logits``: ``[..., C]`` matching the stored output's leading shape.
+    ``student_logits``: ``[..., C]`` matching the stored output's leading shape. Padding rows of
+    a per-token output read with ``ragged="padded"`` are left out of the average. An
+    :class:`Ensemble` in place of ``batch`` distils from the ensemble (sparse teachers: over the
+    union of their supports plus one tail term per row, never ``[B, C]``).
 
     >>> loss = kd_loss(student(x), batch, "logits", temperature=2.0)
+    >>> loss = kd_loss(student(x), ensemble(batch, ["a/logits", "b/logits"]), temperature=2.0)
     >>> loss.backward()
     """
-    t = _check_temperature(temperature)
+    if isinstance(batch, Ensemble):
+        _ensemble_args("kd_loss", name, rule)
+        return batch.kd_loss(student_logits, temperature)
+    if name is None:
+        raise InvalidInput("kd_loss(student_logits, batch, name): name the teacher's output in the batch.")
+    t = check_temperature(temperature)
     classes = student_logits.shape[-1]
     logq = torch.log_softmax(student_logits.float().reshape(-1, classes) / t, dim=-1)
-    form = _form(batch, name)
+    form = output_form(batch, name)
     if form == "dense":
-        teacher = batch[name].float().reshape(-1, classes)
-        logp = torch.log_softmax(teacher / t, dim=-1)
-        return (logp.exp() * (logp - logq)).sum(-1).mean() * t * t
-    ids, logp, counts = _sparse(batch, name, classes)
-    if ids.shape[0] != logq.shape[0]:
-        raise InvalidInput(f"student_logits has {logq.shape[0]} rows, {name!r} has {ids.shape[0]}.")
-    return _sparse_kl(logq, ids, logp, counts, _rule(form, rule)).mean() * t * t
+        teacher = batch[name].float()
+        if teacher.shape[-1] != classes or teacher.numel() // classes != logq.shape[0]:
+            raise InvalidInput(f"student_logits is {list(student_logits.shape)}, {name!r} is "
+                               f"{list(teacher.shape)}: pass the student's logits of the same rows and classes.")
+        logp = torch.log_softmax(teacher.reshape(-1, classes) / t, dim=-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        ids, logp, counts = sparse_parts(batch, name, classes)
+        if ids.shape[0] != logq.shape[0]:
+            raise InvalidInput(f"student_logits has {logq.shape[0]} rows, {name!r} has {ids.shape[0]}.")
+        kl = _sparse_kl(logq, ids, logp, counts, check_rule(form, rule))
+    return row_mean(kl, real_rows(batch, name)) * t * t
 
 
 def _sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None,
                rule: str) -> torch.Tensor:
     """Per row, KL(teacher rebuilt by ``rule`` || student) from the kept slots and a closed form
-    for the tail, never a dense teacher tensor."""
-    kept = ids >= 0
+    for the tail, never a dense teacher tensor. ``counts``: unbiased, since
+    ``E[sum_i counts_i/S * f(i)] = sum_i p_i f(i)`` for ``f = log p - log q`` (stored ``log p``)."""
     w, tail = sparse_weights(ids, logp, counts, logq.shape[-1], rule)
-    q_kept = torch.gather(logq, 1, ids.clamp(min=0)).masked_fill(~kept, 0)
-    if rule == "renormalize":
-        logp = torch.log(w.clamp(min=1e-30))
-    kl = (w * (logp.masked_fill(~kept, 0) - q_kept)).sum(-1)
-    if rule == "counts":
-        # unbiased: E[sum_i counts_i/S * f(i)] = sum_i p_i f(i) for f = log p - log q
-        return kl
-    # every class not kept has probability `tail`: sum_rest tail * (log tail - log q)
-    rest_logq = logq.sum(-1) - q_kept.sum(-1)
-    n_rest = logq.shape[-1] - kept.sum(-1)
-    return kl + torch.where(tail > 0, n_rest * tail * torch.log(tail.clamp(min=1e-30)) - tail * rest_logq,
-                            torch.zeros_like(tail))
+    return kl_rows(logq, ids, w, tail, None if rule == "renormalize" else logp)
