@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidInput
-from .teachers import (TeacherRows, check_temperature, lead_shape, output_form, read_rows, real_rows,
+from .teachers import (TeacherRows, check_rule, check_temperature, lead_shape, output_form, read_rows, real_rows,
                        row_mean)
 
 HOWS = ("mean", "weighted", "select")
@@ -165,12 +165,7 @@ class Ensemble:
 
     def real(self) -> torch.Tensor | None:
         """``[R]`` bool: the rows that are real tokens (None: all), from the teachers' lengths."""
-        masks = [(t.label, m) for t in self.teachers if (m := real_rows(t.batch, t.name)) is not None]
-        for label, m in masks[1:]:
-            if not torch.equal(m, masks[0][1]):
-                raise InvalidInput(f"{label} and {masks[0][0]} have different lengths: their rows are not the "
-                                   f"same tokens; read the teachers on the same samples.")
-        return masks[0][1] if masks else None
+        return _real_rows(self.teachers)
 
     def _choose(self, teachers: list[TeacherRows]) -> torch.Tensor:
         rule = self.select or most_confident
@@ -188,8 +183,11 @@ class Ensemble:
 def _pick(name: str, teachers: list[TeacherRows], choice: torch.Tensor, dense: bool) -> TeacherRows:
     """Per row, the chosen teacher's distribution as it is."""
     classes, rows = teachers[0].classes, torch.arange(teachers[0].rows)
-    if dense:
-        return TeacherRows(name, classes, torch.stack([t.dense() for t in teachers])[choice, rows])
+    if dense:  # one [R, C] result, filled teacher by teacher (not a stack of n of them)
+        out = torch.empty(len(rows), classes)
+        for i, t in enumerate(teachers):
+            out[choice == i] = t.dense()[choice == i]
+        return TeacherRows(name, classes, out)
     width = max(t.ids.shape[1] for t in teachers)
     ids = torch.stack([F.pad(t.ids, (0, width - t.ids.shape[1]), value=-1) for t in teachers])
     probs = torch.stack([F.pad(t.probs, (0, width - t.probs.shape[1])) for t in teachers])
@@ -302,7 +300,8 @@ def ensemble(source: Any, names: str | Sequence[str] | None = None, *, how: str 
         how: ``"mean"`` (average of probabilities), ``"weighted"`` (``weights``, normalised to
             sum 1) or ``"select"`` (per row one teacher: ``select(teachers) -> [R]`` positions,
             default :func:`most_confident`; each ``teachers[i]`` is a
-            :class:`~featstore.teachers.TeacherRows` with ``prob(labels)``, ``max_prob()``, ...).
+            :class:`~featstore.teachers.TeacherRows` with ``prob(labels)``, ``max_prob()``, ...;
+            ``R`` rows are the outputs' leading dimensions flattened: ``B``, or ``B * L`` per token).
         weights: one per teacher, as a sequence in order or a mapping label -> weight.
         rules: per teacher, the reconstruction rule of a sparse output (``uniform_tail`` or
             ``renormalize`` for top-k/top-p, ``counts`` for sample); None: each form's default.
@@ -341,4 +340,20 @@ def _check_rows(teachers: Sequence[Teacher]) -> None:
         if not torch.equal(o, offsets[0][1]):
             raise InvalidInput(f"{label} and {offsets[0][0]} have different offsets: their token rows are not "
                                f"the same tokens; read the teachers on the same samples.")
-    Ensemble(tuple(teachers), "mean", ()).real()  # padded per-token outputs: the same lengths
+    _real_rows(teachers)  # padded per-token outputs: the same lengths
+    for t in teachers:
+        form = output_form(t.batch, t.name)
+        if form == "dense" and t.rule is not None:
+            raise InvalidInput(f"{t.label} is dense logits: a reconstruction rule is for sparse outputs; drop it.")
+        if form != "dense":
+            check_rule(form, t.rule)
+
+
+def _real_rows(teachers: Sequence[Teacher]) -> torch.Tensor | None:
+    """The real rows shared by every teacher whose batch carries lengths (padded per-token outputs)."""
+    masks = [(t.label, m) for t in teachers if (m := real_rows(t.batch, t.name)) is not None]
+    for label, m in masks[1:]:
+        if not torch.equal(m, masks[0][1]):
+            raise InvalidInput(f"{label} and {masks[0][0]} have different lengths: their rows are not the "
+                               f"same tokens; read the teachers on the same samples.")
+    return masks[0][1] if masks else None

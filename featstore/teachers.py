@@ -134,10 +134,10 @@ class TeacherRows:
         tail: sparse only: ``[R]``, the probability of every class not in ``ids`` (0 for the
             ``renormalize`` and ``counts`` rules); None when dense.
 
-    >>> rows = TeacherRows("t", 4, torch.tensor([[0.7, 0.2, 0.0]]), torch.tensor([[2, 0, -1]]),
-    ...                    torch.tensor([0.05]))
+    >>> rows = TeacherRows("t", 4, torch.tensor([[0.75, 0.125, 0.0]]), torch.tensor([[2, 0, -1]]),
+    ...                    torch.tensor([0.0625]))
     >>> rows.dense().tolist(), rows.prob(torch.tensor([1])).tolist(), rows.max_prob().tolist()
-    ([[0.2, 0.05, 0.7, 0.05]], [0.05], [0.7])
+    ([[0.125, 0.0625, 0.75, 0.0625]], [0.0625], [0.75])
     """
 
     name: str
