@@ -247,10 +247,27 @@ def child(root: str, ref: str, mode: str, *extra: str) -> subprocess.Popen:
 
 
 def test_two_ranks_share_the_cache(versions, tmp_path):
+    """Two rank processes on one machine, one cache: epoch 0 each decodes its own shards, then
+    every stored shard object is deleted; epoch 1 gives each rank exactly the batches of a plain
+    read, including shards only the other rank decoded."""
+    import numpy as np
+
+    from .cache_child import RANK_OPTIONS
+
     src = versions["zstd"]
     root = tmp_path / "store"
     shutil.copytree(src.storage.root, root)
     v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    plain = {k: v for k, v in RANK_OPTIONS.items() if not k.startswith("cache")}
+    want, shards = {}, {}
+    for r in (0, 1):
+        ds = src.dataset(rank=r, **plain)  # the untouched original: plain reads
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            want[r, epoch] = {k: torch.cat([b[k] for b in ds]).numpy() for k in ("index", *v.manifest.arrays)}
+            shards[r, epoch] = {p.shard for w in ds.plan().windows for p in w}
+    for r in (0, 1):  # each rank's epoch 1 needs shards only the other rank decoded in epoch 0
+        assert shards[r, 1] - shards[r, 0] and shards[r, 1] - shards[r, 0] <= shards[1 - r, 0]
     sync = tmp_path / "sync"
     sync.mkdir()
     ranks = [child(str(root), f"c/ds@{src.id}", "rank", str(r), str(sync)) for r in (0, 1)]
@@ -258,14 +275,17 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
     while not all((sync / f"done-{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
         time.sleep(0.05)
-    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
-        shutil.rmtree(chunks)  # epoch 1 can only be served by what the two ranks cached
+    assert delete_shard_objects(v) == len(all_entries(v))  # epoch 1: only what the two ranks cached
     (sync / "deleted").touch()
-    per_rank = -(-N // 2)  # partition "pad" for several ranks
     for p in ranks:
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err
-        assert f"read {per_rank} {per_rank}" in out
+    for r in (0, 1):
+        for epoch in (0, 1):
+            with np.load(sync / f"epoch{epoch}-{r}.npz") as got:
+                assert sorted(got.files) == sorted(want[r, epoch])
+                for k in got.files:
+                    np.testing.assert_array_equal(got[k], want[r, epoch][k], err_msg=f"rank {r} epoch {epoch} {k}")
 
 
 def private_copy(v, tmp_path: Path) -> featstore.Version:
