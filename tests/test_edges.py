@@ -9,7 +9,6 @@ import importlib.util
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time

@@ -151,8 +151,8 @@ def _check_draws(got, flat, draws: int) -> None:
     seen.index_add_(0, bins[token[real], ids[real]], counts[real].double())
     expected = torch.zeros(4, dtype=torch.float64).index_add_(0, bins.reshape(-1), prob.reshape(-1)) * draws
     chi2 = float(((seen - expected) ** 2 / expected).sum())
-    print(f"\n[sample:{draws}] drawn per rank bin {seen.tolist()}, expected {[round(e, 1) for e in expected.tolist()]}, "
-          f"chi2 {chi2:.2f}")
+    print(f"\n[sample:{draws}] drawn per rank bin {seen.tolist()}, "
+          f"expected {[round(e, 1) for e in expected.tolist()]}, chi2 {chi2:.2f}")
     assert chi2 < 30, (seen.tolist(), expected.tolist(), chi2)
 
 

@@ -93,7 +93,8 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     stored = [s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys]
     token_loggers = sorted({n for n, m in records if TOKEN in m})
     print(f"\n[secrets] {len(records)} DEBUG records ({len(worker_records)} from the Dask worker processes; "
-          f"{len(all_logs.unformatted)} of this process's kept unformatted) from {sorted(names)}, {len(keys)} stored objects, "
+          f"{len(all_logs.unformatted)} of this process's kept unformatted) from {sorted(names)}, "
+          f"{len(keys)} stored objects, "
           f"{len(seen)} reprs/messages checked; session token logged by {token_loggers}")
     assert not any(SECRET in m for _, m in records)  # the secret key: nowhere, at any level
     # botocore's signer logs the canonical request at DEBUG, x-amz-security-token included: a
