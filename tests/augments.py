@@ -18,12 +18,13 @@ def global_noise(item, gen):
 
 
 class CountingAugment:
-    """noisy_flip that appends a line to ``path`` per call (counts augmentations across processes)."""
+    """noisy_flip that appends a line per call to ``path`` (across processes): the generator's
+    seed and the item's input bytes (hex), which tell which (sample, view) the call augmented."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def __call__(self, item, gen):
         with open(self.path, "a") as f:
-            f.write("x\n")
+            f.write(f"{gen.initial_seed()} {item['input'].numpy().tobytes().hex()}\n")
         return noisy_flip(item, gen)

@@ -28,17 +28,28 @@ def _wait_for(path: str) -> None:
         time.sleep(0.05)
 
 
+RANK_OPTIONS = dict(batch_size=16, seed=4, world_size=2, cache="memory", cache_bytes=2**24)
+
+
+def _save(batches: list[dict], path: str) -> None:
+    """An epoch's batches, each field concatenated (numpy arrays: the test reads them back
+    without unpickling)."""
+    import numpy as np
+
+    np.savez(path, **{k: torch.cat([b[k] for b in batches]).numpy() for k in batches[0]})
+
+
 def rank(root: str, ref: str, r: int, sync: str) -> None:
     """One of 2 ranks on this machine: epoch 0 decodes its half into the shared cache; after
-    both ranks are done and the store's chunks are gone, epoch 1 (other shards) still reads."""
-    ds = featstore.open_store(root).dataset(ref, batch_size=16, seed=4, rank=r, world_size=2,
-                                            cache="memory", cache_bytes=2**24)
-    first = [b["index"] for b in ds]
+    both ranks are done and the store's chunks are gone, epoch 1 (other shards) still reads.
+    Each epoch's batches are saved for the test to compare."""
+    ds = featstore.open_store(root).dataset(ref, rank=r, **RANK_OPTIONS)
+    first = list(ds)
+    _save(first, os.path.join(sync, f"epoch0-{r}.npz"))
     open(os.path.join(sync, f"done-{r}"), "w").close()
     _wait_for(os.path.join(sync, "deleted"))  # the test removes the chunk objects
     ds.set_epoch(1)
-    second = [b["index"] for b in ds]
-    print("read", sum(map(len, first)), sum(map(len, second)), flush=True)
+    _save(list(ds), os.path.join(sync, f"epoch1-{r}.npz"))
 
 
 def main(root: str, ref: str, mode: str) -> None:

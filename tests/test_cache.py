@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class _Versions(dict):
-    """The same data three ways, each computed on first use: local zstd (decoded through the
-    cache), local uncompressed (mapped in place), and S3."""
+    """The same data four ways, each computed on first use: local zstd (decoded through the
+    cache), local uncompressed (mapped in place), S3 (compression "auto": zstd) and S3
+    uncompressed."""
 
     def __init__(self, root: Path, client, endpoint: str) -> None:
         super().__init__()
         self.root, self.client, self.endpoint = root, client, endpoint
 
     def __missing__(self, kind: str) -> featstore.Version:
-        if kind == "s3":
+        if kind.startswith("s3"):
             import uuid
 
             import boto3
@@ -48,7 +50,7 @@ class _Versions(dict):
             store = featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": self.endpoint})
         else:
             store = featstore.open_store(self.root / kind)
-        comp = {"zstd": "zstd", "raw": "none"}.get(kind, "auto")
+        comp = {"zstd": "zstd", "raw": "none", "s3-raw": "none"}.get(kind, "auto")
         self[kind] = store.compute("c/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
                                    outputs={"features": "float16", "logits": "float32"},
                                    samples_per_shard=SPP, batch_size=32, client=self.client,
@@ -80,19 +82,87 @@ def entries(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw", "s3"])
+def own_copy(versions: _Versions, kind: str, tmp_path: Path) -> featstore.Version:
+    """``versions[kind]`` copied into a store of its own (local folder or S3 bucket): a cache
+    folder of its own, and shard objects a test may delete."""
+    v = versions[kind]
+    if not kind.startswith("s3"):
+        return private_copy(v, tmp_path)
+    import uuid
+
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=versions.endpoint)
+    src, prefix = v.storage.url[len("s3://"):].split("/", 1)
+    dst = f"cache-copy-{uuid.uuid4().hex[:10]}"
+    s3.create_bucket(Bucket=dst)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=src):
+        for obj in page.get("Contents", []):
+            s3.copy_object(Bucket=dst, Key=obj["Key"], CopySource={"Bucket": src, "Key": obj["Key"]})
+    return featstore.open_store(f"s3://{dst}/{prefix}", {"endpoint_url": versions.endpoint}).open(f"c/ds@{v.id}")
+
+
+def delete_shard_objects(v: featstore.Version) -> int:
+    """Delete every stored shard object of ``v`` (local or S3); from then on only a cache can
+    serve its batches. Returns how many were deleted."""
+    keys = [k for k in v.storage.find(v.key) if "/c/" in k[len(v.key):]]
+    v.storage.delete_many(keys)
+    assert not [k for k in v.storage.find(v.key) if "/c/" in k[len(v.key):]]
+    return len(keys)
+
+
+def all_entries(v: featstore.Version) -> list[str]:
+    """The cache entries of every shard of every array of ``v``."""
+    return sorted(f"{f}.{s}" for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards))
+
+
+@pytest.mark.parametrize("kind", ["zstd", "s3", "s3-raw"])
 @pytest.mark.parametrize("shuffle,partition,world", [(True, None, 1), (False, None, 1), (True, "pad", 3),
                                                       (True, "drop", 2), (False, "even", 2)])
-def test_cache_gives_identical_batches(versions, kind, shuffle, partition, world):
-    v = versions[kind]
+def test_cache_gives_identical_batches(versions, kind, shuffle, partition, world, tmp_path):
+    """Batches through the shared cache equal plain reads, in every order and partition: epoch 0
+    decodes every shard into a fresh cache (each rank its own), epoch 1 is served by the cache
+    alone (every stored shard object is deleted in between). Local zstd, S3 zstd and S3
+    uncompressed (a remote array goes through the cache whatever its compression)."""
+    v = own_copy(versions, kind, tmp_path)
+    assert {a.compression for a in v.manifest.arrays.values()} == {"none" if kind == "s3-raw" else "zstd"}
+
+    def opts(rank):
+        return dict(batch_size=20, shuffle=shuffle, seed=5, partition=partition, rank=rank, world_size=world)
+
+    want = {}
     for rank in range(world):
-        opts = dict(batch_size=20, shuffle=shuffle, seed=5, partition=partition, rank=rank, world_size=world)
-        plain = v.dataset(**opts)
-        cached = v.dataset(**opts, cache="memory", cache_bytes=2**24)
-        for epoch in (0, 1):  # epoch 1 is served from the cache
+        plain = v.dataset(**opts(rank))
+        for epoch in (0, 1):
             plain.set_epoch(epoch)
-            cached.set_epoch(epoch)
-            assert same(batches(cached), batches(plain)), (epoch, rank)
+            want[rank, epoch] = batches(plain)
+    cached = [v.dataset(**opts(rank), cache="memory", cache_bytes=2**24) for rank in range(world)]
+    assert entries(folder_of(cached[0])) == []
+    for rank in range(world):
+        assert same(batches(cached[rank]), want[rank, 0]), (0, rank)  # decoded and inserted
+    assert entries(folder_of(cached[0])) == all_entries(v)
+    assert delete_shard_objects(v) == len(all_entries(v))
+    for rank in range(world):
+        cached[rank].set_epoch(1)
+        assert same(batches(cached[rank]), want[rank, 1]), (1, rank)  # served by the cache alone
+
+
+@pytest.mark.parametrize("arena", ["1", "0"])
+def test_local_uncompressed_arrays_are_read_in_place_not_copied_into_the_cache(versions, tmp_path, arena,
+                                                                               monkeypatch):
+    """The README's rule: uncompressed arrays of a local store are not copied into the cache
+    (the page cache holds them once for the machine). With cache="memory" they are read from
+    their mapped objects: the same batches, and the cache folder stays empty."""
+    monkeypatch.setenv("FEATSTORE_ARENA", arena)
+    v = private_copy(versions["raw"], tmp_path)
+    assert {a.compression for a in v.manifest.arrays.values()} == {"none"}
+    plain = v.dataset(batch_size=20, seed=5)
+    ds = v.dataset(batch_size=20, seed=5, cache="memory", cache_bytes=2**24)
+    for epoch in (0, 1):
+        plain.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        assert same(batches(ds), batches(plain)), epoch
+    assert entries(folder_of(ds)) == []
 
 
 def test_resume_with_cache_continues_like_without(versions):
@@ -177,10 +247,27 @@ def child(root: str, ref: str, mode: str, *extra: str) -> subprocess.Popen:
 
 
 def test_two_ranks_share_the_cache(versions, tmp_path):
+    """Two rank processes on one machine, one cache: epoch 0 each decodes its own shards, then
+    every stored shard object is deleted; epoch 1 gives each rank exactly the batches of a plain
+    read, including shards only the other rank decoded."""
+    import numpy as np
+
+    from .cache_child import RANK_OPTIONS
+
     src = versions["zstd"]
     root = tmp_path / "store"
     shutil.copytree(src.storage.root, root)
     v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    plain = {k: v for k, v in RANK_OPTIONS.items() if not k.startswith("cache")}
+    want, shards = {}, {}
+    for r in (0, 1):
+        ds = src.dataset(rank=r, **plain)  # the untouched original: plain reads
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            want[r, epoch] = {k: torch.cat([b[k] for b in ds]).numpy() for k in ("index", *v.manifest.arrays)}
+            shards[r, epoch] = {p.shard for w in ds.plan().windows for p in w}
+    for r in (0, 1):  # each rank's epoch 1 needs shards only the other rank decoded in epoch 0
+        assert shards[r, 1] - shards[r, 0] and shards[r, 1] - shards[r, 0] <= shards[1 - r, 0]
     sync = tmp_path / "sync"
     sync.mkdir()
     ranks = [child(str(root), f"c/ds@{src.id}", "rank", str(r), str(sync)) for r in (0, 1)]
@@ -188,14 +275,17 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
     while not all((sync / f"done-{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
         time.sleep(0.05)
-    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
-        shutil.rmtree(chunks)  # epoch 1 can only be served by what the two ranks cached
+    assert delete_shard_objects(v) == len(all_entries(v))  # epoch 1: only what the two ranks cached
     (sync / "deleted").touch()
-    per_rank = -(-N // 2)  # partition "pad" for several ranks
     for p in ranks:
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err
-        assert f"read {per_rank} {per_rank}" in out
+    for r in (0, 1):
+        for epoch in (0, 1):
+            with np.load(sync / f"epoch{epoch}-{r}.npz") as got:
+                assert sorted(got.files) == sorted(want[r, epoch])
+                for k in got.files:
+                    np.testing.assert_array_equal(got[k], want[r, epoch][k], err_msg=f"rank {r} epoch {epoch} {k}")
 
 
 def private_copy(v, tmp_path: Path) -> featstore.Version:
@@ -280,8 +370,11 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
     n_first = len(checks)
     ds.set_epoch(1)
     second = batches(ds)
+    first_chunks = [w for w in checks[:n_first] if w.startswith("chunk")]
     chunk_checks = [w for w in checks[n_first:] if w.startswith("chunk")]
-    assert n_first > 0 and chunk_checks == [] and len(second) == len(first)
+    # epoch 1: every chunk of every shard checked once (not only the shard indices); epoch 2: none
+    n_chunks = sum(-(-(b - a) // 16) for a, b in map(v.manifest.layout.shard_range, range(v.manifest.layout.n_shards)))
+    assert len(first_chunks) == n_chunks and chunk_checks == [] and len(second) == len(first)
     obj = Path(v.storage.path(v.key)) / "logits" / "c" / "4" / "0"
     data = bytearray(obj.read_bytes())
     data[int(len(data) * 0.3)] ^= 0x08
@@ -336,12 +429,33 @@ def _held_slots() -> int:
     return sum(s.pins for a in (arena._ARENAS[1].values() if arena._ARENAS else ()) for s in a._slots.values())
 
 
-@pytest.mark.parametrize("kind,cache", [("raw", None), ("raw", "memory"), ("zstd", "memory"), ("s3", "memory")])
+@pytest.fixture
+def windows(monkeypatch) -> Counter:
+    """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
+    ``"in place"`` (shard by shard, InPlace), counted where the reader decides
+    (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
+    from featstore.dataset import FeatureDataset
+    from featstore.gather import ArenaRows
+
+    counts: Counter = Counter()
+    real = FeatureDataset._arena_rows
+
+    def counted(self, window, field):
+        got = real(self, window, field)
+        counts["arena" if isinstance(got, ArenaRows) else "in place"] += 1
+        return got
+
+    monkeypatch.setattr(FeatureDataset, "_arena_rows", counted)
+    return counts
+
+
+@pytest.mark.parametrize("kind,cache", [("raw", None), ("zstd", "memory"), ("s3", "memory")])
 @pytest.mark.parametrize("shuffle,partition,world", [(True, None, 1), (False, None, 1), (True, "pad", 3)])
 def test_arena_gives_the_batches_of_the_per_shard_gather(versions, kind, cache, shuffle, partition, world,
-                                                         monkeypatch):
+                                                         monkeypatch, windows):
     """One index_select over the arena == the shard-by-shard numpy gather, for stored objects
-    (crc32c between chunks) and the cache's decoded shards, in every order and partition."""
+    (crc32c between chunks) and the cache's decoded shards, in every order and partition; with
+    the arena on, every window of every array is gathered from it."""
     v = versions[kind]
     for rank in range(world):
         opts = dict(batch_size=20, shuffle=shuffle, seed=3, partition=partition, rank=rank, world_size=world,
@@ -350,9 +464,12 @@ def test_arena_gives_the_batches_of_the_per_shard_gather(versions, kind, cache, 
             got = {}
             for env in ("0", "1"):
                 monkeypatch.setenv("FEATSTORE_ARENA", env)
+                windows.clear()
                 ds = v.dataset(**opts)
                 ds.set_epoch(epoch)
                 got[env] = batches(ds)
+                n_windows = len(ds.plan().windows) * len(v.manifest.arrays)
+                assert windows == (Counter(arena=n_windows) if env == "1" else Counter()), (env, epoch, rank)
             assert same(got["1"], got["0"]), (epoch, rank)
     assert _held_slots() == 0
 
@@ -401,7 +518,7 @@ def test_local_reads_run_in_the_reading_thread_when_no_core_is_spare(versions, t
     assert bool(seen) == pool
 
 
-def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, monkeypatch):
+def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, monkeypatch, windows):
     """An arena of 2 slots cannot hold the three one-shard windows in flight: some windows are
     gathered shard by shard, the others from the arena, and the batches are the same."""
     from featstore import arena, dataset
@@ -411,9 +528,11 @@ def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, m
     monkeypatch.setattr(arena, "_ARENAS", None)  # a fresh registry, restored afterwards
     monkeypatch.setattr(arena, "MIN_SLOTS", 2)
     monkeypatch.setattr(dataset, "MAPPED_BYTES", 1)
+    windows.clear()
     got = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
     assert same(got, want)
     assert all(a.n_slots == 2 for a in arena._ARENAS[1].values()) and _held_slots() == 0
+    assert windows["arena"] > 0 and windows["in place"] > 0, windows  # both ways, in one epoch
 
 
 def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypatch):

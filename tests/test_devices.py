@@ -58,21 +58,38 @@ def test_embedded_per_gpu_workers_each_own_one_physical_gpu(n, gpus):
     assert max(Counter(physical).values()) == -(-n // gpus)
 
 
+#: dask-cuda's own examples of the CUDA_VISIBLE_DEVICES it gives worker i
+#: (``dask_cuda.utils.cuda_visible_devices``'s doctests): the list rotated so GPU i comes first.
+DASK_CUDA_EXAMPLES = {(0, "0,1,2,3"): "0,1,2,3", (3, "0,1,2,3,4,5,6,7"): "3,4,5,6,7,0,1,2"}
+
+
+def test_rotate_is_what_dask_cuda_documents():
+    for (i, visible), env in DASK_CUDA_EXAMPLES.items():
+        assert ",".join(_rotate(visible.split(","), i)) == env
+    try:  # and what it does, where it is installed (pip install featstore[gpu])
+        from dask_cuda.utils import cuda_visible_devices
+    except ImportError:
+        return
+    for (i, visible), env in DASK_CUDA_EXAMPLES.items():
+        assert cuda_visible_devices(i, visible.split(",")) == env
+    assert cuda_visible_devices(1, ["3", "4", "5"]) == ",".join(_rotate(["3", "4", "5"], 1))
+
+
 @pytest.mark.parametrize("gpus", [2, 4, 8])
 def test_dask_cuda_workers_use_their_first_visible_gpu(gpus):
     """dask-cuda rotates CUDA_VISIBLE_DEVICES per worker; cuda:0 is then each worker's own GPU,
-    whatever its name (LocalCUDACluster names workers by GPU id, `dask cuda worker` "name-i")."""
+    whatever its name (LocalCUDACluster names workers by GPU id, `dask cuda worker` "name-i"):
+    the physical GPU each worker uses, read through featstore's own parsing of the variable, is
+    GPU ``ids[i]`` of the machine, each exactly once."""
     ids = [str(3 + i) for i in range(gpus)]  # a machine whose usable GPUs are 3, 4, ...
     plan = plan_cluster(ids, None, None, dask_cuda=True)
     assert plan == ClusterPlan("dask-cuda", gpus, tuple(ids))
-    physical = []
     for i in range(gpus):
-        seen = _rotate(ids, i)
+        env = ",".join(_rotate(list(plan.gpu_ids), i))  # dask-cuda's worker i, as documented
+        seen = visible_gpu_ids(env, gpus)  # what the worker process parses
         for name in (ids[i], f"node-{i}", None):
-            a = choose_device(WorkerView(name=name, resources={"GPU": 1}, visible=gpus, dask_cuda=True))
-            assert a.device == "cuda:0", a
-        physical.append(seen[0])
-    assert sorted(physical) == sorted(ids)
+            a = choose_device(WorkerView(name=name, resources={"GPU": 1}, visible=len(seen), dask_cuda=True))
+            assert seen[int(a.device.split(":")[1])] == ids[i], (i, name, env, a)
 
 
 def test_more_workers_than_gpus_do_not_use_dask_cuda():

@@ -9,7 +9,6 @@ import importlib.util
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from featstore import (ComputeFailed, ComputeOptions, InvalidInput, OutputMismat
                        StorePermissionDenied, VersionNotFound)
 from featstore.fingerprint import class_code, code_digest
 
+from . import tmpfs
 from .models import DoubleLin, ReluLin, SlowData, TinyA, VectorData
 
 QUIET = ComputeOptions(progress=False)
@@ -272,26 +272,19 @@ def test_delete_while_reading_says_deleted(tmp_path, dask_client, workers):
 
 
 # -- a full disk, a read-only store ------------------------------------------------------------
-def _mount_tmpfs(path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+# Real where a tmpfs can be had (tests/tmpfs.py: a mount namespace, as root or any user; the id
+# says "tmpfs"); elsewhere the id says what is simulated instead.
+DISK = "tmpfs" if tmpfs.available() else "simulated-ENOSPC"
+READ_ONLY = "tmpfs" if tmpfs.available() else "file-modes" if os.geteuid() != 0 else "simulated-EROFS"
 
 
-def _umount(path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-@pytest.fixture
-def small_disk(tmp_path, monkeypatch):
-    """A store root on a 192 KiB tmpfs (as root), else a LocalStore whose chunk writes raise
-    ENOSPC after the first few (a mock: a full disk cannot be made portably without root)."""
-    root = tmp_path / "mnt"
-    if _mount_tmpfs(root, "size=192k"):
-        yield root / "store", None
-        _umount(root)
+@pytest.fixture(params=[DISK])
+def small_disk(request, tmp_path, monkeypatch):
+    """A store root on a 192 KiB tmpfs; without one, a LocalStore whose chunk writes raise
+    ENOSPC after the first few (a mock: the id says so)."""
+    if request.param == "tmpfs":
+        with tmpfs.mounted(tmp_path / "mnt", "size=192k") as root:
+            yield root / "store", None
         return
     import zarr.storage
 
@@ -304,7 +297,7 @@ def small_disk(tmp_path, monkeypatch):
         return await real(self, key, value)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "set", full)
-    yield root / "store", "in-process"
+    yield tmp_path / "mnt" / "store", "in-process"
 
 
 def test_disk_full_is_store_full_and_commits_nothing(small_disk, dask_client):
@@ -320,18 +313,36 @@ def test_disk_full_is_store_full_and_commits_nothing(small_disk, dask_client):
     assert not [k for k in store.storage.find("") if k.endswith("manifest.json")]
 
 
-@pytest.fixture
-def read_only_root(tmp_path):
-    """A store root this process cannot write: a read-only tmpfs as root (root ignores file
-    modes), else a folder without write permission."""
-    root = tmp_path / "ro"
-    if os.geteuid() == 0:
-        if not _mount_tmpfs(root, "size=64k,ro"):
-            pytest.skip("needs `mount -t tmpfs` to make a read-only folder as root")
-        yield root
-        _umount(root)
+@pytest.fixture(params=[READ_ONLY])
+def read_only_root(request, tmp_path, monkeypatch):
+    """A store root this process cannot write: a read-only tmpfs; without one, a folder without
+    write permission (real, for a user other than root), or for root (who ignores file modes)
+    a folder whose writes raise EROFS (a mock: the id says so)."""
+    if request.param == "tmpfs":
+        with tmpfs.mounted(tmp_path / "ro", "size=64k,ro") as root:
+            yield root
         return
+    root = tmp_path / "ro"
     root.mkdir()
+    if request.param == "simulated-EROFS":  # featstore's local writes (folders, temp files) refused
+        import featstore.storage
+
+        real_makedirs = os.makedirs
+
+        def refuse(path, *args, **kw):
+            if str(path).startswith(str(root)) and not os.path.isdir(path):  # as mkdir on a read-only fs
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real_makedirs(path, *args, **kw)
+
+        def refuse_open(path, mode="r", *args, **kw):
+            if str(path).startswith(str(root)) and set(mode) & set("wax+"):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return open(path, mode, *args, **kw)
+
+        monkeypatch.setattr(os, "makedirs", refuse)
+        monkeypatch.setattr(featstore.storage, "open", refuse_open, raising=False)
+        yield root
+        return
     root.chmod(0o555)
     yield root
     root.chmod(0o755)

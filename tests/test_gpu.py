@@ -19,7 +19,8 @@ from featstore.transfer import Offloader, pin, to_device
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA device: torch.cuda.is_available() is False on this machine"),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False here): pinned and "
+                              "side-stream copies, per-GPU workers and GPU compute are not checked on this machine"),
 ]
 
 #: Relative tolerance against a float32 CPU reference (TF32 convolutions and fp16 keep 10 bits).
@@ -72,20 +73,34 @@ def test_offloader_copies_into_pinned_host_buffers():
 
 def test_offloaded_copy_survives_the_next_forward_reusing_the_memory():
     """The output's memory is freed right after the copy is queued; the next batch's kernels on
-    the compute stream must not overwrite it before the side stream has read it."""
+    the compute stream must not overwrite it before the side stream has read it.
+
+    First the hazard is shown to be real here: a freed block of this size is handed straight to
+    the next allocation of the same size (the same address). Then, through the Offloader, the
+    next allocation gets another block while the copy is pending (``record_stream``), and every
+    copy holds its batch's values."""
     dev = _dev()
+    t = torch.full((4096, 1024), 0.0, device=dev)
+    freed = t.data_ptr()
+    del t
+    again = torch.full((4096, 1024), -1.0, device=dev)
+    assert again.data_ptr() == freed  # without protection, the next forward would write over it
+    del again
     off = Offloader(dev)
-    pending = []
+    pending, reused = [], []
     for i in range(8):
         t = torch.full((4096, 1024), float(i), device=dev)
         torch.cuda._sleep(1_000_000)  # keep the compute stream busy so the copies lag behind
         pending.append((i, off.to_host({"x": t})))
+        ptr = t.data_ptr()
         del t
-        junk = torch.full((4096, 1024), -1.0, device=dev)  # may land in t's freed block
+        junk = torch.full((4096, 1024), -1.0, device=dev)  # would land in t's block, unprotected
+        reused.append(junk.data_ptr() == ptr)
         del junk
     for i, batch in pending:
         x = batch.wait()["x"]
         assert float(x.min()) == float(x.max()) == float(i)
+    assert not any(reused), reused  # the pending copy kept its block from the next allocation
 
 
 def test_pinned_input_goes_to_the_device():
@@ -121,11 +136,18 @@ def _worker_side(dask_worker) -> dict:
     return {**describe(dask_worker), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
 
 
-def test_embedded_cluster_gives_every_worker_its_own_gpu(gpu_cluster):
+def _machine_gpus() -> list[str]:
+    """The uuid of every GPU this process sees."""
+    return sorted(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+
+
+def test_embedded_cluster_gives_each_gpu_exactly_one_worker(gpu_cluster):
+    """The workers' GPUs (by uuid, as each worker sees its cuda:0) are exactly the machine's GPUs,
+    one worker each. With one GPU this shows only that its one worker uses it; that several
+    workers get distinct GPUs is shown where there are several."""
     seen = list(gpu_cluster.client.run(_worker_side).values())
-    assert len(seen) == torch.cuda.device_count()
     assert all(w["device"] == "cuda:0" for w in seen)
-    assert len({w["uuid"] for w in seen}) == len(seen)  # distinct physical GPUs
+    assert sorted(w["uuid"] for w in seen) == _machine_gpus()
 
 
 @pytest.mark.parametrize("autocast", [None, "float16", "bfloat16"])
@@ -145,7 +167,8 @@ def test_compute_on_gpu_matches_a_cpu_reference(local_store, gpu_cluster, autoca
 
 
 def test_dask_cuda_cluster_when_installed():
-    pytest.importorskip("dask_cuda", reason="dask-cuda is not installed (pip install featstore[gpu])")
+    pytest.importorskip("dask_cuda", reason="dask-cuda is not installed, so featstore's LocalCUDACluster path "
+                        "(plan kind 'dask-cuda', featstore.cluster.start) is not checked: pip install featstore[gpu]")
     from featstore.cluster import start
 
     ids = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
@@ -153,6 +176,6 @@ def test_dask_cuda_cluster_when_installed():
     try:
         seen = list(cluster.client.run(_worker_side).values())
         assert len(seen) == len(ids) and all(w["device"] == "cuda:0" for w in seen)
-        assert len({w["uuid"] for w in seen}) == len(seen)
+        assert sorted(w["uuid"] for w in seen) == _machine_gpus()  # one worker per GPU, each its own
     finally:
         cluster.close()

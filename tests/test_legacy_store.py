@@ -1,7 +1,11 @@
 """A store written by featstore 0.1.0 before the restructure opens, verifies and reads the same.
 
 ``tests/data/store-0.1.0`` was written by the code of commit 73b9ac2 (see
-``tests/data/make_store_0_1_0.py``); its expected values were read back by that same code.
+``tests/data/make_store_0_1_0.py``); its expected values were read back by that same code, so
+they are checked here against values derived without featstore: each version's Model A run in
+this process on its data, as ``tests/models.py`` defined them at 73b9ac2 (before the models were
+put on an exact grid, so float32 sums here may round differently from the worker's: within one
+step of the stored dtype).
 """
 
 from __future__ import annotations
@@ -18,11 +22,52 @@ import featstore
 
 DATA = pathlib.Path(__file__).parent / "data"
 FIXTURE = DATA / "store-0.1.0"
+#: The relative step of each stored dtype: a derived value may differ by one (float32: its
+#: rounding across processes).
+STEP = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}
+
+
+def _derived() -> dict[str, dict[str, torch.Tensor]]:
+    """What each legacy version holds, computed here: TinyA and VectorData as they were at
+    73b9ac2 (``nn.Linear`` layers seeded by ``manual_seed(seed)``, inputs ``randn``), and the
+    bfloat16 version's ``Linear(12, 5)`` after ``manual_seed(1)``, as make_store_0_1_0.py ran."""
+    with torch.no_grad(), torch.random.fork_rng():
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(40, 12, generator=g), torch.randint(0, 5, (40,), generator=g)
+        torch.manual_seed(0)
+        f, h = torch.nn.Linear(12, 8), torch.nn.Linear(8, 5)
+        feats = torch.relu(f(x))
+        tiny = {"features": feats.half(), "logits": h(feats), "target": y, "index": torch.arange(40)}
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(20, 12, generator=g)
+        torch.manual_seed(1)
+        bf = {"logits": torch.nn.Linear(12, 5)(x).bfloat16(), "index": torch.arange(20)}
+    return {"legacy/tiny": tiny, "legacy/bf": bf}
+
+
+def _assert_derived(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not want.is_floating_point():
+        assert torch.equal(got, want), what
+        return
+    # one step of the stored dtype (ReLU's zeros and exact values: exactly)
+    torch.testing.assert_close(got.float(), want.float(), rtol=STEP[want.dtype], atol=1e-6, msg=what)
+
+
+def test_the_expected_values_are_what_the_models_compute():
+    """The fixture's expected values (read back by the 0.1.0 code that wrote them) are what the
+    models compute: the old code's own reading is not the only reference."""
+    ids = json.loads((DATA / "store-0.1.0-ids.json").read_text())
+    expected = np.load(DATA / "store-0.1.0-expected.npz")
+    for name, fields in _derived().items():
+        assert {k.split("/", 1)[1] for k in expected.files if k.startswith(ids[name])} == set(fields)
+        for field, want in fields.items():
+            _assert_derived(torch.from_numpy(expected[f"{ids[name]}/{field}"]), want, f"{name} {field}")
 
 
 def _check(store: featstore.FeatureStore) -> None:
     ids = json.loads((DATA / "store-0.1.0-ids.json").read_text())
     expected = np.load(DATA / "store-0.1.0-expected.npz")
+    derived = _derived()
     assert store.names() == sorted(ids)
     assert store.open("legacy/tiny@best").id == ids["legacy/tiny"]
     for name, vid in ids.items():
@@ -30,10 +75,12 @@ def _check(store: featstore.FeatureStore) -> None:
         assert v.id == vid and [x.id for x in store.versions(name)] == [vid]
         assert v.verify() == []
         got = v.load()
-        assert set(got) == {k.split("/", 1)[1] for k in expected.files if k.startswith(vid)}
+        assert set(got) == {k.split("/", 1)[1] for k in expected.files if k.startswith(vid)} == set(derived[name])
         for field, t in got.items():
             np.testing.assert_array_equal(t.float().numpy() if t.is_floating_point() else t.numpy(),
                                           expected[f"{vid}/{field}"])
+            assert t.dtype == derived[name][field].dtype, (name, field)
+            _assert_derived(t, derived[name][field], f"{name} {field}")
     v = store.open("legacy/tiny")
     seen = torch.cat([b["index"] for b in DataLoader(v.dataset(batch_size=7, seed=3), batch_size=None,
                                                        num_workers=2)])

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -110,16 +111,23 @@ def test_warm_heap_lasts_between_shard_tasks_and_ends_after_the_last(monkeypatch
     if allocator._glibc() is None:
         pytest.skip("glibc's malloc settings only")
     monkeypatch.setattr(_WarmHeap, "LINGER_S", 0.3)
+    fired = threading.Event()  # set once task 1's linger timer has run its release
+    real_release = _WarmHeap.release
+
+    def release(self, gen=None):
+        real_release(self, gen)
+        if gen is not None:
+            fired.set()
+
+    monkeypatch.setattr(_WarmHeap, "release", release)
     warm, base = _WarmHeap(), allocator._depth
     warm.hold(True)
     warm.linger()  # task 1 ends
     warm.hold(True)  # task 2 starts within the linger: the heap stays tuned
-    time.sleep(0.6)
-    assert allocator._depth == base + 1
+    assert fired.wait(60)  # task 1's timer has fired (however loaded the machine) ...
+    assert allocator._depth == base + 1  # ... and released nothing: a task started since
+    fired.clear()
     warm.linger()  # the last task ends
-    deadline = time.monotonic() + 10
-    while allocator._depth != base and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert allocator._depth == base
+    assert fired.wait(60) and allocator._depth == base  # its timer released the heap
     warm.hold(False)  # tune_allocator=False holds nothing
     assert allocator._depth == base and warm.stack is None

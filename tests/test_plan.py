@@ -42,6 +42,27 @@ def epoch_indices(sizes, world, workers, partition, seed=0, epoch=0, shuffle=Tru
     return out
 
 
+def documented_coverage(sizes, world, workers, partition, seed=0, epoch=0) -> Counter:
+    """How often each sample is read in an epoch, from the rule in featstore.plan's docstring,
+    not from its span code: the samples in the epoch's shard order (``shard_order``, the
+    permutation) form one sequence of N; "even" reads it once, "pad" reads C * ceil(N/C)
+    positions wrapping around to its start, "drop" its first C * floor(N/C)."""
+    spp, n, c = max(sizes), sum(sizes), world * max(1, workers)
+    sequence = [s * spp + r for s in shard_order(len(sizes), seed, epoch, True) for r in range(sizes[s])]
+    read = {"even": n, "pad": c * -(-n // c), "drop": c * (n // c)}[partition]
+    return Counter(sequence[p % n] for p in range(read))
+
+
+def test_documented_coverage_counts_the_padding_and_the_dropped_tail():
+    """The rule itself on a small case: 10 samples (shards of 4, 4, 2) over 3 consumers."""
+    order = shard_order(3, 0, 0, True)
+    sequence = [s * 4 + r for s in order for r in range((4, 4, 2)[s])]
+    assert sorted(sequence) == list(range(10))
+    pad, drop = documented_coverage([4, 4, 2], 3, 0, "pad"), documented_coverage([4, 4, 2], 3, 0, "drop")
+    assert pad == Counter(range(10)) + Counter(sequence[:2]) and sum(pad.values()) == 12
+    assert drop == Counter(sequence[:9]) and sequence[9] not in drop
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("workers", [0, 1, 2])
@@ -65,10 +86,8 @@ def test_pad_gives_equal_counts_and_covers_everything(layout, world, workers):
     got = epoch_indices(sizes, world, workers, "pad")
     counts = {len(v) for v in got.values()}
     assert counts == {-(-n // (world * max(1, workers)))}
-    c = Counter(i for ids in got.values() for i in ids)
-    assert len(c) == n  # every sample at least once
-    assert sum(c.values()) - n == len(got) * counts.pop() - n  # the only repeats are the padding
-    assert max(c.values()) <= 1 + -(-len(got) // n)
+    # every sample once, plus the padding: the epoch's first samples again, wrapping around
+    assert Counter(i for ids in got.values() for i in ids) == documented_coverage(sizes, world, workers, "pad")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -202,7 +221,6 @@ def test_uniform_plans_cover_every_sample_as_documented(world, workers, partitio
                              partition=partition, window=20)
         assert plan.n_samples == len(ids)
     seen = Counter(i for ids in got.values() for i in ids)
+    assert seen == documented_coverage(shards.sizes(), world, workers, partition, epoch=5)
     if partition == "even":
         assert seen == Counter(range(1003))
-    else:
-        assert set(seen) <= set(range(1003)) and all(c <= 2 for c in seen.values())

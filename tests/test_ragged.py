@@ -84,7 +84,9 @@ def test_only_real_tokens_are_stored_and_plain_zarr_reads_them(local_store):
         assert start[a] == s * per_shard
 
 
-@pytest.mark.parametrize("codec", ["float16", "topk:8", "topp:0.9:2:16", "sample:16", "int8"])
+# topp:0.4 on TinyLM's flat teacher: of 439 tokens, 12 keep MIN_K=2, 122 stop at the cap of 16,
+# the others keep 3-15 classes (each branch of the rule is exercised)
+@pytest.mark.parametrize("codec", ["float16", "topk:8", "topp:0.4:2:16", "sample:16", "int8"])
 def test_random_access_and_load_match_the_teachers_tokens(store, codec):
     v = _compute(store, codec)
     rows = [3, 20, 59, 21]
@@ -97,16 +99,61 @@ def test_random_access_and_load_match_the_teachers_tokens(store, codec):
         top = torch.log_softmax(flat, -1).topk(8)
         assert torch.equal(got["logits.ids"], top.indices)
         torch.testing.assert_close(got["logits.values"].float(), top.values, atol=0.01, rtol=0.01)
-    elif codec.startswith("topp"):  # the most likely class first, then at least MIN_K kept per token
-        assert torch.equal(got["logits.ids"][:, 0], flat.argmax(-1))
-        assert ((got["logits.ids"] >= 0).sum(-1) >= 2).all()
-    else:  # every drawn id is one of the teacher's classes, with counts summing to S per token
+    elif codec.startswith("topp"):
+        assert torch.equal(got["logits.ids"][:, 0], flat.argmax(-1))  # the most likely class first
+        _check_top_p(got, flat, p=0.4, min_k=2, cap=16)
+    else:  # counts sum to S per token, and S draws per token follow the teacher's distribution
         assert got["logits.counts"].sum(-1).tolist() == [16] * len(flat)
     one = v[20]
     assert "logits.offsets" not in one and len(one[next(k for k in one if k.startswith("logits"))]) == lengths[1]
     whole = v.load()
     assert int(whole["logits.offsets"][-1]) == sum(len(TokenSeqs(N)[i]["input"]) for i in range(N))
+    if codec.startswith("sample"):  # every token's draws (439 tokens x 16) against the teacher
+        _check_draws(whole, _teacher(range(N))[0], draws=16)
+    if codec.startswith("topp"):  # the rule on every token of the version
+        _check_top_p(whole, _teacher(range(N))[0], p=0.4, min_k=2, cap=16)
     assert v.verify() == []
+
+
+def _check_top_p(got, flat, p: float, min_k: int, cap: int) -> None:
+    """``topp:P:MIN_K:CAP``'s rule on every token, against the teacher's probabilities: the kept
+    classes are the most likely ones, their stored values are their log-probabilities, and the
+    set is the smallest reaching mass ``p`` (at least ``min_k``, at most ``cap``)."""
+    prob = torch.softmax(flat.double(), -1)
+    ids, vals = got["logits.ids"], got["logits.values"].double()
+    kept = (ids >= 0).sum(-1)
+    for t in range(len(flat)):
+        k = int(kept[t])
+        assert min_k <= k <= cap and (ids[t, k:] == -1).all()
+        mine = prob[t, ids[t, :k]]
+        top = prob[t].topk(k).values
+        torch.testing.assert_close(mine.sum(), top.sum(), atol=1e-4, rtol=0)  # the k most likely
+        torch.testing.assert_close(vals[t, :k], mine.log(), atol=0.02, rtol=0.01)  # fp16 log-probs
+        mass, before = float(mine.sum()), float(mine[:-1].sum())
+        assert k == cap or mass >= p - 1e-4, (t, k, mass)  # reaches p, or stops at the cap
+        assert k == min_k or before < p + 1e-4, (t, k, before)  # and one class fewer would not
+
+
+def _check_draws(got, flat, draws: int) -> None:
+    """``sample:S`` draws from the teacher's distribution: the drawn ids' counts, summed over
+    every token into bins of teacher rank (the most likely class, ranks 2-5, 6-20, the rest),
+    against their expected S * P(bin); a Pearson chi-square with 3 degrees of freedom. The draws
+    are seeded, so the statistic is one fixed number (last run: printed); 30 is p ~ 1e-6."""
+    prob = torch.softmax(flat.double(), -1)
+    ids, counts = got["logits.ids"], got["logits.counts"]
+    assert ids.shape == counts.shape == (len(flat), draws) and (counts.sum(-1) == draws).all()
+    assert ((ids >= 0) == (counts > 0)).all() and ((ids >= 0).sum(-1) == (counts > 0).sum(-1)).all()
+    rank = prob.argsort(-1, descending=True).argsort(-1)  # each class's rank per token, 0 = most likely
+    bins = torch.bucketize(rank, torch.tensor([1, 5, 20]), right=True)  # 0: top-1, 1: 2-5, 2: 6-20, 3: rest
+    seen = torch.zeros(4, dtype=torch.float64)
+    token = torch.arange(len(flat))[:, None].expand_as(ids)
+    real = ids >= 0
+    seen.index_add_(0, bins[token[real], ids[real]], counts[real].double())
+    expected = torch.zeros(4, dtype=torch.float64).index_add_(0, bins.reshape(-1), prob.reshape(-1)) * draws
+    chi2 = float(((seen - expected) ** 2 / expected).sum())
+    print(f"\n[sample:{draws}] drawn per rank bin {seen.tolist()}, "
+          f"expected {[round(e, 1) for e in expected.tolist()]}, chi2 {chi2:.2f}")
+    assert chi2 < 30, (seen.tolist(), expected.tolist(), chi2)
 
 
 def test_a_flipped_byte_in_a_token_shard_is_found_by_verify_and_the_reader(local_store):

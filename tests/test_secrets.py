@@ -3,6 +3,7 @@ reprs, error messages, manifests, zarr attributes or any object featstore writes
 
 from __future__ import annotations
 
+import logging
 import pickle
 import uuid
 
@@ -91,8 +92,9 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
     stored = [s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys]
     token_loggers = sorted({n for n, m in records if TOKEN in m})
-    print(f"\n[secrets] {len(records)} DEBUG records ({len(worker_records)} from the Dask worker processes) "
-          f"from {sorted(names)}, {len(keys)} stored objects, "
+    print(f"\n[secrets] {len(records)} DEBUG records ({len(worker_records)} from the Dask worker processes; "
+          f"{len(all_logs.unformatted)} of this process's kept unformatted) from {sorted(names)}, "
+          f"{len(keys)} stored objects, "
           f"{len(seen)} reprs/messages checked; session token logged by {token_loggers}")
     assert not any(SECRET in m for _, m in records)  # the secret key: nowhere, at any level
     # botocore's signer logs the canonical request at DEBUG, x-amz-security-token included: a
@@ -102,6 +104,26 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
         assert not any(secret in s for s in seen)
         assert not any(secret.encode() in b for b in stored)  # manifests, receipts, tags, zarr.json
     assert store.storage.options["secret"] == "***" and store.storage.options["token"] == "***"
+
+
+def test_a_record_that_cannot_be_formatted_is_kept_with_its_arguments():
+    """The capture keeps a record whose format fails (so the secret check sees it) instead of
+    dropping it: its message and arguments, str and repr."""
+
+    class Loud:
+        def __str__(self):
+            return f"holds {SECRET}"
+
+    class Broken:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    handler = worker_logs.Records()
+    for msg, args in (("%d items", (Loud(),)), ("%s and %s", (TOKEN,)), ("%s", (Broken(),))):
+        handler.handle(logging.LogRecord("featstore.x", logging.DEBUG, __file__, 1, msg, args, None))
+    texts = [t for _, t in handler.records]
+    assert len(texts) == 3 and handler.unformatted == ["featstore.x"] * 3
+    assert SECRET in texts[0] and TOKEN in texts[1]
 
 
 def test_secrets_travel_only_when_given_in_options(moto_endpoint):

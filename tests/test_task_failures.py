@@ -18,14 +18,25 @@ def receipts(store) -> set[int]:
     return {int(k.rsplit("/", 1)[1].split(".")[0]) for k in store.storage.find("") if "/_receipts/" in k}
 
 
+def running_tasks(client) -> int:
+    """Tasks occupying a worker thread now, on every worker, plus those the scheduler has
+    processing: also the tasks the failed compute cancelled (the scheduler forgets a cancelled
+    task at once, the worker runs it to its end)."""
+    per_worker = client.run(lambda dask_worker: len(dask_worker.state.all_running_tasks))
+    return sum(per_worker.values()) + sum(map(len, client.processing().values()))
+
+
 def quiescent(client, timeout: float = 120.0) -> None:
     """Wait until the cluster runs no task. A failed compute raises as soon as one task fails;
     the other tasks already running finish their current shards (Dask cannot stop a running
-    task), so the receipts on storage settle only once they are done."""
+    task), so the receipts on storage settle only once they are done. Raises if they are still
+    running after ``timeout`` seconds (the test could not judge the receipts)."""
     import time
 
     deadline = time.monotonic() + timeout
-    while any(client.processing().values()) and time.monotonic() < deadline:
+    while n := running_tasks(client):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the cluster is still busy after {timeout} s ({n} tasks running or processing)")
         time.sleep(0.2)
 
 

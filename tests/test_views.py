@@ -14,6 +14,7 @@ import featstore
 from featstore import ComputeOptions, InvalidInput, NondeterministicAugment, SourceMismatch
 from featstore.format import view_path
 from featstore.versions import forget_receipts, receipt_key, view_key
+from featstore.views import view_seed
 
 from .augments import CountingAugment, global_noise, noisy_flip
 from .models import CountingA, TinyA, VectorData
@@ -199,10 +200,22 @@ def test_augment_calls_count_one_per_view_and_sample(tmp_path, dask_client):
     log = tmp_path / "aug.log"
     store = featstore.open_store(tmp_path / "store")
     compute(store, dask_client, augment=CountingAugment(str(log)), views=2)
-    calls = len(log.read_text().split())
-    # 2 views x N samples, plus the replay check (2 items twice), the validation item and the
-    # probe batch of view 0 (16 rows)
-    assert calls == 2 * N + 4 + 1 + 16
+    data = VectorData(N)
+    index = {data.x[i].numpy().tobytes().hex(): i for i in range(N)}
+    calls = Counter()
+    for line in log.read_text().splitlines():  # (sample, seed) of every call
+        seed, item = line.split()
+        calls[index[item], int(seed)] += 1
+
+    def seed(i, view):
+        return view_seed(7, i, view)
+
+    # one call per (view, sample), plus the replay check (samples 0 and N // 2 of view 0, twice
+    # each), the validation item (sample 0, view 0) and the probe batch (samples 0-15 of view 0)
+    want = Counter({(i, seed(i, v)): 1 for i in range(N) for v in range(2)})
+    want += Counter({(0, seed(0, 0)): 2 + 1, (N // 2, seed(N // 2, 0)): 2})
+    want += Counter({(i, seed(i, 0)): 1 for i in range(16)})
+    assert calls == want
 
 
 def test_verify_and_the_reader_name_a_damaged_view_shard(tmp_path, dask_client):

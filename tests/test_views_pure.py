@@ -25,9 +25,30 @@ def test_view_seeds_are_a_pure_vectorised_function():
     grid = {int(s) for v in range(8) for s in view_seeds(7, v, idx)}
     assert len(grid) == 8 * 1000
     assert not np.array_equal(a, view_seeds(8, 3, idx))
-    # pinned: the policy is a stored contract (plain Zarr readers and other tools replay it)
-    assert view_seed(0, 0, 0) == view_seeds(0, 0, [0])[0]
-    assert view_seed(0, 0, 0) == 1279368494785126216
+    # pinned: the policy is a stored contract (plain Zarr readers and other tools replay it),
+    # so it is derived here from its definition, independently of featstore's numpy code
+    assert view_seed(0, 0, 0) == view_seeds(0, 0, [0])[0] == _policy(0, 0, 0) == 1279368494785126216
+    for seed in (0, 1, 7, 2**40 + 3, -1):
+        for view in (0, 1, 5):
+            got = view_seeds(seed, view, np.array([0, 1, 2, 999, 2**33]))
+            assert got.tolist() == [_policy(seed, view, i) for i in (0, 1, 2, 999, 2**33)], (seed, view)
+
+
+_U64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's finaliser (Steele, Lea & Flood 2014; Vigna's reference C), on Python ints."""
+    z = (x + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def _policy(seed: int, view: int, index: int) -> int:
+    """SEED_POLICY "splitmix64(seed,view,index)>>1/v1", from featstore.views' docstring: the
+    finaliser applied three times, mixing in the seed, the view and the index in turn, >> 1."""
+    return _splitmix64(_splitmix64(_splitmix64(seed & _U64) ^ view) ^ index) >> 1
 
 
 def test_epoch_seeds_differ_from_view_seeds_and_per_epoch():

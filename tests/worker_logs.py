@@ -9,17 +9,35 @@ LOGGERS = ("featstore", "s3fs", "fsspec", "botocore", "aiobotocore", "distribute
 
 
 class Records(logging.Handler):
-    """Keeps (logger name, formatted message) of every record."""
+    """Keeps (logger name, text) of every record: the formatted message, or for a record that
+    cannot be formatted (a bad ``%`` format, an argument whose ``__str__`` raises) its message
+    and each argument's ``str`` and ``repr``, as far as they go: a record that fails to format
+    may still carry a secret, and another handler (a file, a log shipper) may print it."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[tuple[str, str]] = []
+        self.unformatted: list[str] = []  # the loggers of records kept unformatted
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.records.append((record.name, self.format(record)))
-        except Exception:  # noqa: BLE001 - a record that cannot format is not a leak
-            pass
+            text = self.format(record)
+        except Exception as exc:  # noqa: BLE001 - kept, unformatted, with what it carries
+            self.unformatted.append(record.name)
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            text = " ".join([_text(record.msg), *(_text(a) for a in args), _text(record.exc_info), repr(exc)])
+        self.records.append((record.name, text))
+
+
+def _text(value: object) -> str:
+    """``str`` and ``repr`` of ``value``, each as far as it goes."""
+    out = []
+    for show in (str, repr):
+        try:
+            out.append(show(value))
+        except Exception as exc:  # noqa: BLE001 - an argument that cannot show itself
+            out.append(f"<{show.__name__} failed: {exc!r}>")
+    return " ".join(out)
 
 
 _state: dict = {}
