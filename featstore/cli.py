@@ -11,11 +11,12 @@ import enum
 import json
 import sys
 import textwrap
+from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import (ComputeFailed, ComputeOptions, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput,
-               StoreConflict, StoreUnavailable, VersionNotFound, open_store)
+               StoreConflict, StoreUnavailable, VersionNotFound, clear_disk_cache, list_disk_cache, open_store)
 
 
 class Exit(enum.IntEnum):
@@ -181,6 +182,20 @@ def cmd_gc(args: argparse.Namespace) -> Result:
             "\n".join([*deleted, f"{verb} {len(deleted)} objects"]))
 
 
+def cmd_cache(args: argparse.Namespace) -> Result:
+    """List or empty this node's disk cache of remote stores (cache="disk"): 'list' shows each
+    cached version, its bytes and whether a live process reads it; 'clear' removes entries
+    (--unused: only of versions no live process reads). Safe while readers run: they keep what
+    they have mapped and fetch the rest again."""
+    if args.action == "clear":
+        freed = clear_disk_cache(args.dir, unused_only=args.unused)
+        return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"
+    rows = [asdict(s) for s in list_disk_cache(args.dir)]
+    text = "\n".join(f"{r['version']}  {r['store']}  {r['entries']} objects  {r['bytes']} bytes"
+                     f"{'  in use' if r['in_use'] else ''}" for r in rows)
+    return Exit.OK, rows, text or "(the disk cache is empty)"
+
+
 def cmd_demo(args: argparse.Namespace) -> Result:
     """Compute a small CNN's outputs with Dask into a store, train an MLP from it, and compare
     with running the CNN every step; prints the dashboard page's URL while it computes."""
@@ -282,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only folders untouched this long (default 3600: a younger one may be a running compute)")
         s.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     _add_simple(sub, "gc", cmd_gc, gc_args)
+
+    k = sub.add_parser("cache", help=_first_line(cmd_cache), description=_describe(cmd_cache.__doc__),
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("action", choices=["list", "clear"])
+    k.add_argument("--dir", default=None, metavar="DIR",
+                   help="the cache folder given as cache_dir= (default $FEATSTORE_CACHE_DIR or ~/.cache/featstore)")
+    k.add_argument("--unused", action="store_true", help="clear: only versions no live process reads")
+    k.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    k.set_defaults(fn=cmd_cache)
 
     def demo_args(s: argparse.ArgumentParser) -> None:
         s.add_argument("-n", type=int, default=20000, metavar="N", help="samples (default 20000)")
