@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .cache import MappedFiles, _flocked, _try_remove, _unused
+from .cache import MappedFiles, _flocked, _try_remove, _unused, held_close, held_open
 from .errors import InvalidInput
 
 FOLDER = "featstore-disk"
@@ -208,7 +208,7 @@ class DiskCache:
     """
 
     _open: dict[tuple[int, str, str, int, str], "DiskCache"] = {}
-    _open_lock = threading.Lock()
+    _open_lock = threading.Lock()  # replaced in a forked child (another thread may hold it)
 
     def __init__(self, options: DiskCacheOptions, scope: str, info: dict[str, Any]) -> None:
         assert options.max_bytes is not None, "resolve the options first"
@@ -346,7 +346,7 @@ class DiskCache:
                 return False
             raise
         finally:
-            os.close(fd)  # drops the writer's lock on the temporary file
+            held_close(fd)  # drops the writer's lock on the temporary file
         return True
 
     def _reserve(self, tmp: str, n: int) -> int | None:
@@ -360,12 +360,12 @@ class DiskCache:
                 self._full = (time.monotonic() + _FULL_MEMO_S, self.budget - used)
                 return None
             ledger.write(used + n)  # before the file exists: a kill from here on over-counts
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = held_open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 os.posix_fallocate(fd, 0, n)  # the disk is full now, not halfway through the write
             except OSError as exc:
-                os.close(fd)
+                held_close(fd)
                 os.unlink(tmp)
                 ledger.write(used)
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -407,6 +407,13 @@ class DiskCache:
         """Bytes the whole folder holds now, counted afresh (the ledger is reset to it)."""
         with _Ledger.locked(self.root) as ledger:
             return ledger.write(_listing(self.root)[1])
+
+
+def _fresh_lock_in_child() -> None:
+    DiskCache._open_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

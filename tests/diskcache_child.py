@@ -1,10 +1,8 @@
 """Processes for tests/test_diskcache.py: a DDP-like rank on the node reading through the disk
-cache with 2 DataLoader workers, a reader that is SIGKILLed while it fetches, and a writer that
-is SIGKILLed while it writes an entry.
+cache with 2 DataLoader workers, and a reader that is SIGKILLed while it fetches.
 
     python -m tests.diskcache_child rank URL ENDPOINT REF CACHE_DIR R WORLD SYNC_DIR
     python -m tests.diskcache_child fetch URL ENDPOINT REF CACHE_DIR
-    python -m tests.diskcache_child write CACHE_DIR BUDGET NBYTES
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import time
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore.diskcache import DiskCache, DiskCacheOptions
 
 
 def _wait_for(path: str) -> None:
@@ -52,21 +49,9 @@ def fetch(url: str, endpoint: str, ref: str, cache_dir: str) -> None:
     print("finished", flush=True)  # the test fails if this is reached
 
 
-def write(cache_dir: str, budget: int, nbytes: int) -> None:
-    """Reserve room for an entry and write half of it, as an insert does, then wait to be killed."""
-    cache = DiskCache.open(DiskCacheOptions(cache_dir, budget), "a killed writer", {"store": "-", "version": "-"})
-    fd = cache._reserve(os.path.join(cache.folder, ".tmp-entry.killed"), nbytes)
-    assert fd is not None
-    os.pwrite(fd, b"x" * (nbytes // 2), 0)
-    print("writing", flush=True)
-    time.sleep(600)
-
-
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "rank":
         rank(*args[:4], int(args[4]), int(args[5]), args[6])
-    elif mode == "fetch":
-        fetch(*args)
     else:
-        write(args[0], int(args[1]), int(args[2]))
+        fetch(*args)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -228,17 +229,25 @@ def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
     next listing and its reserved bytes count no more, so an entry that needs the whole budget
     but for those bytes still fits."""
     budget, n = 10_000, 6_000
-    child = subprocess.Popen([sys.executable, "-m", "tests.diskcache_child", "write", str(tmp_path), str(budget),
-                              str(n)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    opts = DiskCacheOptions(str(tmp_path), budget)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()  # a real process (no imports to wait for): reserve, write half, wait to be killed
+    if pid == 0:
+        try:
+            cache = DiskCache.open(opts, "a killed writer", {})
+            fd = cache._reserve(os.path.join(cache.folder, ".tmp-entry.killed"), n)
+            os.pwrite(fd, b"x" * (n // 2), 0)
+            os.write(ready_w, b"1")
+            time.sleep(600)
+        finally:
+            os._exit(1)
     try:
-        assert child.stdout.readline().strip() == "writing", child.communicate()[1][-2000:]
-        cache = DiskCache.open(DiskCacheOptions(str(tmp_path), budget), "another reader", {})
+        assert os.read(ready_r, 1) == b"1"
+        cache = DiskCache.open(opts, "another reader", {})
         assert cache.used_bytes() == n  # a live writer's reservation counts
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
     finally:
-        child.kill()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     assert cache._insert("big", b"y" * (budget - 100))  # the ledger still says 6,000 held: recounted
     assert cache.used_bytes() == budget - 100 + 24
     assert not list((tmp_path / "featstore-disk").glob("*/.tmp-*"))
@@ -264,6 +273,9 @@ def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_
     assert {p.name for p in entry_files(tmp_path)} == {"l0", "m0", "m1", "m2", "m3"}
     lru = DiskCache.open(replace(opts, policy="lru"), "version this reader reads", {})
     lru._full = (0.0, 0)
+    for i, name in enumerate(["l0", "m0", "m1", "m2", "m3"]):  # uses in this order (timestamps are coarse)
+        [path] = [p for p in entry_files(tmp_path) if p.name == name]
+        os.utime(path, ns=(10**18 + i, path.stat().st_mtime_ns))
     assert lru._insert("m4", b"m" * 176)  # "lru": the least recently used entry of any version
     assert "l0" not in {p.name for p in entry_files(tmp_path)}
     for c in (live, mine):
@@ -314,3 +326,26 @@ def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote,
                              client=dask_client)
     ds = lv.dataset(cache="disk", cache_dir=str(tmp_path / "c"))
     assert ds._disk_objects() is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
+
+
+def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
+    """A DataLoader worker forked while a reader thread holds a fetch or eviction lock: the
+    child's copy of the descriptor is closed at the fork, so the lock ends with the parent's."""
+    import fcntl
+
+    from featstore.cache import _flocked
+
+    lock = str(tmp_path / "lock")
+    with _flocked(lock, fcntl.LOCK_EX):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child kept it
+        os.close(fd)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # the child is still alive
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
