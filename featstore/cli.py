@@ -183,10 +183,11 @@ def cmd_gc(args: argparse.Namespace) -> Result:
 
 
 def cmd_cache(args: argparse.Namespace) -> Result:
-    """List or empty this node's disk cache of remote stores (cache="disk"): 'list' shows each
+    """List or empty this node's disk cache of remote stores (cache='disk'). 'list' shows each
     cached version, its bytes and whether a live process reads it; 'clear' removes entries
     (--unused: only of versions no live process reads). Safe while readers run: they keep what
-    they have mapped and fetch the rest again."""
+    they have mapped and fetch the rest again. Not part of 'gc': gc tidies one store, the cache
+    belongs to a node and holds many stores."""
     if args.action == "clear":
         freed = clear_disk_cache(args.dir, unused_only=args.unused)
         return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"

@@ -173,7 +173,7 @@ def _listing(root: str) -> tuple[list[_Entry], int]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for name in names:
-            if name in (_USERS, _INFO):
+            if name == _USERS or name.startswith(_INFO):  # scope.json, or one being written
                 continue
             path = os.path.join(folder, name)
             try:
