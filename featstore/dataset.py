@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .arena import Arena, Slot, process_arena
 from .arena import supported as arena_supported
 from .cache import CacheOptions, MappedFiles, SharedCache, default_root
-from .diskcache import POLICIES, DiskCacheOptions
+from .diskcache import ENTRY_TRAILER, POLICIES, DiskCacheOptions
 from .diskreading import DiskObjects, scope_identity
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format, shard_index_bytes
@@ -449,7 +449,7 @@ class FeatureDataset(IterableDataset):
         # a base's folder for an inherited shard; this epoch's view's group with views
         return self._viewing.reading.object_key(ref.array, shard)
 
-    def _source(self, piece: Piece, field: str) -> np.ndarray:
+    def _source(self, piece: Piece, field: str, data: Any = None) -> np.ndarray:
         """The piece's whole shard as ``(chunks, chunk_rows, *row)``: mapped in place (local,
         uncompressed) or decoded once per machine into the shared cache.
 
@@ -463,7 +463,7 @@ class FeatureDataset(IterableDataset):
         start, stop = self.version.manifest.layout.shard_range(piece.shard)
         n = -(-(stop - start) // fmt.chunk_rows)
         if not fmt.compressed and not self._memory and not self._proc.storage.is_local:
-            return self._fetched(piece, field, fmt, n, ref)
+            return self._fetched(piece, field, fmt, n, ref, data)
         if self._proc.storage.is_local and not fmt.compressed:
             data = self._object(ref, piece.shard)
             checked = self._proc.maps.checked(self._proc.storage.path(self._object_key(ref, piece.shard)), data)
@@ -476,20 +476,25 @@ class FeatureDataset(IterableDataset):
 
     def _arena_rows(self, window: tuple[Piece, ...], field: str) -> ArenaRows | InPlace:
         """A window's pieces of an array held in this process's arena (one ``index_select`` per
-        batch, :mod:`featstore.arena`): the stored objects of a local uncompressed array, else
-        the decoded shards of the shared cache. Shard by shard (:meth:`_source`) when a shard
-        does not fit a slot, is not laid out back to back, or cannot be cached."""
+        batch, :mod:`featstore.arena`): the stored objects of an uncompressed array (a local
+        store's files, or the disk tier's entries), else the decoded shards of the shared cache.
+        Shard by shard (:meth:`_source`) when a shard does not fit a slot, is not laid out back
+        to back, or cannot be cached."""
         fmt = self._shard_format(field)
         assert fmt is not None
-        stored = self._proc.storage.is_local and not fmt.compressed
+        disk = None if self._memory else self._disk_objects()
+        stored = not fmt.compressed and (self._proc.storage.is_local or disk is not None)
         per_chunk = fmt.stored_stride if stored else fmt.chunk_rows * fmt.row_bytes
-        arena = process_arena(fmt.chunks_per_shard * per_chunk + shard_index_bytes(fmt) * stored, MAPPED_BYTES)
-        if arena is not None:
-            pin = self._pin if stored else self._pin_cached
+        tail = shard_index_bytes(fmt) + (ENTRY_TRAILER if disk is not None else 0)
+        arena = process_arena(fmt.chunks_per_shard * per_chunk + tail * stored, MAPPED_BYTES)
+        # the disk tier's entry of each piece, or the bytes fetched for one that could not be kept
+        entries = [disk.entry(*self._entry_args(p, field, fmt)) for p in window] if stored and disk else None
+        if arena is not None and (entries is None or all(isinstance(e, str) for e in entries)):
             slots: list[Slot] = []
             try:
-                for piece in window:
-                    slot = pin(arena, piece, field, fmt)
+                for i, piece in enumerate(window):
+                    slot = (self._pin_cached(arena, piece, field, fmt) if not stored
+                            else self._pin(arena, piece, field, fmt, None if entries is None else entries[i]))
                     if slot is None:
                         break
                     slots.append(slot)
@@ -501,7 +506,18 @@ class FeatureDataset(IterableDataset):
                 raise
             for slot in slots:  # a shard that cannot be held: this window is read shard by shard
                 arena.unpin(slot)
-        return InPlace([self._source(p, field) for p in window], window, fmt.chunk_rows)
+        fetched = [None if entries is None or isinstance(e, str) else e for e in entries or window]
+        return InPlace([self._source(p, field, data) for p, data in zip(window, fetched, strict=True)],
+                       window, fmt.chunk_rows)
+
+    def _entries_held(self, window: tuple[Piece, ...], field: str) -> bool:
+        """Whether the disk tier holds every piece's shard object of ``field`` now."""
+        disk = self._disk_objects()
+        return disk is not None and all(disk.holds(self._viewing.reading.object_key(field, p.shard)) for p in window)
+
+    def _entry_args(self, piece: Piece, field: str, fmt: ShardFormat) -> tuple[str, ChunkRef, ShardFormat]:
+        ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
+        return self._object_key(ref, piece.shard), ref, fmt
 
     def _pin_cached(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
         """The piece's decoded shard, from the shared cache (decoded and inserted on a miss),
@@ -525,32 +541,45 @@ class FeatureDataset(IterableDataset):
                 arena.drop_stale()  # what the insert evicted: free its memory in this process too
         return None
 
-    def _pin(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
-        """The piece's shard object held in ``arena``, its layout and the piece's chunks
-        checked (crc32c once per mapping, as in :meth:`_source`); None: read it shard by shard
-        (that path says why a missing object is missing)."""
+    def _pin(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat, entry: str | None = None) -> Slot | None:
+        """The piece's shard object (a local store's file, or ``entry``: its disk tier file) held
+        in ``arena``, its layout and the piece's chunks checked (crc32c once per mapping, as in
+        :meth:`_source`); None: read it shard by shard (that path says why a missing object is
+        missing, and fetches a damaged disk entry again)."""
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         try:
-            slot = arena.pin(self._proc.storage.path(self._object_key(ref, piece.shard)))
+            slot = arena.pin(entry or self._proc.storage.path(self._object_key(ref, piece.shard)))
         except OSError:  # missing (that path says why), or no memory map left: read shard by shard
             return None
         if slot is None:
             return None
         try:
+            view = arena.view(slot)
+            if entry is not None:  # the trailer off (None: torn); a damaged entry is fetched again
+                view = self._disk_objects().body(view, self._object_key(ref, piece.shard))  # type: ignore[union-attr]
             todo = [c for c in range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows))
                     if c not in slot.checked]
-            if todo or not slot.checked:
+            if view is not None and (todo or not slot.checked):
                 start, stop = self.version.manifest.layout.shard_range(piece.shard)
-                if mapped_chunks(arena.view(slot), fmt, -(-(stop - start) // fmt.chunk_rows), todo, ref) is None:
-                    arena.unpin(slot)
-                    return None
-                slot.checked.update(todo)
+                if mapped_chunks(view, fmt, -(-(stop - start) // fmt.chunk_rows), todo, ref) is None:
+                    view = None  # not laid out back to back
+            if view is None:
+                arena.unpin(slot)
+                return None
+            slot.checked.update(todo)
+        except CorruptChunk:
+            arena.unpin(slot)
+            if entry is None:
+                raise
+            self._disk_objects().discard(self._object_key(ref, piece.shard))  # type: ignore[union-attr]
+            return None
         except BaseException:
             arena.unpin(slot)
             raise
         return slot
 
-    def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef) -> np.ndarray:
+    def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef,
+                 data: Any = None) -> np.ndarray:
         """An uncompressed shard of a remote store as ``(chunks, chunk_rows, *row)``: batches
         gather straight from the fetched object's bytes once the piece's chunks pass their
         crc32c (no copy into a window buffer). A piece needing only a few of the shard's chunks
@@ -558,7 +587,7 @@ class FeatureDataset(IterableDataset):
         whose other rows are never touched."""
         c0, c1 = piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)
         full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
-        if self._disk is None and 2 * (c1 - c0) <= fmt.chunks_per_shard:  # a few chunks, by range
+        if data is None and self._disk is None and 2 * (c1 - c0) <= fmt.chunks_per_shard:  # a few chunks, by range
             self._read_field(piece, field, full[piece.lo:piece.hi])
             return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
 
@@ -569,7 +598,7 @@ class FeatureDataset(IterableDataset):
             decode_shard_rows(data, fmt, piece.lo, piece.hi, full[piece.lo:piece.hi], ref)
             return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
 
-        return self._with_object(ref, piece.shard, gather)
+        return gather(data) if data is not None else self._with_object(ref, piece.shard, gather)
 
     def _cache_key(self, ref: ChunkRef, shard: int) -> str:
         return f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
@@ -741,8 +770,9 @@ class _WindowReader:
         # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
         # pool thread that would wait for a core behind Model B's busy torch threads.
         local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
-        # one index_select per batch: local uncompressed objects, or the shared cache's shards
-        self.arena = (set(self.placed) if ds._memory else local_raw) if arena_supported() else set()
+        self.disk_raw = {f for f in self.placed if ds._disk is not None and not ds._shard_format(f).compressed}
+        # one index_select per batch: local uncompressed objects, or the disk tier's, or the shared cache's shards
+        self.arena = (set(self.placed) if ds._memory else local_raw | self.disk_raw) if arena_supported() else set()
         self.mapped = set() if ds._memory else local_raw - self.arena
         self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
         self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
@@ -802,7 +832,9 @@ class _WindowReader:
                 off += p.size
             for f in self.placed:  # each piece's source; an InPlace once all are done
                 if f in self.arena:  # bookkeeping only, in this thread: the window's slots, held
-                    arrays[f] = _now(self.ds._arena_rows, window, f)
+                    # (on the pool when a disk tier entry is still to be fetched)
+                    cold = f in self.disk_raw and not self.ds._entries_held(window, f)
+                    arrays[f] = (self.pool.submit if cold else _now)(self.ds._arena_rows, window, f)
                     futs.append(arrays[f])
                     continue
                 run = _now if f in self.mapped else self.pool.submit

@@ -34,9 +34,10 @@ of any scope.
 **Reads** map the entry (an entry evicted meanwhile is a miss, never an error: LitData #140). A
 file a reader has mapped stays readable after it is unlinked (Linux keeps an unlinked file while
 it is open or mapped), so no eviction can pull data from under a reader. Every read checks the
-entry's length and trailer; its crc32c is checked once per mapping in each process; the reader's
-decoder checks the crc32c of every chunk it serves. A failed check removes the entry and the
-object is fetched again: damaged or torn cache files are never served.
+entry's length and trailer; its crc32c is checked once per file in each process (a file changed
+since has another inode, size or mtime, and is checked again); the reader's decoder checks the
+crc32c of every chunk it serves. A failed check removes the entry and the object is fetched
+again: damaged or torn cache files are never served.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ _LOCK_BUCKETS = 1024
 #: (a miss then costs no listing of the whole folder); what another process frees meanwhile is
 #: used after it.
 _FULL_MEMO_S = 1.0
+#: Bytes an entry holds beyond its object (the trailer at its end).
+ENTRY_TRAILER = _TRAILER.size
 #: Marks, in a mapping's checked set (:meth:`MappedFiles.checked`), that the entry's trailer
 #: and crc32c were checked for that mapping.
 ENTRY_CHECKED = -1
@@ -190,14 +193,27 @@ def _listing(root: str) -> tuple[list[_Entry], int]:
     return entries, used
 
 
-def _intact(view: memoryview) -> bool:
-    """Whether a mapped entry is whole: the trailer's magic and length, and the crc32c."""
-    import crc32c
+def entry_body(view: memoryview) -> memoryview | None:
+    """A mapped entry's object (its trailer off), or None when the entry is torn."""
+    return view[:len(view) - _TRAILER.size] if _trailer_ok(view) else None
 
+
+def _trailer_ok(view: memoryview) -> bool:
+    """Whether a mapped entry ends with its trailer and has the length it names (not torn)."""
     if len(view) < _TRAILER.size:
         return False
-    magic, size, crc = _TRAILER.unpack(view[len(view) - _TRAILER.size:])
-    return magic == _MAGIC and size == len(view) - _TRAILER.size and crc32c.crc32c(view[:size]) == crc
+    magic, size, _ = _TRAILER.unpack(view[len(view) - _TRAILER.size:])
+    return magic == _MAGIC and size == len(view) - _TRAILER.size
+
+
+def _intact(view: memoryview) -> bool:
+    """Whether a mapped entry is whole: its trailer, and the crc32c of the object it names."""
+    import crc32c
+
+    if not _trailer_ok(view):
+        return False
+    size, crc = _TRAILER.unpack(view[len(view) - _TRAILER.size:])[1:]
+    return crc32c.crc32c(view[:size]) == crc
 
 
 class DiskCache:
@@ -215,6 +231,7 @@ class DiskCache:
         self.root, self.scope, self.budget, self.policy = options.root, scope, options.max_bytes, options.policy
         self.folder = os.path.join(self.root, scope)
         self._full = (0.0, 0)  # (monotonic time until which, room then) after an insert found no room
+        self._verified: set[tuple[int, int, int]] = set()  # (inode, size, mtime) whose crc32c passed
         os.makedirs(os.path.join(self.root, _LOCKS), mode=0o700, exist_ok=True)
         self._users_fd = self._join()  # held until this process exits
         self._describe(info)
@@ -279,11 +296,16 @@ class DiskCache:
         except FileNotFoundError:
             return None
         checked = maps.checked(path, view)
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
         if ENTRY_CHECKED not in checked:
-            if not _intact(view):
+            # The whole crc32c once per file in this process (a file changed since has another
+            # signature), the length and the trailer on every read: a version bigger than the
+            # process's kept mappings is mapped afresh each epoch without hashing it again.
+            if not (_trailer_ok(view) and (sig in self._verified or _intact(view))):
                 self.discard(name)
                 return None
             checked.add(ENTRY_CHECKED)
+            self._verified.add(sig)
         with contextlib.suppress(FileNotFoundError):  # a use: atime only, the mapping's mtime stays
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
         return view[:len(view) - _TRAILER.size]
@@ -296,8 +318,7 @@ class DiskCache:
         view = self.get(name, maps, keep)
         if view is not None:
             return view, True
-        bucket = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % _LOCK_BUCKETS
-        with _flocked(os.path.join(self.root, _LOCKS, str(bucket)), fcntl.LOCK_EX):
+        with self._fetch_lock(name):
             view = self.get(name, maps, keep)
             if view is not None:
                 return view, True
@@ -305,6 +326,25 @@ class DiskCache:
             if data is not None and len(data) and intact(memoryview(data)):
                 self._insert(name, data)
         return data, False
+
+    def _fetch_lock(self, name: str) -> contextlib.AbstractContextManager[int]:
+        """The node-wide lock a miss of ``name`` takes before it fetches (by a hash of the name)."""
+        bucket = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % _LOCK_BUCKETS
+        return _flocked(os.path.join(self.root, _LOCKS, str(bucket)), fcntl.LOCK_EX)
+
+    def ensure(self, name: str, fetch: Callable[[], bytes | None], intact: Callable[[memoryview], bool]) -> Any:
+        """The path of entry ``name``, fetched and kept first if needed (one fetch per node, as in
+        :meth:`fetch`); or, when the object could not be kept, what ``fetch()`` returned."""
+        path = self.path(name)
+        if os.path.exists(path):
+            return path
+        with self._fetch_lock(name):
+            if os.path.exists(path):
+                return path
+            data = fetch()
+            if data is not None and len(data) and intact(memoryview(data)) and self._insert(name, data):
+                return path
+        return data
 
     def discard(self, name: str) -> None:
         """Remove entry ``name`` (it failed a check). A process that maps it keeps its copy."""

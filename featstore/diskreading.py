@@ -11,11 +11,12 @@ raises :class:`CorruptChunk`.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .cache import MappedFiles
-from .diskcache import DiskCache, DiskCacheOptions
+from .diskcache import DiskCache, DiskCacheOptions, entry_body
 from .errors import CorruptChunk
 from .format import ChunkRef, ShardFormat, shard_intact
 from .manifest import canonical_json
@@ -59,6 +60,28 @@ class DiskObjects:
                 self.cache.discard(name)
             data, _ = self._fetch(name, key, ref, intact, keep)
         return use(data)
+
+    def entry(self, key: str, ref: ChunkRef, fmt: ShardFormat) -> Any:
+        """The cache file of the shard object at ``key`` (fetched and kept first if needed), to
+        be mapped by the caller; or the fetched bytes when they could not be kept (None: the
+        object does not exist)."""
+        return self.cache.ensure(entry_name(key), lambda: self.storage.read_bytes(key),
+                                 lambda view: shard_intact(view, fmt))
+
+    def holds(self, key: str) -> bool:
+        """Whether the shard object at ``key`` is on the node's disk now."""
+        return os.path.exists(self.cache.path(entry_name(key)))
+
+    def body(self, view: memoryview, key: str) -> memoryview | None:
+        """A mapped entry's object; None, with the entry removed, when it is torn."""
+        body = entry_body(view)
+        if body is None:
+            self.discard(key)
+        return body
+
+    def discard(self, key: str) -> None:
+        """Remove the entry of the object at ``key`` (it failed a check): fetched again next."""
+        self.cache.discard(entry_name(key))
 
     def _fetch(self, name: str, key: str, ref: ChunkRef, intact: Callable[[memoryview], bool],
                keep: bool) -> tuple[Any, bool]:
