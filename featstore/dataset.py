@@ -770,7 +770,10 @@ class _WindowReader:
         # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
         # pool thread that would wait for a core behind Model B's busy torch threads.
         local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
-        self.disk_raw = {f for f in self.placed if ds._disk is not None and not ds._shard_format(f).compressed}
+        # (the disk tier's entries only under "keep", which never evicts them while this reads:
+        # under "lru" an entry could go between its fetch and its mapping, and be fetched twice)
+        self.disk_raw = {f for f in self.placed if ds._disk is not None and ds._disk[0].policy == "keep"
+                         and not ds._shard_format(f).compressed}
         # one index_select per batch: local uncompressed objects, or the disk tier's, or the shared cache's shards
         self.arena = (set(self.placed) if ds._memory else local_raw | self.disk_raw) if arena_supported() else set()
         self.mapped = set() if ds._memory else local_raw - self.arena
@@ -790,8 +793,8 @@ class _WindowReader:
                 wi, drop, arrays, futs, window = self.queue.popleft()
                 for f in futs:
                     f.result()
-                for f in self.placed:
-                    arrays[f] = (arrays[f].result() if f in self.arena
+                for f in self.placed:  # an arena's rows (a future), or each piece's source (a list)
+                    arrays[f] = (arrays[f].result() if isinstance(arrays[f], Future)
                                  else InPlace([x.result() for x in arrays[f]], window, self.chunk_rows))
                 for f in self.ragged:
                     arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
@@ -831,10 +834,11 @@ class _WindowReader:
                          for f in self.dense]
                 off += p.size
             for f in self.placed:  # each piece's source; an InPlace once all are done
-                if f in self.arena:  # bookkeeping only, in this thread: the window's slots, held
-                    # (on the pool when a disk tier entry is still to be fetched)
-                    cold = f in self.disk_raw and not self.ds._entries_held(window, f)
-                    arrays[f] = (self.pool.submit if cold else _now)(self.ds._arena_rows, window, f)
+                # a window whose disk tier entries are not all held yet fetches them piece by
+                # piece on the pool, shard by shard (the arena's pins would fetch one at a time)
+                warm = f not in self.disk_raw or self.ds._entries_held(window, f)
+                if f in self.arena and warm:  # bookkeeping only, in this thread: the window's slots, held
+                    arrays[f] = _now(self.ds._arena_rows, window, f)
                     futs.append(arrays[f])
                     continue
                 run = _now if f in self.mapped else self.pool.submit

@@ -260,11 +260,19 @@ def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
     cache.close()
 
 
+def used_in_order(tmp_path: Path, names: list[str]) -> None:
+    """Set the entries' last uses (access times) in this order: timestamps are coarse."""
+    for i, name in enumerate(names):
+        [path] = [p for p in entry_files(tmp_path) if p.name == name]
+        os.utime(path, ns=(10**18 + i, path.stat().st_mtime_ns))
+
+
 def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_path):
     opts = DiskCacheOptions(str(tmp_path), 1000)
     gone = DiskCache.open(opts, "version nobody reads any more", {})
     for i in range(3):
         assert gone._insert(f"g{i}", b"g" * 176)  # 200 bytes with the trailer
+    used_in_order(tmp_path, ["g0", "g1", "g2"])
     gone.close()  # as when its last reader exits
     live = DiskCache.open(opts, "version another process reads", {})
     mine = DiskCache.open(opts, "version this reader reads", {})
@@ -279,9 +287,7 @@ def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_
     assert {p.name for p in entry_files(tmp_path)} == {"l0", "m0", "m1", "m2", "m3"}
     lru = DiskCache.open(replace(opts, policy="lru"), "version this reader reads", {})
     lru._full = (0.0, 0)
-    for i, name in enumerate(["l0", "m0", "m1", "m2", "m3"]):  # uses in this order (timestamps are coarse)
-        [path] = [p for p in entry_files(tmp_path) if p.name == name]
-        os.utime(path, ns=(10**18 + i, path.stat().st_mtime_ns))
+    used_in_order(tmp_path, ["l0", "m0", "m1", "m2", "m3"])
     assert lru._insert("m4", b"m" * 176)  # "lru": the least recently used entry of any version
     assert "l0" not in {p.name for p in entry_files(tmp_path)}
     for c in (live, mine):
