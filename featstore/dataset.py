@@ -474,7 +474,7 @@ class FeatureDataset(IterableDataset):
                 return arr
         return self._cached(fmt, n, ref, piece.shard)
 
-    def _arena_rows(self, window: tuple[Piece, ...], field: str) -> ArenaRows | InPlace:
+    def _arena_rows(self, window: tuple[Piece, ...], field: str, held: list[str] | None = None) -> ArenaRows | InPlace:
         """A window's pieces of an array held in this process's arena (one ``index_select`` per
         batch, :mod:`featstore.arena`): the stored objects of an uncompressed array (a local
         store's files, or the disk tier's entries), else the decoded shards of the shared cache.
@@ -487,8 +487,10 @@ class FeatureDataset(IterableDataset):
         per_chunk = fmt.stored_stride if stored else fmt.chunk_rows * fmt.row_bytes
         tail = shard_index_bytes(fmt) + (ENTRY_TRAILER if disk is not None else 0)
         arena = process_arena(fmt.chunks_per_shard * per_chunk + tail * stored, MAPPED_BYTES)
-        # the disk tier's entry of each piece, or the bytes fetched for one that could not be kept
-        entries = [disk.entry(*self._entry_args(p, field, fmt)) for p in window] if stored and disk else None
+        # the disk tier's entry of each piece (``held``: known to be there), or the bytes fetched
+        # for one that could not be kept
+        entries: list[Any] | None = held or (
+            [disk.entry(*self._entry_args(p, field, fmt)) for p in window] if stored and disk else None)
         if arena is not None and (entries is None or all(isinstance(e, str) for e in entries)):
             slots: list[Slot] = []
             try:
@@ -510,10 +512,13 @@ class FeatureDataset(IterableDataset):
         return InPlace([self._source(p, field, data) for p, data in zip(window, fetched, strict=True)],
                        window, fmt.chunk_rows)
 
-    def _entries_held(self, window: tuple[Piece, ...], field: str) -> bool:
-        """Whether the disk tier holds every piece's shard object of ``field`` now."""
+    def _entries_held(self, window: tuple[Piece, ...], field: str) -> list[str] | None:
+        """The disk tier's file of every piece's shard object of ``field``, or None when it does
+        not hold them all now."""
         disk = self._disk_objects()
-        return disk is not None and all(disk.holds(self._viewing.reading.object_key(field, p.shard)) for p in window)
+        assert disk is not None
+        paths = [disk.holds(self._viewing.reading.object_key(field, p.shard)) for p in window]
+        return paths if all(paths) else None  # type: ignore[return-value]
 
     def _entry_args(self, piece: Piece, field: str, fmt: ShardFormat) -> tuple[str, ChunkRef, ShardFormat]:
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
@@ -836,9 +841,9 @@ class _WindowReader:
             for f in self.placed:  # each piece's source; an InPlace once all are done
                 # a window whose disk tier entries are not all held yet fetches them piece by
                 # piece on the pool, shard by shard (the arena's pins would fetch one at a time)
-                warm = f not in self.disk_raw or self.ds._entries_held(window, f)
-                if f in self.arena and warm:  # bookkeeping only, in this thread: the window's slots, held
-                    arrays[f] = _now(self.ds._arena_rows, window, f)
+                held = self.ds._entries_held(window, f) if f in self.disk_raw else None
+                if f in self.arena and (held or f not in self.disk_raw):  # bookkeeping only, in this thread
+                    arrays[f] = _now(self.ds._arena_rows, window, f, held)
                     futs.append(arrays[f])
                     continue
                 run = _now if f in self.mapped else self.pool.submit

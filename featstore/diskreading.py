@@ -68,9 +68,10 @@ class DiskObjects:
         return self.cache.ensure(entry_name(key), lambda: self.storage.read_bytes(key),
                                  lambda view: shard_intact(view, fmt))
 
-    def holds(self, key: str) -> bool:
-        """Whether the shard object at ``key`` is on the node's disk now."""
-        return os.path.exists(self.cache.path(entry_name(key)))
+    def holds(self, key: str) -> str | None:
+        """The cache file of the shard object at ``key`` if it is on the node's disk now."""
+        path = self.cache.path(entry_name(key))
+        return path if os.path.exists(path) else None
 
     def body(self, view: memoryview, key: str) -> memoryview | None:
         """A mapped entry's object; None, with the entry removed, when it is torn."""
