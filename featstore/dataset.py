@@ -512,6 +512,16 @@ class FeatureDataset(IterableDataset):
         return InPlace([self._source(p, field, data) for p, data in zip(window, fetched, strict=True)],
                        window, fmt.chunk_rows)
 
+    def _disk_holds(self, todo: list[tuple[int, int, tuple[Piece, ...]]]) -> bool:
+        """Whether the disk tier holds every shard object these windows read (then an epoch reads
+        no storage, as from a local store)."""
+        disk = self._disk_objects()
+        if disk is None or any(self._shard_format(f) is None or self.version.manifest.arrays[f].ragged
+                               for f in self.fields):
+            return False
+        shards = sorted({p.shard for _, _, window in todo for p in window})
+        return all(disk.holds(self._viewing.reading.object_key(f, s)) for f in self.fields for s in shards)
+
     def _entries_held(self, window: tuple[Piece, ...], field: str) -> list[str] | None:
         """The disk tier's file of every piece's shard object of ``field``, or None when it does
         not hold them all now."""
@@ -686,9 +696,10 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
-        if self._proc.storage.is_local and _spare_cores() < 1:
-            # Nothing to hide on a local store but decode CPU, and no core to overlap it on:
-            # pool threads would only take turns with Model B's torch threads (measured slower).
+        if _spare_cores() < 1 and (self._proc.storage.is_local or self._disk_holds(todo)):
+            # Nothing to hide on a local store (or a disk tier holding all this epoch reads) but
+            # decode CPU, and no core to overlap it on: pool threads would only take turns with
+            # Model B's torch threads (measured slower).
             yield from _WindowReader(self, _InThread(), todo)
             return
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
