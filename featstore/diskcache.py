@@ -12,6 +12,7 @@ Everything lives under ``<cache_dir>/featstore-disk/``:
   length, crc32c of the bytes). Written under a temporary name that its writer holds an
   exclusive ``flock`` on, and renamed once whole: a reader never sees a torn entry by name, and
   a killed writer's file is recognised (its lock is gone) and removed by the next listing.
+- Recency: an entry's access time is set at its creation and, under ``"lru"``, at every use.
 - ``usage``: the bytes the folder holds, an upper bound, read and written under an exclusive
   ``flock`` on the file itself (the eviction lock). It is raised before a file is created and
   lowered after one is removed, so a kill in between can only over-count; whenever an insert
@@ -291,23 +292,25 @@ class DiskCache:
         """Entry ``name``'s object (mapped, checked), or None: absent, or damaged (then removed)."""
         path = self.path(name)
         try:
-            st = os.stat(path)
-            view = maps.get(path, keep)
+            view = maps.get(path, keep)  # a file replaced or changed since is mapped afresh
+            checked = maps.checked(path, view)
+            if ENTRY_CHECKED not in checked:
+                # The whole crc32c once per file in this process (a file changed since has
+                # another signature), the length and the trailer once per mapping: a version
+                # bigger than the process's kept mappings is mapped afresh each epoch without
+                # hashing it again.
+                st = os.stat(path)
+                sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+                if not (_trailer_ok(view) and (sig in self._verified or _intact(view))):
+                    self.discard(name)
+                    return None
+                checked.add(ENTRY_CHECKED)
+                self._verified.add(sig)
+            if self.policy == "lru":  # a use (atime only: the mapping's mtime stays); "keep" needs none
+                st = os.stat(path)
+                os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
         except FileNotFoundError:
             return None
-        checked = maps.checked(path, view)
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if ENTRY_CHECKED not in checked:
-            # The whole crc32c once per file in this process (a file changed since has another
-            # signature), the length and the trailer on every read: a version bigger than the
-            # process's kept mappings is mapped afresh each epoch without hashing it again.
-            if not (_trailer_ok(view) and (sig in self._verified or _intact(view))):
-                self.discard(name)
-                return None
-            checked.add(ENTRY_CHECKED)
-            self._verified.add(sig)
-        with contextlib.suppress(FileNotFoundError):  # a use: atime only, the mapping's mtime stays
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
         return view[:len(view) - _TRAILER.size]
 
     def fetch(self, name: str, fetch: Callable[[], bytes | None], intact: Callable[[memoryview], bool],
