@@ -24,21 +24,21 @@ Everything lives under ``<cache_dir>/featstore-disk/``:
 
 **Policy** (``"keep"``, the default): an object is admitted while the folder stays within the
 inserting reader's budget. To make room, only entries of scopes that no live process reads are
-evicted (least recently used first); a scope in use keeps what it has. An epoch scan over a
+evicted (oldest first); a scope in use keeps what it has. An epoch scan over a
 version larger than the budget thus keeps one fixed set of objects on disk and fetches only the
 rest, every epoch: ``version - budget`` bytes per epoch, the least any policy can fetch when each
 epoch reads a fresh random order. LRU evicts every entry before its next use in a scan (Mosaic
-#658) and fetched ~0.8 of the version per epoch with a budget of half of it (docs/benchmarks.md,
-``policy="lru"``, kept for that comparison). ``"lru"`` evicts the least recently used entries
+#658) and fetched 0.82 of the version per epoch with a budget of half of it, "keep" 0.501
+(docs/benchmarks.md; ``policy="lru"`` is kept for that comparison). ``"lru"`` evicts the least recently used entries
 of any scope.
 
 **Reads** map the entry (an entry evicted meanwhile is a miss, never an error: LitData #140). A
 file a reader has mapped stays readable after it is unlinked (Linux keeps an unlinked file while
-it is open or mapped), so no eviction can pull data from under a reader. Every read checks the
-entry's length and trailer; its crc32c is checked once per file in each process (a file changed
-since has another inode, size or mtime, and is checked again); the reader's decoder checks the
-crc32c of every chunk it serves. A failed check removes the entry and the object is fetched
-again: damaged or torn cache files are never served.
+it is open or mapped), so no eviction can pull data from under a reader. Every read checks that
+the file is the one already checked (its inode, size and mtime: one ``stat``); a file new to the
+process, or changed since, has its trailer and length checked, and its crc32c once per file in
+each process; the reader's decoder checks the crc32c of every chunk it serves. A failed check
+removes the entry and the object is fetched again: damaged or torn cache files are never served.
 """
 
 from __future__ import annotations
