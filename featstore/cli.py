@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("cache", help=_first_line(cmd_cache), description=_describe(cmd_cache.__doc__),
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    k.add_argument("action", choices=["list", "clear"])
+    k.add_argument("action", choices=["list", "clear"], help="list the cached versions, or clear entries")
     k.add_argument("--dir", default=None, metavar="DIR",
                    help="the cache folder given as cache_dir= (default $FEATSTORE_CACHE_DIR or ~/.cache/featstore)")
     k.add_argument("--unused", action="store_true", help="clear: only versions no live process reads")
