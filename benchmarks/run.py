@@ -3,6 +3,7 @@
     python -m benchmarks --profile quick      # N=10,000, 3 repeats: a few minutes on 2 cores
     python -m benchmarks --profile full       # N=100,000
     python -m benchmarks --only reader        # only the reader rows (issue 12), N=40,000
+    python -m benchmarks --only diskcache     # only the disk cache rows (issue 20), N=20,000
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from featstore import allocator
 
-from . import memory, reader, rows
+from . import diskcache, memory, reader, rows
 from .measure import memcopy_gbps
 from .peers import run_peers
 
@@ -44,6 +45,7 @@ class Profile:
     peers: bool = True
     s3: bool = True
     reader_n: int = 40_000         # the reader rows' light workload (issue 12)
+    disk_n: int = 20_000           # the disk cache rows' light workload on S3 (issue 20)
 
 
 PROFILES = {
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) rows")
     p.add_argument("--out", default="docs", help="folder for benchmarks.md/.png/.json (default docs)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed)")
-    p.add_argument("--only", choices=["all", "reader"], default="all",
-                   help="'reader': only the reader rows, written into their section of benchmarks.md")
+    p.add_argument("--only", choices=["all", "reader", "diskcache"], default="all",
+                   help="'reader' / 'diskcache': only those rows, written into their section of benchmarks.md")
     args = p.parse_args(argv)
     prof = PROFILES[args.profile]
     prof = replace(prof, n=args.n or prof.n, repeats=args.repeats or prof.repeats,
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.only == "reader":
         return _reader_only(prof, args, work, command.strip())
+    if args.only == "diskcache":
+        return _diskcache_only(prof, args, work, command.strip())
     try:
         res = run(prof, args.out, work)
     finally:
@@ -241,4 +245,26 @@ def _reader_only(prof: Profile, args: argparse.Namespace, work: str, command: st
         json.dump(res, f, indent=1, default=str)
     reader.write_section(os.path.join(args.out, "benchmarks.md"), reader.section(res, command, res["load"]))
     _say(f"wrote the reader rows into {args.out}/benchmarks.md in {res['elapsed_s']:.0f} s")
+    return 0
+
+
+def _diskcache_only(prof: Profile, args: argparse.Namespace, work: str, command: str) -> int:
+    """Run the disk cache rows alone (they need S3: moto) and update only their section."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    moto, endpoint = _moto()
+    t0 = time.perf_counter()
+    try:
+        res = diskcache.run_diskcache(args.n or prof.disk_n, prof.repeats, work, endpoint, _say)
+    finally:
+        moto.kill()
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    res.update(command=command, elapsed_s=time.perf_counter() - t0, machine=_machine(), load=reader.load_note())
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "benchmarks-diskcache.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    diskcache.write_section(os.path.join(args.out, "benchmarks.md"), diskcache.section(res, command, res["load"]))
+    _say(f"wrote the disk cache rows into {args.out}/benchmarks.md in {res['elapsed_s']:.0f} s")
     return 0

@@ -10,6 +10,7 @@ stream them into Model B's training loop.
 
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
+from .diskcache import clear_disk_cache, list_disk_cache
 from .errors import (ClusterUnavailable, ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset,
                      FeatstoreError, FeatstoreWarning, FingerprintWarning, IncompatibleFormat, InvalidInput,
                      InvalidName, MissingInputKey, NondeterministicAugment, NonFiniteOutput, OutputMismatch,
@@ -26,5 +27,5 @@ __all__ = [
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
     "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version",
-    "VersionNotFound", "open_store", "__version__",
+    "VersionNotFound", "clear_disk_cache", "list_disk_cache", "open_store", "__version__",
 ]

@@ -64,20 +64,50 @@ class CacheOptions:
         return os.path.join(self.root or default_root(), PREFIX + digest)
 
 
+#: Descriptors of files this process holds a short-lived ``flock`` on (an eviction lock, a
+#: writer's temporary file). A child forked meanwhile (a DataLoader worker) closes its copies at
+#: once: a ``flock`` belongs to the open file, which the fork shares, so the child's copy would
+#: otherwise keep the lock held for the child's whole life after the parent let go.
+_HELD: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def held_open(path: str, flags: int) -> int:
+    """``os.open(path, flags, 0o600)``, closed in any child forked before :func:`held_close`."""
+    fd = os.open(path, flags, 0o600)
+    _HELD.add(fd)
+    return fd
+
+
+def held_close(fd: int) -> None:
+    """Close a descriptor from :func:`held_open` (dropping its lock)."""
+    _HELD.discard(fd)
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def _flocked(path: str, how: int) -> Iterator[int]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = held_open(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, how)
         yield fd
     finally:
-        os.close(fd)
+        held_close(fd)
 
 
 def _unused(lock_path: str) -> bool:
     """Whether no live process holds ``lock_path`` (a non-blocking exclusive lock succeeds)."""
     try:
-        fd = os.open(lock_path, os.O_RDWR)
+        fd = held_open(lock_path, os.O_RDWR)
     except FileNotFoundError:
         return True
     try:
@@ -86,7 +116,7 @@ def _unused(lock_path: str) -> bool:
     except BlockingIOError:
         return False
     finally:
-        os.close(fd)
+        held_close(fd)
 
 
 def sweep_stale(root: str) -> list[str]:
@@ -108,13 +138,13 @@ def sweep_stale(root: str) -> list[str]:
 def _try_remove(folder: str) -> bool:
     """Remove ``folder`` if no process holds its users lock (checked under that lock)."""
     try:
-        fd = os.open(os.path.join(folder, _USERS), os.O_RDWR)
+        fd = held_open(os.path.join(folder, _USERS), os.O_RDWR)
     except FileNotFoundError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        held_close(fd)
         return False
     try:
         # Newcomers re-check the lock file's inode after their shared lock, so removing the
@@ -122,7 +152,7 @@ def _try_remove(folder: str) -> bool:
         shutil.rmtree(folder, ignore_errors=True)
         return True
     finally:
-        os.close(fd)
+        held_close(fd)
 
 
 class MappedFiles:
@@ -311,7 +341,7 @@ class SharedCache:
                 os.unlink(tmp)
             raise
         finally:
-            os.close(fd)  # drops the writer's lock on the temporary file
+            held_close(fd)  # drops the writer's lock on the temporary file
         ro = view.toreadonly()
         with self._lock:
             self._maps[key] = (_ino(path), ro)
@@ -330,12 +360,12 @@ class SharedCache:
                 used -= size
             if used + nbytes > budget:
                 return None
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = held_open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # ENOSPC here, not SIGBUS on a write later
             except OSError as exc:
-                os.close(fd)
+                held_close(fd)
                 os.unlink(tmp)
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     return None

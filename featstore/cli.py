@@ -16,11 +16,12 @@ import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, CorruptChunk, DeviceSetupError,
                FeatstoreWarning, IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
-               StoreUnavailable, VersionNotFound, open_store)
+               StoreUnavailable, VersionNotFound, clear_disk_cache, list_disk_cache, open_store)
 
 #: Set (to anything but 0) to print the traceback of every error, like ``--debug``.
 DEBUG_ENV = "FEATSTORE_DEBUG"
@@ -218,6 +219,21 @@ def cmd_gc(args: argparse.Namespace) -> Result:
             "\n".join([*deleted, f"{verb} {len(deleted)} objects"]))
 
 
+def cmd_cache(args: argparse.Namespace) -> Result:
+    """List or empty this node's disk cache of remote stores (cache='disk'). 'list' shows each
+    cached version, its bytes and whether a live process reads it; 'clear' removes entries
+    (--unused: only of versions no live process reads). Safe while readers run: they keep what
+    they have mapped and fetch the rest again. Not part of 'gc': gc tidies one store, the cache
+    belongs to a node and holds many stores."""
+    if args.action == "clear":
+        freed = clear_disk_cache(args.dir, unused_only=args.unused)
+        return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"
+    rows = [asdict(s) for s in list_disk_cache(args.dir)]
+    text = "\n".join(f"{r['version']}  {r['store']}  {r['entries']} objects  {r['bytes']} bytes"
+                     f"{'  in use' if r['in_use'] else ''}" for r in rows)
+    return Exit.OK, rows, text or "(the disk cache is empty)"
+
+
 def cmd_demo(args: argparse.Namespace) -> Result:
     """Compute a small CNN's outputs with Dask into a store, train an MLP from it, and compare
     with running the CNN every step; prints the dashboard page's URL while it computes."""
@@ -326,6 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--damaged", action="store_true", help="also delete versions whose manifest is damaged "
                        "(`featstore list` shows them; a newer featstore's are kept)")
     _add_simple(sub, "gc", cmd_gc, gc_args)
+
+    k = sub.add_parser("cache", help=_first_line(cmd_cache), description=_describe(cmd_cache.__doc__),
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("action", choices=["list", "clear"], help="list the cached versions, or clear entries")
+    k.add_argument("--dir", default=None, metavar="DIR",
+                   help="the cache folder given as cache_dir= (default $FEATSTORE_CACHE_DIR or ~/.cache/featstore)")
+    k.add_argument("--unused", action="store_true", help="clear: only versions no live process reads")
+    k.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    k.add_argument("--debug", action="store_true", help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
+    k.set_defaults(fn=cmd_cache)
 
     def demo_args(s: argparse.ArgumentParser) -> None:
         s.add_argument("-n", type=int, default=20000, metavar="N", help="samples (default 20000)")

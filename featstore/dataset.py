@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .arena import Arena, Slot, process_arena
 from .arena import supported as arena_supported
-from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
+from .cache import CacheOptions, MappedFiles, SharedCache, default_root
+from .diskcache import ENTRY_TRAILER, POLICIES, DiskCacheOptions
+from .diskreading import DiskObjects, scope_identity
 from .errors import CorruptChunk, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format, shard_index_bytes
 from .gather import ArenaRows, InPlace, window_rows
@@ -37,6 +39,12 @@ from .plan import (PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan
                    window_permutation)
 from .versions import Version, deleted_while_reading
 from .viewreading import ViewReading
+
+T = TypeVar("T")
+
+
+#: ``ReaderOptions.cache``: decoded shards in shared memory, remote objects on local disk, or both.
+CACHES = ("memory", "disk", "memory+disk")
 
 
 @dataclass(frozen=True)
@@ -61,9 +69,20 @@ class ReaderOptions:
             read no storage and decode nothing. Uncompressed arrays of a local store are not
             copied into it: they are read in place from the page cache (already one shared copy).
             Either way a batch of an array is one ``index_select`` over its window's shards
-            mapped back to back (:mod:`featstore.arena`).
-        cache_bytes: the cache's budget (its files never exceed it; least recently used shards
-            go first). None: half the free space of ``/dev/shm`` when the cache is opened.
+            mapped back to back (:mod:`featstore.arena`). ``"disk"`` keeps a remote store's shard
+            objects on the node's disk (:mod:`featstore.diskcache`): one download per object
+            per node, shared by every worker and rank. ``"memory+disk"``: both, the disk below
+            the memory (a memory miss decodes from the disk). A local store has no disk tier: its
+            files are read in place.
+        cache_bytes: the cache's budget: the memory tier's, or with ``cache="disk"`` the disk's
+            (its files never exceed it). None: half the free space of ``/dev/shm`` (memory), or
+            what the disk cache holds plus half the free space of its folder's filesystem (disk),
+            when the dataset is made.
+        cache_dir: the disk tier's folder (None: ``$FEATSTORE_CACHE_DIR``, else
+            ``~/.cache/featstore``); every process naming the same folder shares it.
+        disk_bytes: with ``cache="memory+disk"``, the disk tier's budget (None: as for ``"disk"``).
+        disk_policy: what the disk tier evicts: ``"keep"`` (never the entries of a version a live
+            process reads: an epoch scan keeps one fixed set on disk) or ``"lru"``.
         view: with a version computed with views, which view each epoch reads: ``"epoch"``
             (the default: a seeded permutation of the K views per cycle of K epochs, so K
             epochs read every view of every sample once), an int (always that view) or
@@ -85,6 +104,9 @@ class ReaderOptions:
     fields: tuple[str, ...] | None = None
     cache: str | None = None
     cache_bytes: int | None = None
+    cache_dir: str | None = None
+    disk_bytes: int | None = None
+    disk_policy: str = "keep"
     view: str | int | None = None
     ragged: str = "flat"
 
@@ -97,10 +119,36 @@ class ReaderOptions:
             raise InvalidInput(f"partition must be one of {PARTITIONS} or None, got {self.partition!r}.")
         if self.prefetch < 1:
             raise InvalidInput("prefetch must be at least 1.")
-        if self.cache is not None and self.cache not in CACHE_KINDS:
-            raise InvalidInput(f"cache must be one of {CACHE_KINDS} or None, got {self.cache!r}.")
-        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 1):
-            raise InvalidInput(f"cache_bytes must be a positive int, got {self.cache_bytes!r}.")
+        if self.cache is not None and self.cache not in CACHES:
+            raise InvalidInput(f"cache must be one of {CACHES} or None, got {self.cache!r}.")
+        for name in ("cache_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidInput(f"{name} must be a positive int, got {value!r}.")
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        disk = self.cache in ("disk", "memory+disk")
+        if not disk and (self.cache_dir is not None or self.disk_policy != "keep"):
+            raise InvalidInput("cache_dir and disk_policy configure the disk tier: pass cache='disk' or "
+                               "cache='memory+disk' with them.")
+        if self.disk_bytes is not None and self.cache != "memory+disk":
+            raise InvalidInput("disk_bytes is the disk tier's budget under cache='memory+disk'; with "
+                               "cache='disk', cache_bytes is the disk's budget.")
+        if self.disk_policy not in POLICIES:
+            raise InvalidInput(f"disk_policy must be one of {POLICIES}, got {self.disk_policy!r}.")
+
+    @property
+    def memory(self) -> bool:
+        """Whether decoded shards go through the shared-memory tier."""
+        return self.cache in ("memory", "memory+disk")
+
+    def disk_options(self) -> DiskCacheOptions | None:
+        """The disk tier's options (its budget not yet resolved), or None without one."""
+        if self.cache not in ("disk", "memory+disk"):
+            return None
+        budget = self.cache_bytes if self.cache == "disk" else self.disk_bytes
+        return DiskCacheOptions(self.cache_dir, budget, self.disk_policy)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -150,12 +198,17 @@ class FeatureDataset(IterableDataset):
         self._yielded = 0
         self._state: _ProcessState | None = None
         # Resolved here, once: workers opening the cache later must not see a smaller budget
-        # because the cache itself has taken shared memory meanwhile.
-        self._cache_bytes = self.options.cache_bytes or (_default_cache_bytes() if self.options.cache else 0)
-        if self.options.cache is not None:
+        # because the cache itself has taken shared memory (or disk) meanwhile.
+        self._memory = self.options.memory
+        self._cache_bytes = (self.options.cache_bytes or _default_cache_bytes()) if self._memory else 0
+        disk = self.options.disk_options() if not version.storage.is_local else None
+        self._disk = (disk.resolved(), scope_identity(version)) if disk is not None else None
+        if self._memory:
             # This process is a user of the shared cache from now on, so it is removed only
             # after this process and every DataLoader worker have left (see featstore.cache).
             self._shared_cache()
+        if self._disk is not None:
+            self._disk_objects()  # this process reads the version: its entries are in use
 
     def _rank_world(self) -> tuple[int, int]:
         rank, world = self._explicit
@@ -329,7 +382,7 @@ class FeatureDataset(IterableDataset):
         buffer."""
         fmt = self._shard_format(field)
         return (fmt is not None and not self.version.manifest.arrays[field].ragged
-                and (self.options.cache is not None or not fmt.compressed))
+                and (self._memory or not fmt.compressed))
 
     def _shared_cache(self) -> SharedCache:
         st = self._proc
@@ -341,15 +394,38 @@ class FeatureDataset(IterableDataset):
             st.cache.trim(self._cache_bytes)
         return st.cache
 
+    def _disk_objects(self) -> DiskObjects | None:
+        """This process's reads through the disk tier, or None (no disk tier, or a local store)."""
+        if self._disk is None:
+            return None
+        st = self._proc
+        if st.disk is None:
+            st.disk = DiskObjects(self.version, st.storage, *self._disk, st.maps)
+        return st.disk
+
     def clear_cache(self) -> None:
-        """Empty this version's shared cache (``cache="memory"``) for every process on the
-        machine: the next reads decode from storage again.
+        """Empty this version's caches for every process on the machine: the shared memory
+        (``cache="memory"``) and the disk tier's entries (``cache="disk"``); the next reads
+        decode from storage again (a process keeps what it has mapped).
 
         >>> ds = store.dataset("cnn-a/train", cache="memory", cache_bytes=8 * 2**30)
         >>> ds.clear_cache()
         """
-        if self.options.cache is not None:
+        if self._memory:
             self._shared_cache().clear()
+        disk = self._disk_objects()
+        if disk is not None:
+            disk.cache.clear()
+
+    def _with_object(self, ref: ChunkRef, shard: int, use: Callable[[Any], T], keep: bool = True) -> T:
+        """``use(bytes)`` of one shard object: through the disk tier when there is one (a damaged
+        cache entry is fetched again), else :meth:`_object`."""
+        disk = self._disk_objects()
+        if disk is None:
+            return use(self._object(ref, shard, keep))
+        fmt = self._shard_format(ref.array)
+        assert fmt is not None
+        return disk.use(self._object_key(ref, shard), ref, fmt, use, keep)
 
     def _object(self, ref: ChunkRef, shard: int, keep: bool = True) -> Any:
         """One shard object's bytes: mapped for a local store (no copy), else read whole.
@@ -373,7 +449,7 @@ class FeatureDataset(IterableDataset):
         # a base's folder for an inherited shard; this epoch's view's group with views
         return self._viewing.reading.object_key(ref.array, shard)
 
-    def _source(self, piece: Piece, field: str) -> np.ndarray:
+    def _source(self, piece: Piece, field: str, data: Any = None) -> np.ndarray:
         """The piece's whole shard as ``(chunks, chunk_rows, *row)``: mapped in place (local,
         uncompressed) or decoded once per machine into the shared cache.
 
@@ -386,8 +462,8 @@ class FeatureDataset(IterableDataset):
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         start, stop = self.version.manifest.layout.shard_range(piece.shard)
         n = -(-(stop - start) // fmt.chunk_rows)
-        if not fmt.compressed and self.options.cache is None and not self._proc.storage.is_local:
-            return self._fetched(piece, field, fmt, n, ref)
+        if not fmt.compressed and not self._memory and not self._proc.storage.is_local:
+            return self._fetched(piece, field, fmt, n, ref, data)
         if self._proc.storage.is_local and not fmt.compressed:
             data = self._object(ref, piece.shard)
             checked = self._proc.maps.checked(self._proc.storage.path(self._object_key(ref, piece.shard)), data)
@@ -398,22 +474,29 @@ class FeatureDataset(IterableDataset):
                 return arr
         return self._cached(fmt, n, ref, piece.shard)
 
-    def _arena_rows(self, window: tuple[Piece, ...], field: str) -> ArenaRows | InPlace:
+    def _arena_rows(self, window: tuple[Piece, ...], field: str, held: list[str] | None = None) -> ArenaRows | InPlace:
         """A window's pieces of an array held in this process's arena (one ``index_select`` per
-        batch, :mod:`featstore.arena`): the stored objects of a local uncompressed array, else
-        the decoded shards of the shared cache. Shard by shard (:meth:`_source`) when a shard
-        does not fit a slot, is not laid out back to back, or cannot be cached."""
+        batch, :mod:`featstore.arena`): the stored objects of an uncompressed array (a local
+        store's files, or the disk tier's entries), else the decoded shards of the shared cache.
+        Shard by shard (:meth:`_source`) when a shard does not fit a slot, is not laid out back
+        to back, or cannot be cached."""
         fmt = self._shard_format(field)
         assert fmt is not None
-        stored = self._proc.storage.is_local and not fmt.compressed
+        disk = None if self._memory else self._disk_objects()
+        stored = not fmt.compressed and (self._proc.storage.is_local or disk is not None)
         per_chunk = fmt.stored_stride if stored else fmt.chunk_rows * fmt.row_bytes
-        arena = process_arena(fmt.chunks_per_shard * per_chunk + shard_index_bytes(fmt) * stored, MAPPED_BYTES)
-        if arena is not None:
-            pin = self._pin if stored else self._pin_cached
+        tail = shard_index_bytes(fmt) + (ENTRY_TRAILER if disk is not None else 0)
+        arena = process_arena(fmt.chunks_per_shard * per_chunk + tail * stored, MAPPED_BYTES)
+        # the disk tier's entry of each piece (``held``: known to be there), or the bytes fetched
+        # for one that could not be kept
+        entries: list[Any] | None = held or (
+            [disk.entry(*self._entry_args(p, field, fmt)) for p in window] if stored and disk else None)
+        if arena is not None and (entries is None or all(isinstance(e, str) for e in entries)):
             slots: list[Slot] = []
             try:
-                for piece in window:
-                    slot = pin(arena, piece, field, fmt)
+                for i, piece in enumerate(window):
+                    slot = (self._pin_cached(arena, piece, field, fmt) if not stored
+                            else self._pin(arena, piece, field, fmt, None if entries is None else entries[i]))
                     if slot is None:
                         break
                     slots.append(slot)
@@ -425,7 +508,31 @@ class FeatureDataset(IterableDataset):
                 raise
             for slot in slots:  # a shard that cannot be held: this window is read shard by shard
                 arena.unpin(slot)
-        return InPlace([self._source(p, field) for p in window], window, fmt.chunk_rows)
+        fetched = [None if entries is None or isinstance(e, str) else e for e in entries or window]
+        return InPlace([self._source(p, field, data) for p, data in zip(window, fetched, strict=True)],
+                       window, fmt.chunk_rows)
+
+    def _disk_holds(self, todo: list[tuple[int, int, tuple[Piece, ...]]]) -> bool:
+        """Whether the disk tier holds every shard object these windows read (then an epoch reads
+        no storage, as from a local store)."""
+        disk = self._disk_objects()
+        if disk is None or any(self._shard_format(f) is None or self.version.manifest.arrays[f].ragged
+                               for f in self.fields):
+            return False
+        shards = sorted({p.shard for _, _, window in todo for p in window})
+        return all(disk.holds(self._viewing.reading.object_key(f, s)) for f in self.fields for s in shards)
+
+    def _entries_held(self, window: tuple[Piece, ...], field: str) -> list[str] | None:
+        """The disk tier's file of every piece's shard object of ``field``, or None when it does
+        not hold them all now."""
+        disk = self._disk_objects()
+        assert disk is not None
+        paths = [disk.holds(self._viewing.reading.object_key(field, p.shard)) for p in window]
+        return paths if all(paths) else None  # type: ignore[return-value]
+
+    def _entry_args(self, piece: Piece, field: str, fmt: ShardFormat) -> tuple[str, ChunkRef, ShardFormat]:
+        ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
+        return self._object_key(ref, piece.shard), ref, fmt
 
     def _pin_cached(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
         """The piece's decoded shard, from the shared cache (decoded and inserted on a miss),
@@ -449,47 +556,64 @@ class FeatureDataset(IterableDataset):
                 arena.drop_stale()  # what the insert evicted: free its memory in this process too
         return None
 
-    def _pin(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat) -> Slot | None:
-        """The piece's shard object held in ``arena``, its layout and the piece's chunks
-        checked (crc32c once per mapping, as in :meth:`_source`); None: read it shard by shard
-        (that path says why a missing object is missing)."""
+    def _pin(self, arena: Arena, piece: Piece, field: str, fmt: ShardFormat, entry: str | None = None) -> Slot | None:
+        """The piece's shard object (a local store's file, or ``entry``: its disk tier file) held
+        in ``arena``, its layout and the piece's chunks checked (crc32c once per mapping, as in
+        :meth:`_source`); None: read it shard by shard (that path says why a missing object is
+        missing, and fetches a damaged disk entry again)."""
         ref = ChunkRef(self.version.ref, field, self._viewing.reading.chunk_key(field, piece.shard))
         try:
-            slot = arena.pin(self._proc.storage.path(self._object_key(ref, piece.shard)))
+            slot = arena.pin(entry or self._proc.storage.path(self._object_key(ref, piece.shard)))
         except OSError:  # missing (that path says why), or no memory map left: read shard by shard
             return None
         if slot is None:
             return None
         try:
+            view = arena.view(slot)
+            if entry is not None:  # the trailer off (None: torn); a damaged entry is fetched again
+                view = self._disk_objects().body(view, self._object_key(ref, piece.shard))  # type: ignore[union-attr]
             todo = [c for c in range(piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows))
                     if c not in slot.checked]
-            if todo or not slot.checked:
+            if view is not None and (todo or not slot.checked):
                 start, stop = self.version.manifest.layout.shard_range(piece.shard)
-                if mapped_chunks(arena.view(slot), fmt, -(-(stop - start) // fmt.chunk_rows), todo, ref) is None:
-                    arena.unpin(slot)
-                    return None
-                slot.checked.update(todo)
+                if mapped_chunks(view, fmt, -(-(stop - start) // fmt.chunk_rows), todo, ref) is None:
+                    view = None  # not laid out back to back
+            if view is None:
+                arena.unpin(slot)
+                return None
+            slot.checked.update(todo)
+        except CorruptChunk:
+            arena.unpin(slot)
+            if entry is None:
+                raise
+            self._disk_objects().discard(self._object_key(ref, piece.shard))  # type: ignore[union-attr]
+            return None
         except BaseException:
             arena.unpin(slot)
             raise
         return slot
 
-    def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef) -> np.ndarray:
+    def _fetched(self, piece: Piece, field: str, fmt: ShardFormat, n: int, ref: ChunkRef,
+                 data: Any = None) -> np.ndarray:
         """An uncompressed shard of a remote store as ``(chunks, chunk_rows, *row)``: batches
         gather straight from the fetched object's bytes once the piece's chunks pass their
         crc32c (no copy into a window buffer). A piece needing only a few of the shard's chunks
         reads just those (:meth:`Version.read_shard_rows`) into an array of the shard's shape
         whose other rows are never touched."""
         c0, c1 = piece.lo // fmt.chunk_rows, -(-piece.hi // fmt.chunk_rows)
-        data = self._object(ref, piece.shard) if 2 * (c1 - c0) > fmt.chunks_per_shard else None
-        if data is not None and (arr := mapped_chunks(data, fmt, n, range(c0, c1), ref)) is not None:
-            return arr
         full = np.empty((n * fmt.chunk_rows, *fmt.row_shape), dtype=fmt.dtype)
-        if data is not None:  # fetched whole, chunks not back to back: decoded from those bytes
-            decode_shard_rows(data, fmt, piece.lo, piece.hi, full[piece.lo:piece.hi], ref)
-        else:
+        if data is None and self._disk is None and 2 * (c1 - c0) <= fmt.chunks_per_shard:  # a few chunks, by range
             self._read_field(piece, field, full[piece.lo:piece.hi])
-        return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
+            return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
+
+        def gather(data: Any) -> np.ndarray:
+            if (arr := mapped_chunks(data, fmt, n, range(c0, c1), ref)) is not None:
+                return arr
+            # fetched whole, chunks not back to back: decoded from those bytes
+            decode_shard_rows(data, fmt, piece.lo, piece.hi, full[piece.lo:piece.hi], ref)
+            return full.reshape(n, fmt.chunk_rows, *fmt.row_shape)
+
+        return gather(data) if data is not None else self._with_object(ref, piece.shard, gather)
 
     def _cache_key(self, ref: ChunkRef, shard: int) -> str:
         return f"{ref.array}.{shard}" + ("" if self._viewing.view is None else f".v{self._viewing.view}")
@@ -500,13 +624,14 @@ class FeatureDataset(IterableDataset):
         shape = (n, fmt.chunk_rows, *fmt.row_shape)
         dtype = np.dtype(fmt.dtype)
 
-        cache = self._shared_cache() if self.options.cache is not None else None
+        cache = self._shared_cache() if self._memory else None
 
         def decode(out: np.ndarray) -> None:  # raises on a bad crc32c: nothing is cached then
             # With the cache, the stored object is read to be decoded once per machine: its
             # mapping is dropped with the last reference, not kept resident in this process.
-            decode_shard_rows(self._object(ref, shard, keep=cache is None), fmt, 0, n * fmt.chunk_rows,
-                              out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref)
+            self._with_object(ref, shard, lambda data: decode_shard_rows(
+                data, fmt, 0, n * fmt.chunk_rows, out.reshape(n * fmt.chunk_rows, *fmt.row_shape), ref),
+                keep=cache is None)
 
         key = self._cache_key(ref, shard)
         view = cache.get(key) if cache is not None else None
@@ -534,11 +659,11 @@ class FeatureDataset(IterableDataset):
         if fmt is None and not tokens:
             out[...] = reading.read_rows(field, start + piece.lo, start + piece.hi)
             return
-        if not self._proc.storage.is_local:  # whole object, or by range for a few chunks
+        if not self._proc.storage.is_local and self._disk is None:  # whole object, or by range for a few chunks
             reading.read_shard_rows(self._proc.storage, field, fmt, piece.shard, piece.lo, piece.hi, out)
             return
         ref = ChunkRef(self.version.ref, field, reading.chunk_key(field, piece.shard))
-        decode_shard_rows(self._object(ref, piece.shard), fmt, piece.lo, piece.hi, out, ref)
+        self._with_object(ref, piece.shard, lambda data: decode_shard_rows(data, fmt, piece.lo, piece.hi, out, ref))
 
     def _read_tokens(self, piece: Piece, fields: tuple[str, ...]) -> dict[str, RaggedRows]:
         """A piece's token rows of each per-token array in ``fields``: the piece's samples'
@@ -571,9 +696,10 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
-        if self._proc.storage.is_local and _spare_cores() < 1:
-            # Nothing to hide on a local store but decode CPU, and no core to overlap it on:
-            # pool threads would only take turns with Model B's torch threads (measured slower).
+        if _spare_cores() < 1 and (self._proc.storage.is_local or self._disk_holds(todo)):
+            # Nothing to hide on a local store (or a disk tier holding all this epoch reads) but
+            # decode CPU, and no core to overlap it on: pool threads would only take turns with
+            # Model B's torch threads (measured slower).
             yield from _WindowReader(self, _InThread(), todo)
             return
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
@@ -660,9 +786,13 @@ class _WindowReader:
         # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
         # pool thread that would wait for a core behind Model B's busy torch threads.
         local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
-        # one index_select per batch: local uncompressed objects, or the shared cache's shards
-        self.arena = (local_raw if ds.options.cache is None else set(self.placed)) if arena_supported() else set()
-        self.mapped = local_raw - self.arena if ds.options.cache is None else set()
+        # (the disk tier's entries only under "keep", which never evicts them while this reads:
+        # under "lru" an entry could go between its fetch and its mapping, and be fetched twice)
+        self.disk_raw = {f for f in self.placed if ds._disk is not None and ds._disk[0].policy == "keep"
+                         and not ds._shard_format(f).compressed}
+        # one index_select per batch: local uncompressed objects, or the disk tier's, or the shared cache's shards
+        self.arena = (set(self.placed) if ds._memory else local_raw | self.disk_raw) if arena_supported() else set()
+        self.mapped = set() if ds._memory else local_raw - self.arena
         self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
         self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
         self.chunk_rows = ds.version.manifest.layout.chunk_rows
@@ -679,8 +809,8 @@ class _WindowReader:
                 wi, drop, arrays, futs, window = self.queue.popleft()
                 for f in futs:
                     f.result()
-                for f in self.placed:
-                    arrays[f] = (arrays[f].result() if f in self.arena
+                for f in self.placed:  # an arena's rows (a future), or each piece's source (a list)
+                    arrays[f] = (arrays[f].result() if isinstance(arrays[f], Future)
                                  else InPlace([x.result() for x in arrays[f]], window, self.chunk_rows))
                 for f in self.ragged:
                     arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
@@ -720,8 +850,11 @@ class _WindowReader:
                          for f in self.dense]
                 off += p.size
             for f in self.placed:  # each piece's source; an InPlace once all are done
-                if f in self.arena:  # bookkeeping only, in this thread: the window's slots, held
-                    arrays[f] = _now(self.ds._arena_rows, window, f)
+                # a window whose disk tier entries are not all held yet fetches them piece by
+                # piece on the pool, shard by shard (the arena's pins would fetch one at a time)
+                held = self.ds._entries_held(window, f) if f in self.disk_raw else None
+                if f in self.arena and (held or f not in self.disk_raw):  # bookkeeping only, in this thread
+                    arrays[f] = _now(self.ds._arena_rows, window, f, held)
                     futs.append(arrays[f])
                     continue
                 run = _now if f in self.mapped else self.pool.submit
@@ -797,6 +930,7 @@ class _ProcessState:
         self.formats: dict[str, ShardFormat | None] = {}
         self.maps = process_maps()
         self.cache: SharedCache | None = None
+        self.disk: DiskObjects | None = None
 
 
 def _default_cache_bytes() -> int:

@@ -668,6 +668,30 @@ def shard_index(tail: bytes | memoryview, fmt: ShardFormat, ref: ChunkRef = Chun
         fmt.chunks_per_shard, 2)
 
 
+def shard_intact(data: bytes | memoryview, fmt: ShardFormat) -> bool:
+    """Whether a whole shard object passes every check the decoder makes short of decoding:
+    its index's crc32c, and each stored chunk inside the object with its crc32c (what a disk
+    cache checks before it keeps an object). Chunks the index marks absent (the last shard's,
+    past the array's end) are the decoder's to judge: it refuses any that holds rows."""
+    import crc32c
+
+    view = memoryview(data)
+    try:
+        index = shard_index(view, fmt)
+    except CorruptChunk:
+        return False
+    end = len(view) - shard_index_bytes(fmt)
+    for off, size in index.tolist():
+        if off == int(_EMPTY):
+            continue
+        if size < 4 or off + size > end:
+            return False
+        chunk = view[off:off + size]
+        if crc32c.crc32c(chunk[:-4]) != int.from_bytes(chunk[-4:], "little"):
+            return False
+    return True
+
+
 def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
                       out: np.ndarray | None = None, ref: ChunkRef = ChunkRef(),
                       index: np.ndarray | None = None, base: int = 0) -> np.ndarray:

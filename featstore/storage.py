@@ -168,6 +168,17 @@ class Storage:
         """The storage options with credentials masked (safe to log or show)."""
         return redact(self._options)
 
+    @property
+    def identity(self) -> str:
+        """What tells this store from every other for a node-local cache: the URL and, for S3,
+        the endpoint (two servers can hold the same bucket name). Never a credential."""
+        if not self._is_s3:
+            return self.url
+        opts = self._options
+        endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                    or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "")
+        return f"{self.url} {endpoint}"
+
     def reopen(self) -> "Storage":
         """A new Storage on the same URL and options, with its own filesystem object (use one
         per process: fsspec filesystems are neither fork- nor event-loop-safe)."""
