@@ -10,7 +10,8 @@ stream them into Model B's training loop.
 
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
-from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset, FeatstoreError,
+from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, DistributedSetupError,
+                     EmptyDataset, FeatstoreError,
                      IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
                      NonFiniteOutput, OutputMismatch, SourceMismatch, StoreConflict, StoreFull, StorePermissionDenied,
                      StoreUnavailable, VersionNotFound)
@@ -19,8 +20,8 @@ from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "EmptyDataset",
-    "FeatureDataset",
+    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError",
+    "EmptyDataset", "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
     "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version",

@@ -90,6 +90,12 @@ class DeviceSetupError(FeatstoreError, RuntimeError):
     one it does not have (see :mod:`featstore.devices` for the rules and the fixes)."""
 
 
+class DistributedSetupError(FeatstoreError, RuntimeError):
+    """The reader cannot tell which DDP rank it reads for: ``WORLD_SIZE`` says several ranks but
+    neither ``torch.distributed`` nor ``RANK`` says which, or the rank or world size changed under
+    persistent DataLoader workers. It never guesses (that would read another rank's samples)."""
+
+
 # -- the data or the run is broken ----------------------------------------------------------
 class CorruptChunk(FeatstoreError, IOError):
     """A stored chunk is missing, truncated or fails its checksum.
