@@ -179,6 +179,7 @@ class FeatureDataset(IterableDataset):
         self.fields = tuple(fields)
         self._explicit = (rank, world_size)
         self._progress = SharedProgress()
+        self._started: tuple[int, int] | None = None  # a DataLoader worker's: see SharedProgress.stamp
         self._placement()  # an explicit rank out of range fails here
         self._local_state: _Local | None = None
         self._state: _ProcessState | None = None
@@ -202,10 +203,11 @@ class FeatureDataset(IterableDataset):
         return placement
 
     def _before_fork(self) -> None:
-        """Called just before this process forks: the forked workers share this block and plan
-        with this placement."""
+        """Called just before this process forks: the forked workers share this block, plan
+        with this placement and know which epoch they were started for."""
         self._progress.own()
         self._progress.publish(resolve(*self._explicit))
+        self._started = self._progress.stamp()
 
     @property
     def rank(self) -> int:
@@ -342,17 +344,17 @@ class FeatureDataset(IterableDataset):
                     "init_process_group, or use persistent_workers=False.")
             local.planned = placement
         self._progress.saw_workers(workers)
-        saved = local.worker_resume and check_worker_state(local.worker_resume, worker, workers, placement.rank)
+        saved = local.worker_resume and check_worker_state(local.worker_resume, worker, workers)
         local.worker_resume = None
         key = None if info is None else iteration_key(info.seed - info.id, local.count)
         start = self._progress.begin(0 if info is None else 1 + worker, key, local.count == 0,
-                                     None if not saved else saved.epoch)
+                                     None if not saved else saved.epoch, self._started if info else None,
+                                     lambda s: check_workers(s.resume_workers, workers) if s.resume_seen else None)
         local.count += 1
         role, skip = worker, 0
         if saved:
             role, skip = saved.role, saved.batches
         elif start.resume_seen is not None:
-            check_workers(start.resume_workers, workers)
             counts = [self._plan(start.epoch, placement, r, workers).n_batches(
                 self.options.batch_size, self.options.drop_last) for r in range(max(1, workers))]
             role, skip = rotated(worker, workers, start.resume_seen, counts)

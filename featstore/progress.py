@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,35 +144,56 @@ class SharedProgress:
         word = self._get(HEADER + (n - 1) % RING) if n else 0
         return _unpack(word) if word else None
 
-    def begin(self, slot: int, key: int | None = None, fresh: bool = True, epoch: int | None = None) -> Start:
+    def stamp(self) -> tuple[int, int]:
+        """(generation, the epoch a new iteration would read now): what a DataLoader worker's
+        copy records when the training process starts it (see :meth:`begin`)."""
+        gen = self._get(GEN)
+        return gen, self._next(gen)[0]
+
+    def _next(self, gen: int) -> tuple[int, bool]:
+        """The epoch of a new iteration in generation ``gen``, and whether it is the first."""
+        latest = self._latest()
+        if latest is None or latest[2] != gen & 0xFF:
+            return self._get(BASE), True
+        return min(latest[3] + 1, MAX_EPOCH), False
+
+    def begin(self, slot: int, key: int | None = None, fresh: bool = True, epoch: int | None = None,
+              started: tuple[int, int] | None = None, check: Callable[[Start], None] | None = None) -> Start:
         """Start an iteration in ``slot`` (0: this process; 1 + worker id) and say its epoch.
 
         ``key``: the DataLoader iteration's key (None: a process's own iteration, always new);
         ``fresh``: the worker process starts its first iteration; ``epoch``: fixed by the
-        worker's own resume state (torchdata), recorded for the iterations after it.
+        worker's own resume state (torchdata), recorded for the iterations after it;
+        ``started``: the worker's :meth:`stamp` from when it was started. A fresh worker belongs
+        to the DataLoader iterator that started it: a ``set_epoch`` while it was still starting
+        up is for the next iterator, and a worker of an abandoned iterator that starts late must
+        not take the next iteration's epoch or resume point. ``check(start)`` may refuse the
+        iteration before anything is recorded.
         """
         if slot > MAX_WORKERS:
             raise InvalidInput(f"featstore supports at most {MAX_WORKERS} DataLoader workers.")
-        gen = self._get(GEN)
-        found = None if key is None else self._find(key, gen)
-        if found is not None and epoch is None:
+        now = self._get(GEN)
+        gen = started[0] if fresh and started is not None else now
+        found = None if key is None or epoch is not None else self._find(key, gen)
+        if epoch is not None:
+            e, first = epoch, False
+        elif found is not None:
             self._check_slot(slot, key, gen, fresh)
             e, first = found
-        elif epoch is not None:
-            e, first = epoch, False
+        elif gen != now:  # started before the latest set_epoch: the epoch it was started for
+            e, first = started[1], False  # type: ignore[index]
         else:
-            latest = self._latest()
-            if latest is None or latest[2] != gen & 0xFF:
-                e, first = self._get(BASE), True
-            else:
-                e, first = min(latest[3] + 1, MAX_EPOCH), False
+            e, first = self._next(gen)
+        start = Start(e)
+        if first and self._get(RESUME_GEN) == gen:
+            workers = self._get(RESUME_WORKERS)
+            start = Start(e, self._get(RESUME_SEEN), workers - 1 if workers else None)
+        if check is not None:
+            check(start)
         if found is None:
             self._record(_pack(key or _own_key(), first, gen, e))
         self._mark_slot(slot, _pack(key or 0, first, gen, e))
-        if first and self._get(RESUME_GEN) == gen:
-            workers = self._get(RESUME_WORKERS)
-            return Start(e, self._get(RESUME_SEEN), workers - 1 if workers else None)
-        return Start(e)
+        return start
 
     def _find(self, key: int, gen: int) -> tuple[int, bool] | None:
         for i in range(RING):

@@ -91,13 +91,18 @@ def check_workers(saved: int | None, workers: int) -> None:
             "over without load_state_dict().")
 
 
-def check_worker_state(state: dict[str, Any], worker: int, workers: int, rank: int) -> WorkerResume | None:
+def check_worker_state(state: dict[str, Any], worker: int, workers: int) -> WorkerResume | None:
     """The resume point in one worker's saved state (None: it had not started), or
-    :class:`InvalidInput` when this worker cannot continue it."""
+    :class:`InvalidInput` when this worker cannot continue it.
+
+    Another rank's state is accepted (its world size was checked): Lightning checkpoints rank 0's
+    loader state only and every rank resumes from it, which is right because DDP ranks step
+    together and each worker of each rank has produced the same number of batches of its own
+    (equal) share."""
     check_workers(state["num_workers"], workers)
-    if state["worker"] != worker or state["rank"] != rank:
-        raise InvalidInput(f"worker {worker} of rank {rank} was given the state of worker {state['worker']} of "
-                           f"rank {state['rank']}: resume each rank with its own loader state.")
+    if state["worker"] != worker:
+        raise InvalidInput(f"DataLoader worker {worker} was given the state of worker {state['worker']}: "
+                           "restore the loader's state with StatefulDataLoader.load_state_dict().")
     if state["epoch"] is None:
         return None
     return WorkerResume(int(state["epoch"]), int(state["role"]), int(state["batches"]))

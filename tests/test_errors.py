@@ -169,7 +169,8 @@ BUILTIN_BASES = {
     "NonFiniteOutput": ValueError, "VersionNotFound": KeyError, "StoreConflict": FileExistsError,
     "StoreUnavailable": ConnectionError, "StorePermissionDenied": PermissionError, "StoreFull": OSError,
     "IncompatibleFormat": ValueError, "CorruptChunk": OSError, "ComputeFailed": RuntimeError,
-    "DeviceSetupError": RuntimeError, "DatasetMismatch": ValueError, "NondeterministicAugment": ValueError,
+    "DeviceSetupError": RuntimeError, "DistributedSetupError": RuntimeError,
+    "DatasetMismatch": ValueError, "NondeterministicAugment": ValueError,
     "SourceMismatch": ValueError,
 }
 
