@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -26,14 +25,13 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .arena import Arena, Slot, process_arena
-from .arena import supported as arena_supported
 from .cache import CACHE_KINDS, CacheOptions, MappedFiles, SharedCache, default_root
 from .errors import CorruptChunk, DistributedSetupError, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format, shard_index_bytes
 from .gather import ArenaRows, InPlace, window_rows
 from .partcodecs import assemble, expand_fields
 from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
-                     RaggedWindow, concat_rows, offsets, pad_value, padded)
+                     concat_rows, offsets, pad_value, padded)
 from .plan import PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, window_permutation
 from .progress import SharedProgress, check_epoch, in_worker, iteration_key, on_fork
 from .ranks import Placement, resolve
@@ -41,6 +39,7 @@ from .resume import (check_same_run, check_worker_state, check_workers, is_worke
                      worker_state)
 from .versions import Version, deleted_while_reading
 from .viewreading import ViewReading
+from .windows import InThread, WindowReader, spare_cores
 
 
 @dataclass(frozen=True)
@@ -321,8 +320,16 @@ class FeatureDataset(IterableDataset):
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # Started here, not in the generator: torchdata asks a worker for its state right after
-        # iter(), before the first batch, and that state must be this iteration's.
-        return self._iterate(self._start())
+        # iter(), before the first batch, and that state must be this iteration's. In a worker,
+        # an error is raised by the first next() instead: DataLoader creates a persistent worker's
+        # next iterator outside its error handling, where the error would kill the worker silently.
+        if not in_worker():
+            return self._iterate(self._start())
+        try:
+            it = self._start()
+        except Exception as exc:  # noqa: BLE001 - re-raised by the first next(), in the DataLoader's handling
+            return _raising(exc)
+        return self._iterate(it)
 
     @property
     def _local(self) -> _Local:
@@ -642,13 +649,13 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
-        if self._proc.storage.is_local and _spare_cores() < 1:
+        if self._proc.storage.is_local and spare_cores() < 1:
             # Nothing to hide on a local store but decode CPU, and no core to overlap it on:
             # pool threads would only take turns with Model B's torch threads (measured slower).
-            yield from _WindowReader(self, _InThread(), todo)
+            yield from WindowReader(self, InThread(), todo)
             return
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
-            yield from _WindowReader(self, pool, todo)
+            yield from WindowReader(self, pool, todo)
 
     def _batches(self, plan: ConsumerPlan, cid: int, skip: int, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         """Cut windows into batches: each batch is one numpy gather of its rows from the window
@@ -711,133 +718,10 @@ class FeatureDataset(IterableDataset):
         return f"FeatureDataset({self.version.name}@{self.version.id}, {where}, {self.options})"
 
 
-class _WindowReader:
-    """Keeps shuffle windows in flight and yields each once all its reads are done.
-
-    Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
-    ``prefetch`` pool threads issue them. The next window's reads are always in flight while
-    the current one is consumed (a window is only usable once whole: it is permuted together),
-    so S3 latency hides behind Model B instead of adding up window by window. Every read decodes
-    straight into its rows of the window's buffers: no concatenation.
-    """
-
-    def __init__(self, ds: FeatureDataset, pool: ThreadPoolExecutor | _InThread,
-                 todo: list[tuple[int, int, tuple[Piece, ...]]]) -> None:
-        self.ds, self.pool, self.todo = ds, pool, iter(todo)
-        self.specs = ds.version.manifest.arrays
-        self.spp = ds.version.manifest.layout.samples_per_shard
-        self.queue: deque[tuple[int, int, dict[str, Any], list[Future], tuple[Piece, ...]]] = deque()
-        self.in_flight = 0  # pieces submitted and not yet consumed
-        self.placed = [f for f in ds.fields if ds._in_place(f)]
-        # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
-        # pool thread that would wait for a core behind Model B's busy torch threads.
-        local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
-        # one index_select per batch: local uncompressed objects, or the shared cache's shards
-        self.arena = (local_raw if ds.options.cache is None else set(self.placed)) if arena_supported() else set()
-        self.mapped = local_raw - self.arena if ds.options.cache is None else set()
-        self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
-        self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
-        self.chunk_rows = ds.version.manifest.layout.chunk_rows
-        # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
-        # later window: no fresh pages to fault in for every window (~15% of the read cost).
-        # Unshuffled batches are views into the window, which the caller may keep.
-        self.spare: list[dict[str, np.ndarray]] | None = [] if ds.options.shuffle else None
-
-    def __iter__(self) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-        arrays: dict[str, Any] = {}
-        try:
-            self._fill()
-            while self.queue:
-                wi, drop, arrays, futs, window = self.queue.popleft()
-                for f in futs:
-                    f.result()
-                for f in self.placed:
-                    arrays[f] = (arrays[f].result() if f in self.arena
-                                 else InPlace([x.result() for x in arrays[f]], window, self.chunk_rows))
-                for f in self.ragged:
-                    arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
-                self.in_flight -= len(window)
-                self._fill()
-                yield wi, drop, arrays
-                _release(arrays.values())  # the consumer has cut every batch of this window
-                if self.spare is not None:
-                    self.spare.append({k: v for k, v in arrays.items() if k in self.dense or k == "index"})
-        finally:
-            _release(arrays.values())
-            for _, _, queued, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
-                for f in futs:
-                    f.cancel()
-                _release(queued.values())
-
-    def _buffers(self, total: int) -> dict[str, np.ndarray]:
-        while self.spare:
-            got = self.spare.pop()
-            if len(got["index"]) == total:
-                return got
-        return {f: np.empty((total, *self.specs[f].shape), dtype=self.specs[f].dtype) for f in self.dense}
-
-    def _fill(self) -> None:
-        """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
-        while self.in_flight < self.ds.options.prefetch or len(self.queue) < 2:
-            nxt = next(self.todo, None)
-            if nxt is None:
-                return
-            wi, drop, window = nxt
-            arrays = self._buffers(sum(p.size for p in window))
-            arrays["index"] = np.concatenate(
-                [np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64) for p in window])
-            futs, off = [], 0
-            for p in window:
-                futs += [self.pool.submit(self.ds._read_field, p, f, arrays[f][off:off + p.size])
-                         for f in self.dense]
-                off += p.size
-            for f in self.placed:  # each piece's source; an InPlace once all are done
-                if f in self.arena:  # bookkeeping only, in this thread: the window's slots, held
-                    arrays[f] = _now(self.ds._arena_rows, window, f)
-                    futs.append(arrays[f])
-                    continue
-                run = _now if f in self.mapped else self.pool.submit
-                arrays[f] = [run(self.ds._source, p, f) for p in window]
-                futs += arrays[f]
-            if self.ragged:  # each piece's token rows of every per-token array; RaggedWindows once done
-                tokens = [self.pool.submit(self.ds._read_tokens, p, tuple(self.ragged)) for p in window]
-                arrays.update({f: tokens for f in self.ragged})
-                futs += tokens
-            self.queue.append((wi, drop, arrays, futs, window))
-            self.in_flight += len(window)
-
-
-class _InThread:
-    """An executor that runs each read in the calling thread (a finished future)."""
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        return _now(fn, *args)
-
-
-def _spare_cores() -> int:
-    """Cores this process may use beyond its torch intra-op threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores - torch.get_num_threads()
-
-
-def _release(values: Any) -> None:
-    """Give back the arena slots of a window's arrays (an :class:`ArenaRows`, or the finished
-    future of one)."""
-    for v in values:
-        if isinstance(v, Future) and v.done() and not v.cancelled() and v.exception() is None:
-            v = v.result()
-        if isinstance(v, ArenaRows):
-            v.release()
-
-
-def _now(fn: Any, *args: Any) -> Future:
-    """``fn(*args)`` run in the calling thread, as a finished future (its error kept in it)."""
-    fut: Future = Future()
-    try:
-        fut.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - re-raised where the result is taken, as from a pool
-        fut.set_exception(exc)
-    return fut
+def _raising(exc: BaseException) -> Iterator[Any]:
+    """An iterator whose first next() raises ``exc``."""
+    raise exc
+    yield  # a generator
 
 
 #: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again

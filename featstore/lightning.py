@@ -20,7 +20,7 @@ What it handles, so the training script does not:
 - **Mid-epoch checkpoints.** The loaders are torchdata ``StatefulDataLoader``\\ s, which Lightning
   checkpoints; featstore's per-worker state resumes each worker where it stopped (see
   :mod:`featstore.resume`). Lightning fetches one batch ahead of the training step, so the state
-  a checkpoint takes is the loader's as it was before that batch (:class:`_OneBehind`): the
+  a checkpoint takes is the loader's as it was before that batch (:class:`StatefulLoader`): the
   resumed run starts with the batch the interrupted one had fetched but not trained on.
 """
 
@@ -29,9 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .dataset import FeatureDataset, ReaderOptions
-from .errors import InvalidInput
-from .store import FeatureStore, Version, open_store
+from . import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
 try:
     from lightning.pytorch import LightningDataModule
@@ -79,12 +77,16 @@ class LoaderOptions:
         return out
 
 
-class _OneBehind(StatefulDataLoader):
-    """A StatefulDataLoader whose state is the one from before the batch it yielded last.
+class StatefulLoader(StatefulDataLoader):
+    """A torchdata ``StatefulDataLoader`` for Lightning: its state is the one from before the
+    batch it yielded last.
 
     Lightning's data fetcher always holds one batch it has fetched and not yet given to the
-    training step (to know which batch is the last); a checkpoint taken between two steps must
-    resume with that batch, not after it. At an epoch's end nothing is held back.
+    training step (to know which batch is the last), so a plain StatefulDataLoader checkpointed
+    between two steps resumes *after* that batch: measured, 50 of 400 samples (one batch per
+    rank) never trained after a mid-epoch ``fit(ckpt_path=...)``. Use this class in your own
+    ``train_dataloader()`` the same way (``StatefulLoader(dataset, batch_size=None, ...)``).
+    At an epoch's end nothing is held back.
     """
 
     def __iter__(self) -> Any:
@@ -98,9 +100,9 @@ class _OneBehind(StatefulDataLoader):
 
 
 class _Tracked:
-    """The iterator of a :class:`_OneBehind` loader: keeps the state from before each batch."""
+    """The iterator of a :class:`StatefulLoader` loader: keeps the state from before each batch."""
 
-    def __init__(self, loader: _OneBehind, it: Any) -> None:
+    def __init__(self, loader: StatefulLoader, it: Any) -> None:
         self.loader, self.it = loader, it
 
     def __iter__(self) -> "_Tracked":
@@ -187,13 +189,13 @@ class FeatureDataModule(LightningDataModule):
         ds = self._dataset("train")
         trainer = getattr(self, "trainer", None)
         ds.set_epoch(trainer.current_epoch if trainer is not None else 0)
-        return _OneBehind(ds, batch_size=None, **self.loader.kwargs())
+        return StatefulLoader(ds, batch_size=None, **self.loader.kwargs())
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         """The validation loader (an empty list without ``val``: Lightning then skips validation)."""
         if "val" not in self.refs:
             return []
-        return _OneBehind(self._dataset("val"), batch_size=None, **self.loader.kwargs())
+        return StatefulLoader(self._dataset("val"), batch_size=None, **self.loader.kwargs())
 
     def state_dict(self) -> dict[str, Any]:
         """The pinned versions, saved in Lightning checkpoints."""

@@ -1,15 +1,18 @@
-"""Real Lightning Trainers on 2 CPU ranks (gloo), run as a script by tests/test_clients.py.
+"""Real Lightning Trainers on 2 CPU ranks (gloo), run as a script by tests/test_lightning.py.
 
-``python -m tests.lightning_child grid STRATEGY STORE REF OUT``: one ``Trainer.fit`` over four
-plain DataLoaders at once (a CombinedLoader): the dataset built in the LightningModule's
-``__init__`` (before the process group exists) or in ``train_dataloader()``, with persistent
-workers or not; 2 epochs, no ``set_epoch`` anywhere. Each rank writes the indices each loader
-gave it per epoch.
+``python -m tests.lightning_child STRATEGY STORE REF OUT [STEPS]``:
 
-``python -m tests.lightning_child datamodule STORE REF OUT STEPS``: featstore.lightning's data
-module (StatefulDataLoader, 2 persistent workers), ``ddp_spawn``: a run stopped after STEPS
-steps (mid-epoch) and checkpointed, then ``fit(ckpt_path=...)`` to the end of epoch 1; each
-rank writes the indices its training steps saw in each run.
+- ``OUT/grid``: one ``Trainer.fit`` over four plain DataLoaders at once (a CombinedLoader): the
+  dataset built in the LightningModule's ``__init__`` (before the process group exists) or in
+  ``train_dataloader()``, with persistent workers or not; 2 epochs, no ``set_epoch`` anywhere.
+  Under ``ddp_spawn`` the early persistent loader's workers are spawned (that strategy's
+  default: the dataset is pickled to them) and the others forked (the fork path; spawned workers
+  each import torch, and 20 more would cost minutes on 2 cores).
+- with STEPS, ``OUT/first`` and ``OUT/second``: featstore.lightning's data module
+  (StatefulDataLoader, 2 persistent workers), a run checkpointed after STEPS steps (mid-epoch),
+  then ``fit(ckpt_path=...)`` from that checkpoint to the end of epoch 1.
+
+Each rank writes the indices its training steps saw, per epoch (and loader).
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ class Recorder(pl.LightningModule):
 class Grid(Recorder):
     """Four loaders, one per case of CASES, each over its own dataset."""
 
-    def __init__(self, out: str, store: str, ref: str) -> None:
+    def __init__(self, out: str, store: str, ref: str, spawned: bool) -> None:
         super().__init__(out)
-        self.store, self.ref = store, ref
+        self.store, self.ref, self.spawned = store, ref, spawned
         self.early = {k: self._dataset() for k, (early, _) in CASES.items() if early}
 
     def _dataset(self) -> featstore.FeatureDataset:
@@ -79,18 +82,10 @@ class Grid(Recorder):
         from lightning.pytorch.utilities import CombinedLoader
 
         loaders = {k: DataLoader(self.early[k] if early else self._dataset(), batch_size=None, num_workers=2,
-                                 persistent_workers=persistent) for k, (early, persistent) in CASES.items()}
+                                 persistent_workers=persistent, timeout=300,
+                                 multiprocessing_context="fork" if self.spawned and k != "early-persistent" else None)
+                   for k, (early, persistent) in CASES.items()}
         return CombinedLoader(loaders, mode="max_size")
-
-
-class SaveAtEnd(pl.Callback):
-    """Checkpoint inside the ranks when fit stops (the loop and loader states live there)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer, module) -> None:
-        trainer.save_checkpoint(self.path)
 
 
 def _trainer(strategy: str, **kw) -> pl.Trainer:
@@ -99,29 +94,33 @@ def _trainer(strategy: str, **kw) -> pl.Trainer:
 
 
 def grid(strategy: str, store: str, ref: str, out: str) -> None:
-    _trainer(strategy, max_epochs=2, enable_checkpointing=False).fit(Grid(out, store, ref))
+    _trainer(strategy, max_epochs=2, enable_checkpointing=False).fit(Grid(out, store, ref, strategy == "ddp_spawn"))
 
 
-def datamodule(store: str, ref: str, out: str, steps: int) -> None:
+def datamodule(strategy: str, store: str, ref: str, out: str, steps: int) -> None:
     from featstore.lightning import FeatureDataModule, LoaderOptions
 
     def dm():
         return FeatureDataModule(store, train=ref, val=ref, batch_size=25, seed=5,
                                  loader=LoaderOptions(num_workers=2, persistent_workers=True))
 
-    first = os.path.join(out, "first")
-    os.makedirs(first, exist_ok=True)
-    ckpt = os.path.join(out, "mid.ckpt")
-    _trainer("ddp_spawn", max_steps=steps, enable_checkpointing=False, limit_val_batches=0,
-             callbacks=[SaveAtEnd(ckpt)]).fit(Recorder(first), datamodule=dm())
-    second = os.path.join(out, "second")
-    os.makedirs(second, exist_ok=True)
-    _trainer("ddp_spawn", max_epochs=2, enable_checkpointing=False, limit_val_batches=2).fit(
-        Recorder(second), datamodule=dm(), ckpt_path=ckpt)
+    # A checkpoint after STEPS steps, taken while the epoch runs on (Lightning marks an epoch that
+    # max_steps stops as finished, so the run goes one step further and the test uses STEPS).
+    every = pl.callbacks.ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=steps, save_top_k=-1,
+                                         save_on_train_epoch_end=False)
+    _trainer(strategy, max_steps=steps + 1, limit_val_batches=0, callbacks=[every]).fit(
+        Recorder(os.path.join(out, "first")), datamodule=dm())
+    _trainer(strategy, max_epochs=2, enable_checkpointing=False, limit_val_batches=2).fit(
+        Recorder(os.path.join(out, "second")), datamodule=dm(), ckpt_path=os.path.join(out, "mid.ckpt"))
+
+
+def main(strategy: str, store: str, ref: str, out: str, steps: str | None = None) -> None:
+    for sub in ("grid", "first", "second"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
+    grid(strategy, store, ref, os.path.join(out, "grid"))
+    if steps is not None:
+        datamodule(strategy, store, ref, out, int(steps))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "grid":
-        grid(*sys.argv[2:6])
-    else:
-        datamodule(*sys.argv[2:5], int(sys.argv[5]))
+    main(*sys.argv[1:])

@@ -35,11 +35,30 @@ def version(tmp_path_factory, dask_client):
                          client=dask_client, options=ComputeOptions(progress=False, chunk_rows=16))
 
 
-def _run(args: list[str], timeout: float = 420) -> None:
+def _run(args: list[str], timeout: float = 600) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+STEPS = 3  # the data module's first run stops here, mid-epoch (of 8 steps per rank and epoch)
+
+
+@pytest.fixture(scope="module")
+def runs(version, tmp_path_factory):
+    """Each strategy's child run, once: ``ddp`` also runs the data module's two fits (in the
+    same processes, to pay Lightning's start-up once)."""
+    done: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp(strategy)
+            _run(["-m", "tests.lightning_child", strategy, version.storage.url, version.ref, str(out),
+                  *([str(STEPS)] if strategy == "ddp" else [])])
+            done[strategy] = out
+        return done[strategy]
+    return run
 
 
 def _ranks(out: Path) -> list[dict[str, list[int]]]:
@@ -55,11 +74,10 @@ def _check_split(ranks: list[dict[str, list[int]]], key: str, what: str) -> dict
     return got
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
-def test_lightning_ranks_and_epochs_wherever_the_dataset_is_built(version, strategy, tmp_path):
-    _run(["-m", "tests.lightning_child", "grid", strategy, version.storage.url, version.ref, str(tmp_path)])
-    ranks = _ranks(tmp_path)
+def test_lightning_ranks_and_epochs_wherever_the_dataset_is_built(runs, strategy):
+    ranks = _ranks(runs(strategy) / "grid")
     for case in CASES:
         for epoch in (0, 1):
             _check_split(ranks, f"{epoch}/{case}", f"{strategy} {case} epoch {epoch}")
@@ -67,18 +85,17 @@ def test_lightning_ranks_and_epochs_wherever_the_dataset_is_built(version, strat
         print(f"\n{strategy} {case}: per epoch {figures(ranks[0][f'1/{case}'] + ranks[1][f'1/{case}'])}")
 
 
-@pytest.mark.timeout(480)
-def test_lightning_data_module_resumes_a_mid_epoch_checkpoint_exactly_once(version, tmp_path):
-    steps = 3  # of 8 per rank and epoch
-    _run(["-m", "tests.lightning_child", "datamodule", version.storage.url, version.ref, str(tmp_path), str(steps)])
-    first, second = _ranks(tmp_path / "first"), _ranks(tmp_path / "second")
-    assert all(len(r["0/train"]) == steps * 25 for r in first)
-    joined = [{"0/train": f["0/train"] + s["0/train"], "1/train": s["1/train"]} for f, s in zip(first, second,
-                                                                                                strict=True)]
+@pytest.mark.timeout(660)
+def test_lightning_data_module_resumes_a_mid_epoch_checkpoint_exactly_once(runs):
+    out = runs("ddp")
+    first, second = _ranks(out / "first"), _ranks(out / "second")
+    assert all(len(r["0/train"]) == (STEPS + 1) * 25 for r in first)  # one step past the checkpoint
+    joined = [{"0/train": f["0/train"][:STEPS * 25] + s["0/train"], "1/train": s["1/train"]}
+              for f, s in zip(first, second, strict=True)]
     epoch0 = _check_split(joined, "0/train", "data module, epoch 0 interrupted and resumed")
     _check_split(joined, "1/train", "data module, epoch 1")
     assert joined[0]["0/train"] != joined[0]["1/train"]
-    print(f"\ndata module resumed at step {steps}: epoch 0 {epoch0}")
+    print(f"\ndata module resumed at step {STEPS}: epoch 0 {epoch0}")
 
 
 @pytest.mark.timeout(300)
