@@ -157,10 +157,10 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 
 def cmd_export(args: argparse.Namespace) -> Result:
-    """Write a version to DEST as a self-contained standard Zarr v3 group (every shard copied byte
-    for byte to its default key, metadata consolidated, then checked against the version's
-    digests): the route for plain Zarr readers (zarr, xarray, TensorStore) to versions made with
-    extends= or spread over prefixes."""
+    """Copy a version to DEST as a self-contained standard Zarr v3 group, for plain Zarr readers.
+    Every shard object is copied byte for byte to its default key, the metadata consolidated, and
+    the copy read back against the version's digests: the route for zarr, xarray and TensorStore
+    to versions made with extends= or spread over prefixes."""
     v = _store(args).open(args.ref)
     out = v.export(args.dest, storage_options={k: parse_value(x) for k, x in
                                                _pairs(args.dest_option, "--dest-option").items()} or None,
