@@ -164,7 +164,7 @@ def cmd_export(args: argparse.Namespace) -> Result:
     v = _store(args).open(args.ref)
     out = v.export(args.dest, storage_options={k: parse_value(x) for k, x in
                                                _pairs(args.dest_option, "--dest-option").items()} or None,
-                   verify=not args.no_verify)
+                   verify=not args.no_verify, progress=not args.json)
     res = {"name": v.name, "version": v.id, "url": out.url, "objects": out.objects, "bytes": out.bytes,
            "shards_checked": out.shards_checked}
     return Exit.OK, res, (f"exported {v.name}@{v.id} to {out.url}: {out.objects} shard objects, {out.bytes} bytes, "

@@ -44,7 +44,7 @@ class Exported:
 
 
 def export_version(version: Version, url: str, storage_options: dict[str, Any] | None = None, *,
-                   verify: bool = True, progress: Callable[[int], None] | None = None) -> Exported:
+                   verify: bool = True, progress: Callable[[int, int], None] | None = None) -> Exported:
     """Write ``version`` to ``url`` (a new or empty folder, any fsspec URL) as a standard,
     self-contained Zarr v3 group.
 
@@ -52,7 +52,7 @@ def export_version(version: Version, url: str, storage_options: dict[str, Any] |
     >>> zarr.open_group(out.url, mode="r")["features"][:10].shape
     (10, 512)
 
-    ``progress(n)`` is called with the number of shard objects copied so far.
+    ``progress(done, total)`` is called as shard objects are copied.
     """
     dest = Storage(url, storage_options)
     if dest.find(""):
@@ -101,7 +101,7 @@ def _shard_rows(meta: dict[str, Any]) -> int:
 
 
 def _copy_objects(version: Version, dest: Storage, copies: list[tuple[Version, str, str]],
-                  progress: Callable[[int], None] | None) -> int:
+                  progress: Callable[[int, int], None] | None) -> int:
     """Copy every shard object from wherever it lies (its folder, a parent's, a spread prefix)
     to its default key in ``dest``, concurrently; the bytes copied."""
     storage = version.storage.reopen()
@@ -121,7 +121,7 @@ def _copy_objects(version: Version, dest: Storage, copies: list[tuple[Version, s
         for i, n in enumerate(pool.map(copy, copies), 1):
             total += n
             if progress is not None:
-                progress(i)
+                progress(i, len(copies))
     return total
 
 

@@ -38,7 +38,7 @@ class Version(CoreVersion):
         return FeatureDataset(self, **options)
 
     def export(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
-               verify: bool = True) -> Exported:
+               verify: bool = True, progress: bool = False) -> Exported:
         """Write this version to ``url`` (a new folder, any fsspec URL) as a self-contained
         standard Zarr v3 group that zarr, xarray and TensorStore read as it is: the route for
         versions made with ``extends=`` or spread over prefixes (see :mod:`featstore.export`).
@@ -46,7 +46,16 @@ class Version(CoreVersion):
         >>> store.open("cnn-a/train-grown").export("/data/grown.zarr")
         Exported(url='/data/grown.zarr', objects=48, bytes=50331648, shards_checked=48)
         """
-        return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify)
+        if not progress:
+            return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify)
+        from tqdm.auto import tqdm
+
+        with tqdm(desc=f"export {self.ref}", unit="shard") as bar:
+            def step(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+            return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify,
+                                  progress=step)
 
 
 class FeatureStore(Catalog):
