@@ -33,7 +33,7 @@ from .partcodecs import assemble, expand_fields
 from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
                      concat_rows, offsets, pad_value, padded)
 from .plan import PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, window_permutation
-from .progress import SharedProgress, check_epoch, in_worker, iteration_key, on_fork
+from .progress import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
 from .ranks import Placement, resolve
 from .resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state, rotated,
                      worker_state)
@@ -343,23 +343,22 @@ class FeatureDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 0)
         placement = self._placement().check()
         if info is not None:
-            if local.planned is not None and local.planned != placement:
-                raise DistributedSetupError(
-                    f"the training process's placement changed from {local.planned.describe()} to "
-                    f"{placement.describe()} while persistent DataLoader workers kept running: their epochs "
-                    "would not split the samples the way the other ranks do. Build the DataLoader after "
-                    "init_process_group, or use persistent_workers=False.")
-            local.planned = placement
+            _check_unchanged(local, placement)
         self._progress.saw_workers(workers)
-        saved = local.worker_resume and check_worker_state(local.worker_resume, worker, workers)
+        saved = None if local.worker_resume is None else check_worker_state(local.worker_resume, worker, workers)
         local.worker_resume = None
+
+        def refuse_other_workers(start: Start) -> None:  # before the iteration is recorded
+            if start.resume_seen is not None:
+                check_workers(start.resume_workers, workers)
+
         key = None if info is None else iteration_key(info.seed - info.id, local.count)
         start = self._progress.begin(0 if info is None else 1 + worker, key, local.count == 0,
-                                     None if not saved else saved.epoch, self._started if info else None,
-                                     lambda s: check_workers(s.resume_workers, workers) if s.resume_seen else None)
+                                     None if saved is None else saved.epoch, self._started if info else None,
+                                     refuse_other_workers)
         local.count += 1
         role, skip = worker, 0
-        if saved:
+        if saved is not None:
             role, skip = saved.role, saved.batches
         elif start.resume_seen is not None:
             counts = [self._plan(start.epoch, placement, r, workers).n_batches(
@@ -716,6 +715,17 @@ class FeatureDataset(IterableDataset):
         p = self._progress.placement()
         where = f"rank={p.rank}/{p.world}" if p.resolved else "rank unresolved"
         return f"FeatureDataset({self.version.name}@{self.version.id}, {where}, {self.options})"
+
+
+def _check_unchanged(local: _Local, placement: Placement) -> None:
+    """A persistent worker's placement must be the one its earlier iterations planned with."""
+    if local.planned is not None and local.planned != placement:
+        raise DistributedSetupError(
+            f"the training process's placement changed from {local.planned.describe()} to "
+            f"{placement.describe()} while persistent DataLoader workers kept running: their epochs "
+            "would not split the samples the way the other ranks do. Build the DataLoader after "
+            "init_process_group, or use persistent_workers=False.")
+    local.planned = placement
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
