@@ -17,6 +17,14 @@ first worker of an iteration to start records (key, epoch) in a small ring; the 
 there, in whatever order they start. Every write is one aligned 64-bit word, so a worker reads a
 record whole or not at all.
 
+A fresh worker (its process's first iteration) belongs to the DataLoader iterator that started
+it: the training process stamps each worker's copy, just before it forks or pickles it, with the
+generation of ``set_epoch`` calls and the epoch a new iteration would read then
+(:meth:`SharedProgress.stamp`). So a ``set_epoch`` made while the workers are still starting up
+(Lightning calls ``on_train_epoch_start`` after it started the first epoch's loader) is for the
+next iteration, and a late worker of an abandoned iterator cannot take the next iteration's epoch
+or resume point. Persistent workers' later iterations see ``set_epoch`` as it is when they start.
+
 A fresh worker that finds its key recorded by another process *in its own slot* cannot tell a new
 iteration from the last one (the DataLoader drew the same base seed twice: re-seeded before each
 epoch); it raises :class:`~featstore.InvalidInput` asking for ``set_epoch`` rather than read the
