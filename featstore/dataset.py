@@ -35,8 +35,8 @@ from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, 
 from .plan import PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, window_permutation
 from .progress import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
 from .ranks import Placement, resolve
-from .resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state, rotated,
-                     worker_state)
+from .resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
+                     rotated, worker_state)
 from .versions import Version, deleted_while_reading
 from .viewreading import ViewReading
 from .windows import InThread, WindowReader, spare_cores
@@ -132,7 +132,7 @@ class _Local:
     current: _Iteration | None = None
     yielded: int = 0  # batches of the current iteration's role yielded or skipped
     planned: Placement | None = None  # a persistent worker's placement of its last iteration
-    worker_resume: dict[str, Any] | None = None  # a worker state torchdata loaded into this copy
+    worker_resume: WorkerResume | None = None  # where a worker state torchdata loaded into this copy resumes
 
 
 class FeatureDataset(IterableDataset):
@@ -312,7 +312,9 @@ class FeatureDataset(IterableDataset):
                 raise InvalidInput("this is one DataLoader worker's state (torchdata's StatefulDataLoader saves "
                                    "one per worker): restore it with StatefulDataLoader.load_state_dict().")
             check_same_run(state, self.version, self.options, self._progress.placement().world)
-            self._local.worker_resume = state
+            info = get_worker_info()
+            # checked here, where torchdata reports a worker's error before it restores anything
+            self._local.worker_resume = check_worker_state(state, info.id, info.num_workers)
             return
         check_same_run(state, self.version, self.options, self.world_size)
         self._progress.set_resume(check_epoch(state["epoch"]), int(state["batches_seen"]), state.get("num_workers"))
@@ -345,8 +347,7 @@ class FeatureDataset(IterableDataset):
         if info is not None:
             _check_unchanged(local, placement)
         self._progress.saw_workers(workers)
-        saved = None if local.worker_resume is None else check_worker_state(local.worker_resume, worker, workers)
-        local.worker_resume = None
+        saved, local.worker_resume = local.worker_resume, None
 
         def refuse_other_workers(start: Start) -> None:  # before the iteration is recorded
             if start.resume_seen is not None:
