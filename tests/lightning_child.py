@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections import defaultdict
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
@@ -30,16 +31,6 @@ import featstore
 
 CASES = {"early-persistent": (True, True), "early": (True, False), "late-persistent": (False, True),
          "late": (False, False)}
-
-
-def _lightning():
-    import lightning.pytorch as pl
-
-    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging
-    return pl
-
-
-pl = _lightning()
 
 
 class Recorder(pl.LightningModule):
@@ -115,6 +106,7 @@ def datamodule(strategy: str, store: str, ref: str, out: str, steps: int) -> Non
 
 
 def main(strategy: str, store: str, ref: str, out: str, steps: str | None = None) -> None:
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging, in this script only
     for sub in ("grid", "first", "second"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     grid(strategy, store, ref, os.path.join(out, "grid"))
