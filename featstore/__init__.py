@@ -11,9 +11,10 @@ stream them into Model B's training loop.
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .diskcache import clear_disk_cache, list_disk_cache
-from .errors import (ClusterUnavailable, ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset,
-                     FeatstoreError, FeatstoreWarning, FingerprintWarning, IncompatibleFormat, InvalidInput,
-                     InvalidName, MissingInputKey, NondeterministicAugment, NonFiniteOutput, OutputMismatch,
+from .errors import (ClusterUnavailable, ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError,
+                     DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning, FingerprintWarning,
+                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
+                     NonFiniteOutput, OutputMismatch,
                      SourceMismatch, StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied, StoreUnavailable,
                      VersionNotFound)
 from .ragged import Tokens
@@ -22,7 +23,8 @@ from .writer import ComputeOptions
 
 __all__ = [
     "ClusterUnavailable", "FeatstoreWarning", "FingerprintWarning", "StoreNotFound",
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "EmptyDataset",
+    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError",
+    "EmptyDataset",
     "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, CorruptChunk, DeviceSetupError,
+from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, CorruptChunk, DeviceSetupError, DistributedSetupError,
                FeatstoreWarning, IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
                StoreUnavailable, VersionNotFound, clear_disk_cache, list_disk_cache, open_store)
 
@@ -49,7 +49,8 @@ _EXIT_OF: tuple[tuple[type[BaseException], Exit], ...] = (
     (CorruptChunk, Exit.DAMAGED), (StoreFull, Exit.UNAVAILABLE), (StoreUnavailable, Exit.UNAVAILABLE),
     (StoreNotFound, Exit.NOT_FOUND), (VersionNotFound, Exit.NOT_FOUND), (ComputeFailed, Exit.COMPUTE_FAILED),
     (StoreConflict, Exit.CONFLICT), (IncompatibleFormat, Exit.INCOMPATIBLE), (InvalidInput, Exit.USAGE),
-    (ClusterUnavailable, Exit.ENVIRONMENT), (DeviceSetupError, Exit.ENVIRONMENT), (KeyboardInterrupt, Exit.INTERRUPTED),
+    (ClusterUnavailable, Exit.ENVIRONMENT), (DeviceSetupError, Exit.ENVIRONMENT),
+    (DistributedSetupError, Exit.ENVIRONMENT), (KeyboardInterrupt, Exit.INTERRUPTED),
 )
 
 EXIT_CODES_HELP = """exit codes:
@@ -62,8 +63,8 @@ EXIT_CODES_HELP = """exit codes:
        shards are kept)
   6    conflict: another writer committed first
   7    incompatible: stored metadata is malformed or from a newer featstore
-  8    environment: the Dask scheduler cannot be reached, or Model A asks for a device
-       (CUDA) the workers lack
+  8    environment: the Dask scheduler cannot be reached, Model A asks for a device
+       (CUDA) the workers lack, or the reader cannot tell its DDP rank
   70   internal error: a bug in featstore (rerun with --debug and report the traceback)
   130  interrupted"""
 
@@ -193,6 +194,21 @@ def cmd_verify(args: argparse.Namespace) -> Result:
                f"{len(problems)} bad")
     return (Exit.DAMAGED if problems else Exit.OK, {"name": v.name, "version": v.id, "ok": not problems,
             "problems": problems}, "\n".join([*problems, summary]))
+
+
+def cmd_export(args: argparse.Namespace) -> Result:
+    """Copy a version to DEST as a self-contained standard Zarr v3 group, for plain Zarr readers.
+    Every shard object is copied byte for byte to its default key, the metadata consolidated, and
+    the copy read back against the version's digests: the route for zarr, xarray and TensorStore
+    to versions made with extends= or spread over prefixes."""
+    v = _store(args).open(args.ref)
+    out = v.export(args.dest, storage_options={k: parse_value(x) for k, x in
+                                               _pairs(args.dest_option, "--dest-option").items()} or None,
+                   verify=not args.no_verify, progress=not args.json)
+    res = {"name": v.name, "version": v.id, "url": out.url, "objects": out.objects, "bytes": out.bytes,
+           "shards_checked": out.shards_checked}
+    return Exit.OK, res, (f"exported {v.name}@{v.id} to {out.url}: {out.objects} shard objects, {out.bytes} bytes, "
+                          f"{out.shards_checked} shards checked")
 
 
 def cmd_tag(args: argparse.Namespace) -> Result:
@@ -328,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
         "name", nargs="?", metavar="NAME", help="only this feature set (default: all)"))
     _add_simple(sub, "info", cmd_info, lambda s: s.add_argument("ref", metavar="REF", help=REF_HELP))
     _add_simple(sub, "verify", cmd_verify, lambda s: s.add_argument("ref", metavar="REF", help=REF_HELP))
+
+    def export_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument("ref", metavar="REF", help=REF_HELP)
+        s.add_argument("dest", metavar="DEST", help="a new folder (any fsspec URL) for the Zarr v3 copy")
+        s.add_argument("--dest-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an fsspec storage option of DEST, repeatable")
+        s.add_argument("--no-verify", action="store_true", help="do not read the copy back against the digests")
+    _add_simple(sub, "export", cmd_export, export_args)
 
     def tag_args(s: argparse.ArgumentParser) -> None:
         s.add_argument("ref", metavar="REF", help=REF_HELP)

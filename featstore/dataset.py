@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,20 +25,23 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .arena import Arena, Slot, process_arena
-from .arena import supported as arena_supported
 from .cache import CacheOptions, MappedFiles, SharedCache, default_root
 from .diskcache import ENTRY_TRAILER, POLICIES, DiskCacheOptions
 from .diskreading import DiskObjects, scope_identity
-from .errors import CorruptChunk, InvalidInput
+from .errors import CorruptChunk, DistributedSetupError, InvalidInput
 from .format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format, shard_index_bytes
 from .gather import ArenaRows, InPlace, window_rows
 from .partcodecs import assemble, expand_fields
 from .ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
-                     RaggedWindow, concat_rows, offsets, pad_value, padded)
-from .plan import (PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, round_robin_consumed,
-                   window_permutation)
+                     concat_rows, offsets, pad_value, padded)
+from .plan import PARTITIONS, ConsumerPlan, Piece, UniformShards, consumer_plan, window_permutation
+from .progress import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
+from .ranks import Placement, resolve
+from .resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
+                     rotated, worker_state)
 from .versions import Version, deleted_while_reading
 from .viewreading import ViewReading
+from .windows import InThread, WindowReader, spare_cores
 
 T = TypeVar("T")
 
@@ -151,10 +154,33 @@ class ReaderOptions:
         return DiskCacheOptions(self.cache_dir, budget, self.disk_policy)
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+@dataclass(frozen=True)
+class _Iteration:
+    """One iteration in one process: its epoch, who reads, and what it skips."""
+
+    epoch: int
+    placement: Placement
+    worker: int
+    workers: int
+    role: int  # the consumer this worker plays (another than its id on a resumed epoch)
+    skip: int  # batches of the role already seen (resume)
+    plan: ConsumerPlan
+
+    @property
+    def cid(self) -> int:
+        return self.placement.rank * max(1, self.workers) + self.role
+
+
+@dataclass
+class _Local:
+    """What one process (the training process, or one DataLoader worker) keeps of its own."""
+
+    pid: int = dataclass_field(default_factory=os.getpid)
+    count: int = 0  # iterations started here (a persistent worker tells its epochs apart by it)
+    current: _Iteration | None = None
+    yielded: int = 0  # batches of the current iteration's role yielded or skipped
+    planned: Placement | None = None  # a persistent worker's placement of its last iteration
+    worker_resume: WorkerResume | None = None  # where a worker state torchdata loaded into this copy resumes
 
 
 class FeatureDataset(IterableDataset):
@@ -162,13 +188,24 @@ class FeatureDataset(IterableDataset):
 
     >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
     >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
-    >>> for epoch in range(3):
-    ...     ds.set_epoch(epoch)
+    >>> for epoch in range(3):              # each pass over the loader reads the next epoch
     ...     for batch in loader:
     ...         batch["features"].shape, batch["index"].shape   # [256, 512], [256]
 
-    Rank and world size come from ``torch.distributed`` when it is initialised at construction
-    (or at :meth:`set_epoch`), else from ``rank=``/``world_size=`` (default 0 and 1).
+    **Epochs.** Each new iteration reads the next epoch (new order, next view): every
+    ``for batch in loader`` pass (all its DataLoader workers together, persistent or not), or
+    ``iter(ds)`` in a process. ``set_epoch(e)`` makes the next one read ``e`` (it wins over the
+    count, which continues from it); ``load_state_dict`` resumes the saved epoch. The rules are
+    in :mod:`featstore.progress`.
+
+    **Ranks.** Rank and world size are found when each epoch's iteration starts, not when the
+    dataset is built: ``rank=``/``world_size=``, else ``torch.distributed``, else ``RANK`` and
+    ``WORLD_SIZE`` (see :mod:`featstore.ranks`). DataLoader workers use what the training process
+    resolved when it started them; a placement that changes under persistent workers, or that
+    cannot be resolved, raises :class:`~featstore.DistributedSetupError`.
+
+    **Resume.** :meth:`state_dict`/:meth:`load_state_dict` per rank, or per DataLoader worker
+    under torchdata's ``StatefulDataLoader`` (see :mod:`featstore.resume`).
     """
 
     def __init__(self, version: Version, *, rank: int | None = None, world_size: int | None = None,
@@ -188,14 +225,10 @@ class FeatureDataset(IterableDataset):
                                f"{sorted(version.manifest.arrays)}.")
         self.fields = tuple(fields)
         self._explicit = (rank, world_size)
-        self.rank, self.world_size = self._rank_world()
-        # The epoch and the resume point live in shared memory: with persistent_workers=True
-        # each DataLoader worker keeps its own copy of this object for the whole run, and
-        # set_epoch()/load_state_dict() in the training process must still reach it.
-        # [epoch, resume epoch (-1: none), batches seen at the resume point, DataLoader workers
-        # of the last iteration + 1, workers the resume point was saved with + 1 (0: unknown)]
-        self._shared = torch.tensor([0, -1, 0, 0, 0], dtype=torch.int64).share_memory_()
-        self._yielded = 0
+        self._progress = SharedProgress()
+        self._started: tuple[int, int] | None = None  # a DataLoader worker's: see SharedProgress.stamp
+        self._placement()  # an explicit rank out of range fails here
+        self._local_state: _Local | None = None
         self._state: _ProcessState | None = None
         # Resolved here, once: workers opening the cache later must not see a smaller budget
         # because the cache itself has taken shared memory (or disk) meanwhile.
@@ -209,64 +242,81 @@ class FeatureDataset(IterableDataset):
             self._shared_cache()
         if self._disk is not None:
             self._disk_objects()  # this process reads the version: its entries are in use
+        on_fork(self)
 
-    def _rank_world(self) -> tuple[int, int]:
-        rank, world = self._explicit
-        if rank is None or world is None:
-            drank, dworld = _dist_rank_world()
-            rank = drank if rank is None else rank
-            world = dworld if world is None else world
-        if not 0 <= rank < world:
-            raise InvalidInput(f"rank {rank} is out of range for world_size {world}.")
-        return rank, world
+    # -- placement (rank, world size) ---------------------------------------------------
+    def _placement(self) -> Placement:
+        """In a DataLoader worker, what the training process resolved; else resolved now (and
+        recorded for the workers this process starts)."""
+        if in_worker():
+            return self._progress.placement()
+        placement = resolve(*self._explicit)
+        self._progress.publish(placement)
+        return placement
+
+    def _before_fork(self) -> None:
+        """Called just before this process forks: the forked workers share this block, plan
+        with this placement and know which epoch they were started for."""
+        self._progress.own()
+        self._progress.publish(resolve(*self._explicit))
+        self._started = self._progress.stamp()
 
     @property
-    def epoch(self) -> int:
-        """The epoch :meth:`set_epoch` selected (shared with every DataLoader worker)."""
-        return int(self._shared[0])
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._shared[0] = int(value)
+    def rank(self) -> int:
+        """This process's rank, resolved now (:class:`~featstore.DistributedSetupError` if it
+        cannot be)."""
+        return self._placement().check().rank
 
     @property
-    def _resume(self) -> dict[str, int] | None:
-        epoch, seen = int(self._shared[1]), int(self._shared[2])
-        return None if epoch < 0 else {"epoch": epoch, "batches_seen": seen}
-
-    @_resume.setter
-    def _resume(self, value: dict[str, int] | None) -> None:
-        if value is None:
-            self._shared[1] = -1
-        else:
-            self._shared[2] = int(value["batches_seen"])
-            self._shared[1] = int(value["epoch"])
+    def world_size(self) -> int:
+        """The world size, resolved now."""
+        return self._placement().check().world
 
     @property
     def partition(self) -> str:
-        return self.options.partition or ("even" if self.world_size == 1 else "pad")
+        return self._partition(self.world_size)
+
+    def _partition(self, world: int) -> str:
+        return self.options.partition or ("even" if world == 1 else "pad")
+
+    # -- epochs -------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch of the latest iteration since the last :meth:`set_epoch` (else the epoch
+        the next iteration reads); shared with every DataLoader worker."""
+        return self._progress.current_epoch()
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.set_epoch(value)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (it changes the order); call before iterating each epoch.
+        """Make the next iteration read ``epoch`` (later ones count on from it). Optional: each
+        new iteration reads the next epoch by itself.
 
-        Works with ``persistent_workers=True``: the workers read the epoch from shared memory
-        when the next epoch's iteration starts.
+        Works with ``persistent_workers=True``: the workers read it from shared memory when the
+        next epoch's iteration starts. A call after that iteration started (Lightning starts the
+        first epoch's DataLoader before ``on_train_epoch_start``) applies to the next one.
         """
-        self.epoch = int(epoch)
-        self.rank, self.world_size = self._rank_world()
+        self._progress.set_epoch(epoch)
+        self._placement()
 
     # -- the plan -----------------------------------------------------------------------
     def _window(self) -> int:
         return self.options.shuffle_window or 4 * self.version.manifest.layout.samples_per_shard
 
     def plan(self, worker: int = 0, num_workers: int = 0) -> ConsumerPlan:
-        """This rank's plan for one DataLoader worker (``num_workers=0``: the main process)."""
+        """This rank's plan of :attr:`epoch` for one DataLoader worker (``num_workers=0``: the
+        main process)."""
+        return self._plan(self.epoch, self._placement().check(), worker, num_workers)
+
+    def _plan(self, epoch: int, placement: Placement, role: int, num_workers: int) -> ConsumerPlan:
         w = max(1, num_workers)
         layout = self.version.manifest.layout
         return consumer_plan(
-            UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed, epoch=self.epoch,
-            shuffle=self.options.shuffle, consumers=self.world_size * w,
-            cid=self.rank * w + worker, partition=self.partition, window=self._window(),
+            UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed, epoch=epoch,
+            shuffle=self.options.shuffle, consumers=placement.world * w, cid=placement.rank * w + role,
+            partition=self._partition(placement.world), window=self._window(),
         )  # type: ignore[arg-type]
 
     def batches_per_rank(self, num_workers: int = 0) -> int:
@@ -282,85 +332,113 @@ class FeatureDataset(IterableDataset):
         it, the batches this process yielded are used (right for ``num_workers=0``).
         ``num_workers`` is the DataLoader's; without it, the number the workers of the last
         iteration recorded (None before any iteration: then the resume cannot check it).
+
+        Inside a DataLoader worker (torchdata's ``StatefulDataLoader`` asks each worker), the
+        state of that worker alone: its epoch, role and batches produced.
         """
-        seen_workers = int(self._shared[3]) - 1
-        return {
-            "version": self.version.id, "name": self.version.name, "epoch": self.epoch,
-            "batches_seen": self._yielded if batches_seen is None else int(batches_seen),
-            "options": asdict(self.options), "world_size": self.world_size, "rank": self.rank,
-            "num_workers": num_workers if num_workers is not None else (seen_workers if seen_workers >= 0 else None),
-        }
+        if in_worker():
+            return self._worker_state()
+        placement = self._placement().check()
+        return rank_state(self.version, self.options, self.epoch,
+                          self._local.yielded if batches_seen is None else batches_seen, placement.world,
+                          placement.rank, num_workers if num_workers is not None else self._progress.last_workers())
+
+    def _worker_state(self) -> dict[str, Any]:
+        info, local = get_worker_info(), self._local
+        it = local.current
+        if it is None:
+            p = self._progress.placement()
+            return worker_state(self.version, self.options, None, info.id, 0, info.id, info.num_workers,
+                                p.world, p.rank)
+        return worker_state(self.version, self.options, it.epoch, it.role, local.yielded, it.worker, it.workers,
+                            it.placement.world, it.placement.rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume mid-epoch: the next iteration skips the batches already seen (without reading
-        them). Batch size, seed, world size and DataLoader workers must match the saved run:
-        the order of an epoch is split across ranks and workers, so another split cannot tell
-        which samples were seen. A mismatch raises :class:`InvalidInput` (world size here, the
-        number of workers when the next iteration starts)."""
-        if state["version"] != self.version.id:
-            raise InvalidInput(f"the state is for version {state['version']}, this dataset reads "
-                               f"{self.version.id}; open the pinned version with store.open("
-                               f"'{state['name']}@{state['version']}').")
-        saved = ReaderOptions(**{k: tuple(v) if k == "fields" and v else v for k, v in state["options"].items()})
-        if (saved.batch_size, saved.seed, saved.shuffle, state["world_size"]) != (
-                self.options.batch_size, self.options.seed, self.options.shuffle, self.world_size):
-            raise InvalidInput("batch_size, seed, shuffle and world_size must match the saved state.")
-        if saved.view != self.options.view:  # the epoch's view would differ: another sequence
-            raise InvalidInput(f"view must match the saved state ({saved.view!r}).")
-        self.epoch = int(state["epoch"])
-        workers = state.get("num_workers")  # absent from states saved before it was recorded
-        self._shared[4] = 0 if workers is None else int(workers) + 1
-        self._resume = {"epoch": self.epoch, "batches_seen": int(state["batches_seen"])}
-
-    def _check_workers(self, num_workers: int) -> None:
-        """Refuse to resume with another number of DataLoader workers than the state's."""
-        self._shared[3] = num_workers + 1
-        saved = int(self._shared[4]) - 1
-        if saved < 0 or not self._resume or self._resume["epoch"] != self.epoch:
+        them). Batch size, seed, the split, world size and DataLoader workers must match the
+        saved run: the order of an epoch is split across ranks and workers, so another split
+        cannot tell which samples were seen. A mismatch raises :class:`InvalidInput` (world size
+        here, the number of workers when the next iteration starts). A DataLoader worker's state
+        (torchdata's) is loaded by that worker, for its next iteration."""
+        if is_worker_state(state):
+            if not in_worker():
+                raise InvalidInput("this is one DataLoader worker's state (torchdata's StatefulDataLoader saves "
+                                   "one per worker): restore it with StatefulDataLoader.load_state_dict().")
+            check_same_run(state, self.version, self.options, self._progress.placement().world)
+            info = get_worker_info()
+            # checked here, where torchdata reports a worker's error before it restores anything
+            self._local.worker_resume = check_worker_state(state, info.id, info.num_workers)
             return
-        if max(1, saved) != max(1, num_workers):
-            raise InvalidInput(
-                f"the resume point was saved with {saved} DataLoader workers per rank and this loader "
-                f"has {num_workers}: the epoch is split across workers differently, so the samples "
-                f"already seen cannot be skipped. Resume with num_workers={saved}, or start the epoch "
-                "over without load_state_dict().")
-
-    def _role_and_skip(self, worker: int, num_workers: int) -> tuple[int, int]:
-        """Which consumer this worker plays, and how many of its batches to skip.
-
-        DataLoader always starts its round-robin at worker 0; after ``k`` batches the original
-        run would next have read from worker ``k % W``, so on resume worker ``w`` plays the role
-        of worker ``(w + k) % W`` and the batch order continues exactly where it stopped.
-        """
-        if not self._resume or self._resume["epoch"] != self.epoch:
-            return worker, 0
-        w = max(1, num_workers)
-        seen = self._resume["batches_seen"]
-        counts = [self.plan(i, num_workers).n_batches(self.options.batch_size, self.options.drop_last)
-                  for i in range(w)]
-        role = (worker + seen) % w
-        return role, round_robin_consumed(seen, counts)[role]
+        check_same_run(state, self.version, self.options, self.world_size)
+        self._progress.set_resume(check_epoch(state["epoch"]), int(state["batches_seen"]), state.get("num_workers"))
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
-        self._check_workers(num_workers)
-        role, skipped = self._role_and_skip(worker, num_workers)
-        plan = self.plan(role, num_workers)
-        self._viewing.start_epoch(self.epoch)
-        if info is None:
-            self._yielded = skipped
-        cid = self.rank * max(1, num_workers) + role
-        for batch in self._batches(plan, cid, skipped * self.options.batch_size):
-            if info is None:
-                self._yielded += 1
+        # Started here, not in the generator: torchdata asks a worker for its state right after
+        # iter(), before the first batch, and that state must be this iteration's. In a worker,
+        # an error is raised by the first next() instead: DataLoader creates a persistent worker's
+        # next iterator outside its error handling, where the error would kill the worker silently.
+        if not in_worker():
+            return self._iterate(self._start())
+        try:
+            it = self._start()
+        except Exception as exc:  # noqa: BLE001 - re-raised by the first next(), in the DataLoader's handling
+            return _raising(exc)
+        return self._iterate(it)
+
+    @property
+    def _local(self) -> _Local:
+        if self._local_state is None or self._local_state.pid != os.getpid():
+            self._local_state = _Local()
+        return self._local_state
+
+    def _start(self) -> _Iteration:
+        """Resolve this iteration's placement, epoch, role and skipped batches."""
+        info, local = get_worker_info(), self._local
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 0)
+        placement = self._placement().check()
+        if info is not None:
+            _check_unchanged(local, placement)
+        self._progress.saw_workers(workers)
+        saved, local.worker_resume = local.worker_resume, None
+
+        def refuse_other_workers(start: Start) -> None:  # before the iteration is recorded
+            if start.resume_seen is not None:
+                check_workers(start.resume_workers, workers)
+
+        key = None if info is None else iteration_key(info.seed - info.id, local.count)
+        start = self._progress.begin(0 if info is None else 1 + worker, key, local.count == 0,
+                                     None if saved is None else saved.epoch, self._started if info else None,
+                                     refuse_other_workers)
+        local.count += 1
+        role, skip = worker, 0
+        if saved is not None:
+            role, skip = saved.role, saved.batches
+        elif start.resume_seen is not None:
+            counts = [self._plan(start.epoch, placement, r, workers).n_batches(
+                self.options.batch_size, self.options.drop_last) for r in range(max(1, workers))]
+            role, skip = rotated(worker, workers, start.resume_seen, counts)
+        it = _Iteration(start.epoch, placement, worker, workers, role, skip,
+                        self._plan(start.epoch, placement, role, workers))
+        local.current, local.yielded = it, skip
+        self._viewing.start_epoch(it.epoch)
+        return it
+
+    def _iterate(self, it: _Iteration) -> Iterator[dict[str, torch.Tensor]]:
+        local = self._local
+        for batch in self._batches(it.plan, it.cid, it.skip * self.options.batch_size, it.epoch):
+            local.yielded += 1
             yield batch
-        if info is None:
-            self._resume = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_state": None}  # maps and file handles stay in their process
+        if not in_worker():  # pickled to start a worker (spawn): it shares this block, plans with this
+            self._before_fork()
+        # maps, file handles and counts stay in their process
+        return {**self.__dict__, "_state": None, "_local_state": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        on_fork(self)
 
     @property
     def _proc(self) -> _ProcessState:
@@ -696,16 +774,16 @@ class FeatureDataset(IterableDataset):
             if pos + size > skip:
                 todo.append((wi, max(0, skip - pos), window))
             pos += size
-        if _spare_cores() < 1 and (self._proc.storage.is_local or self._disk_holds(todo)):
+        if spare_cores() < 1 and (self._proc.storage.is_local or self._disk_holds(todo)):
             # Nothing to hide on a local store (or a disk tier holding all this epoch reads) but
             # decode CPU, and no core to overlap it on: pool threads would only take turns with
             # Model B's torch threads (measured slower).
-            yield from _WindowReader(self, _InThread(), todo)
+            yield from WindowReader(self, InThread(), todo)
             return
         with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
-            yield from _WindowReader(self, pool, todo)
+            yield from WindowReader(self, pool, todo)
 
-    def _batches(self, plan: ConsumerPlan, cid: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, plan: ConsumerPlan, cid: int, skip: int, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         """Cut windows into batches: each batch is one numpy gather of its rows from the window
         (the window is never permuted as a whole, which would copy it once more)."""
         bs = self.options.batch_size
@@ -713,7 +791,7 @@ class FeatureDataset(IterableDataset):
         for wi, drop, arrays in self._windows(plan, skip):
             n = len(arrays["index"])
             if self.options.shuffle:
-                order: np.ndarray | None = window_permutation(self.options.seed, self.epoch, cid, wi, n)[drop:]
+                order: np.ndarray | None = window_permutation(self.options.seed, epoch, cid, wi, n)[drop:]
             else:
                 order = None
 
@@ -761,144 +839,26 @@ class FeatureDataset(IterableDataset):
         return out
 
     def __repr__(self) -> str:
-        return (f"FeatureDataset({self.version.name}@{self.version.id}, rank={self.rank}/"
-                f"{self.world_size}, {self.options})")
+        p = self._progress.placement()
+        where = f"rank={p.rank}/{p.world}" if p.resolved else "rank unresolved"
+        return f"FeatureDataset({self.version.name}@{self.version.id}, {where}, {self.options})"
 
 
-class _WindowReader:
-    """Keeps shuffle windows in flight and yields each once all its reads are done.
-
-    Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
-    ``prefetch`` pool threads issue them. The next window's reads are always in flight while
-    the current one is consumed (a window is only usable once whole: it is permuted together),
-    so S3 latency hides behind Model B instead of adding up window by window. Every read decodes
-    straight into its rows of the window's buffers: no concatenation.
-    """
-
-    def __init__(self, ds: FeatureDataset, pool: ThreadPoolExecutor | _InThread,
-                 todo: list[tuple[int, int, tuple[Piece, ...]]]) -> None:
-        self.ds, self.pool, self.todo = ds, pool, iter(todo)
-        self.specs = ds.version.manifest.arrays
-        self.spp = ds.version.manifest.layout.samples_per_shard
-        self.queue: deque[tuple[int, int, dict[str, Any], list[Future], tuple[Piece, ...]]] = deque()
-        self.in_flight = 0  # pieces submitted and not yet consumed
-        self.placed = [f for f in ds.fields if ds._in_place(f)]
-        # Mapping a local uncompressed shard is bookkeeping (~0.2 ms): done here, not handed to a
-        # pool thread that would wait for a core behind Model B's busy torch threads.
-        local_raw = {f for f in self.placed if ds._proc.storage.is_local and not ds._shard_format(f).compressed}
-        # (the disk tier's entries only under "keep", which never evicts them while this reads:
-        # under "lru" an entry could go between its fetch and its mapping, and be fetched twice)
-        self.disk_raw = {f for f in self.placed if ds._disk is not None and ds._disk[0].policy == "keep"
-                         and not ds._shard_format(f).compressed}
-        # one index_select per batch: local uncompressed objects, or the disk tier's, or the shared cache's shards
-        self.arena = (set(self.placed) if ds._memory else local_raw | self.disk_raw) if arena_supported() else set()
-        self.mapped = set() if ds._memory else local_raw - self.arena
-        self.ragged = [f for f in ds.fields if ds.version.manifest.arrays[f].ragged]
-        self.dense = [f for f in ds.fields if f not in self.placed and f not in self.ragged]
-        self.chunk_rows = ds.version.manifest.layout.chunk_rows
-        # Shuffled batches are gathered copies, so a consumed window's buffers are reused for a
-        # later window: no fresh pages to fault in for every window (~15% of the read cost).
-        # Unshuffled batches are views into the window, which the caller may keep.
-        self.spare: list[dict[str, np.ndarray]] | None = [] if ds.options.shuffle else None
-
-    def __iter__(self) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-        arrays: dict[str, Any] = {}
-        try:
-            self._fill()
-            while self.queue:
-                wi, drop, arrays, futs, window = self.queue.popleft()
-                for f in futs:
-                    f.result()
-                for f in self.placed:  # an arena's rows (a future), or each piece's source (a list)
-                    arrays[f] = (arrays[f].result() if isinstance(arrays[f], Future)
-                                 else InPlace([x.result() for x in arrays[f]], window, self.chunk_rows))
-                for f in self.ragged:
-                    arrays[f] = RaggedWindow([x.result()[f] for x in arrays[f]])
-                self.in_flight -= len(window)
-                self._fill()
-                yield wi, drop, arrays
-                _release(arrays.values())  # the consumer has cut every batch of this window
-                if self.spare is not None:
-                    self.spare.append({k: v for k, v in arrays.items() if k in self.dense or k == "index"})
-        finally:
-            _release(arrays.values())
-            for _, _, queued, futs, _ in self.queue:  # an abandoned epoch: do not read what nobody will use
-                for f in futs:
-                    f.cancel()
-                _release(queued.values())
-
-    def _buffers(self, total: int) -> dict[str, np.ndarray]:
-        while self.spare:
-            got = self.spare.pop()
-            if len(got["index"]) == total:
-                return got
-        return {f: np.empty((total, *self.specs[f].shape), dtype=self.specs[f].dtype) for f in self.dense}
-
-    def _fill(self) -> None:
-        """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
-        while self.in_flight < self.ds.options.prefetch or len(self.queue) < 2:
-            nxt = next(self.todo, None)
-            if nxt is None:
-                return
-            wi, drop, window = nxt
-            arrays = self._buffers(sum(p.size for p in window))
-            arrays["index"] = np.concatenate(
-                [np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64) for p in window])
-            futs, off = [], 0
-            for p in window:
-                futs += [self.pool.submit(self.ds._read_field, p, f, arrays[f][off:off + p.size])
-                         for f in self.dense]
-                off += p.size
-            for f in self.placed:  # each piece's source; an InPlace once all are done
-                # a window whose disk tier entries are not all held yet fetches them piece by
-                # piece on the pool, shard by shard (the arena's pins would fetch one at a time)
-                held = self.ds._entries_held(window, f) if f in self.disk_raw else None
-                if f in self.arena and (held or f not in self.disk_raw):  # bookkeeping only, in this thread
-                    arrays[f] = _now(self.ds._arena_rows, window, f, held)
-                    futs.append(arrays[f])
-                    continue
-                run = _now if f in self.mapped else self.pool.submit
-                arrays[f] = [run(self.ds._source, p, f) for p in window]
-                futs += arrays[f]
-            if self.ragged:  # each piece's token rows of every per-token array; RaggedWindows once done
-                tokens = [self.pool.submit(self.ds._read_tokens, p, tuple(self.ragged)) for p in window]
-                arrays.update({f: tokens for f in self.ragged})
-                futs += tokens
-            self.queue.append((wi, drop, arrays, futs, window))
-            self.in_flight += len(window)
+def _check_unchanged(local: _Local, placement: Placement) -> None:
+    """A persistent worker's placement must be the one its earlier iterations planned with."""
+    if local.planned is not None and local.planned != placement:
+        raise DistributedSetupError(
+            f"the training process's placement changed from {local.planned.describe()} to "
+            f"{placement.describe()} while persistent DataLoader workers kept running: their epochs "
+            "would not split the samples the way the other ranks do. Build the DataLoader after "
+            "init_process_group, or use persistent_workers=False.")
+    local.planned = placement
 
 
-class _InThread:
-    """An executor that runs each read in the calling thread (a finished future)."""
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        return _now(fn, *args)
-
-
-def _spare_cores() -> int:
-    """Cores this process may use beyond its torch intra-op threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores - torch.get_num_threads()
-
-
-def _release(values: Any) -> None:
-    """Give back the arena slots of a window's arrays (an :class:`ArenaRows`, or the finished
-    future of one)."""
-    for v in values:
-        if isinstance(v, Future) and v.done() and not v.cancelled() and v.exception() is None:
-            v = v.result()
-        if isinstance(v, ArenaRows):
-            v.release()
-
-
-def _now(fn: Any, *args: Any) -> Future:
-    """``fn(*args)`` run in the calling thread, as a finished future (its error kept in it)."""
-    fut: Future = Future()
-    try:
-        fut.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - re-raised where the result is taken, as from a pool
-        fut.set_exception(exc)
-    return fut
+def _raising(exc: BaseException) -> Iterator[Any]:
+    """An iterator whose first next() raises ``exc``."""
+    raise exc
+    yield  # a generator
 
 
 #: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again

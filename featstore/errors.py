@@ -101,6 +101,12 @@ class DeviceSetupError(FeatstoreError, RuntimeError):
     asks for CUDA where there is none."""
 
 
+class DistributedSetupError(FeatstoreError, RuntimeError):
+    """The reader cannot tell which DDP rank it reads for: ``WORLD_SIZE`` says several ranks but
+    neither ``torch.distributed`` nor ``RANK`` says which, or the rank or world size changed under
+    persistent DataLoader workers. It never guesses (that would read another rank's samples)."""
+
+
 # -- the data or the run is broken ----------------------------------------------------------
 class CorruptChunk(FeatstoreError, IOError):
     """A stored chunk is missing, truncated or fails its checksum.

@@ -27,12 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
+import zarr.errors
 import zarr.storage
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
@@ -324,6 +326,30 @@ def create_views_group(store: zarr.abc.store.Store) -> None:
             return
         except zarr.errors.ContainsGroupError:
             continue  # a concurrent run created the root between look and create
+
+
+def consolidate(store: zarr.abc.store.Store, groups: Iterable[str]) -> None:
+    """Write each group's consolidated metadata into its ``zarr.json`` (``groups``: paths inside
+    ``store``, deepest first, ``""`` the root last), so plain zarr and xarray open a version
+    without listing its folder, where featstore's own objects (manifest, receipts, records) are
+    not Zarr nodes and would each raise a warning. A committed version never changes, so this
+    metadata cannot go stale. Zarr's own warnings while consolidating (that listing, and that
+    consolidated metadata is not in the v3 core spec) are featstore's business, not the user's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
+        for path in groups:
+            zarr.consolidate_metadata(store, path=path or None)
+
+
+def consolidated_groups(views: int | None) -> list[str]:
+    """The groups of a version to consolidate, deepest first: each view's, the views group, the root.
+
+    >>> consolidated_groups(2)
+    ['_views/0', '_views/1', '_views', '']
+    """
+    if views is None:
+        return [""]
+    return [*(view_path(v) for v in range(views)), VIEWS_GROUP, ""]
 
 
 def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.Array]:

@@ -42,9 +42,9 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, SpreadStore, chunk_key, create_arrays,
-                     create_views_group, decode_shard_rows, logical_key, open_array, shard_digest, shard_index,
-                     shard_index_bytes, spread_folder, spread_key, view_path)
+from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, SpreadStore, chunk_key, consolidate,
+                     consolidated_groups, create_arrays, create_views_group, decode_shard_rows, logical_key,
+                     open_array, shard_digest, shard_index, shard_index_bytes, spread_folder, spread_key, view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json,
                        newer_manifest, ref_json, ref_target, tag_json, tag_target)
@@ -1259,6 +1259,9 @@ class Catalog:
         recomputes exactly those.
         """
         key = version_key(manifest.name, manifest.id)
+        if manifest.layout.spread == 1 and not manifest.bases:  # else plain Zarr must not open it
+            consolidate(group_store(self.storage, key, 1, read_only=False),
+                        consolidated_groups(None if manifest.views is None else manifest.views.count))
         for home in spread_homes(key, manifest.layout.spread):
             self.storage.sync(home)  # the data must be durable before the commit makes it visible
         for b in manifest.bases:  # deleted during the compute: the marker kept the data, but say so

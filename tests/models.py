@@ -83,6 +83,25 @@ class VectorData(torch.utils.data.Dataset):
         return {"input": self.x[i], "target": self.y[i]}
 
 
+class MultiA(nn.Module):
+    """One output per storage codec: dense float32/float16/bfloat16/int8 features and the sparse
+    soft-label codecs of a 12-class head (see ``MULTI_OUTPUTS``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.a = TinyA(d_logits=12, seed=seed)
+
+    def forward(self, x):
+        out = self.a(x)
+        f, logits = out["features"], out["logits"]
+        return {"f32": f, "f16": f, "bf16": f, "i8": f, "topk": logits, "topp": logits, "sample": logits}
+
+
+#: MultiA's outputs, one per codec.
+MULTI_OUTPUTS = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i8": "int8", "topk": "topk:3@2",
+                 "topp": "topp:0.9:2:6", "sample": "sample:4"}
+
+
 class SlowData(VectorData):
     """VectorData that sleeps per item: gives a kill test time to strike mid-run."""
 

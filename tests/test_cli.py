@@ -19,7 +19,7 @@ def _subparsers():
 
 def test_every_subcommand_and_option_has_help_and_the_common_options():
     subs = _subparsers()
-    assert set(subs) == {"compute", "list", "info", "verify", "tag", "delete", "gc", "cache", "demo"}
+    assert set(subs) == {"compute", "list", "info", "verify", "export", "tag", "delete", "gc", "cache", "demo"}
     for name, sp in subs.items():
         opts = {o for a in sp._actions for o in a.option_strings}
         # "cache" works on this node's disk cache, not on a store: no storage options
@@ -55,6 +55,8 @@ def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client):
     assert code == 0 and out == {"name": "c/set", "tag": "best", "version": v.id}
     code, out = run("verify", root, "c/set@best")
     assert code == 0 and out["ok"] and out["problems"] == []
+    code, out = run("export", root, "c/set@best", str(tmp_path / "copy.zarr"))
+    assert code == 0 and out["version"] == v.id and out["shards_checked"] == 2 * 2 and out["objects"] == 2 * 2
     code, out = run("gc", root, "--older-than", "0", "--dry-run")
     assert code == 0 and out["dry_run"] and all("/manifest.json" not in k for k in out["deleted"])
     code, out = run("delete", root, "c/set@best")

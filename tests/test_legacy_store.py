@@ -100,3 +100,27 @@ def test_legacy_s3_store_opens_verifies_and_reads(s3_url):
         if path.is_file():
             store.storage.write_bytes(path.relative_to(FIXTURE).as_posix(), path.read_bytes())
     _check(store)
+
+
+def test_legacy_versions_export_to_a_standard_copy_that_opens_silently(tmp_path):
+    """featstore 0.1.0 versions have no consolidated metadata (zarr lists their folder and warns
+    about featstore's own objects): their route to a warning-free plain read is the export."""
+    import warnings
+
+    import xarray as xr
+    import zarr
+
+    shutil.copytree(FIXTURE, tmp_path / "store")
+    store = featstore.open_store(tmp_path / "store")
+    ids = json.loads((DATA / "store-0.1.0-ids.json").read_text())
+    for name, vid in ids.items():
+        v = store.open(f"{name}@{vid}")
+        out = v.export(tmp_path / f"{vid}.zarr")
+        assert out.shards_checked == v.manifest.layout.n_shards * len(v.manifest.arrays)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            group, ds = zarr.open_group(out.url, mode="r"), xr.open_zarr(out.url)
+            for field in v.manifest.arrays:
+                np.testing.assert_array_equal(group[field][...], v.read_rows(field, 0, len(v)), strict=True)
+                np.testing.assert_array_equal(ds[field].values, v.read_rows(field, 0, len(v)), strict=True)
+        assert [str(w.message) for w in caught] == []

@@ -1,0 +1,118 @@
+"""Real Lightning Trainers on 2 CPU ranks (gloo), run as a script by tests/test_lightning.py.
+
+``python -m tests.lightning_child STRATEGY STORE REF OUT [STEPS]``:
+
+- ``OUT/grid``: one ``Trainer.fit`` over four plain DataLoaders at once (a CombinedLoader): the
+  dataset built in the LightningModule's ``__init__`` (before the process group exists) or in
+  ``train_dataloader()``, with persistent workers or not; 2 epochs, no ``set_epoch`` anywhere.
+  Under ``ddp_spawn`` the early persistent loader's workers are spawned (that strategy's
+  default: the dataset is pickled to them) and the others forked (the fork path; spawned workers
+  each import torch, and 20 more would cost minutes on 2 cores).
+- with STEPS, ``OUT/first`` and ``OUT/second``: featstore.lightning's data module
+  (StatefulDataLoader, 2 persistent workers), a run checkpointed after STEPS steps (mid-epoch),
+  then ``fit(ckpt_path=...)`` from that checkpoint to the end of epoch 1.
+
+Each rank writes the indices its training steps saw, per epoch (and loader).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections import defaultdict
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+import featstore
+
+CASES = {"early-persistent": (True, True), "early": (True, False), "late-persistent": (False, True),
+         "late": (False, False)}
+
+
+class Recorder(pl.LightningModule):
+    """Records every batch's indices per epoch (and per loader of a combined batch)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out, self.lin = out, torch.nn.Linear(8, 1)
+        self.seen: dict[str, list[int]] = defaultdict(list)
+
+    def _record(self, key: str, batch: dict) -> torch.Tensor:
+        self.seen[f"{self.current_epoch}/{key}"] += batch["index"].tolist()
+        return self.lin(batch["features"].float()).mean()
+
+    def training_step(self, batch, i):
+        if "index" in batch:
+            return self._record("train", batch)
+        return sum(self._record(k, b) for k, b in batch.items() if b is not None)
+
+    def on_train_end(self) -> None:
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as f:
+            json.dump(self.seen, f)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Grid(Recorder):
+    """Four loaders, one per case of CASES, each over its own dataset."""
+
+    def __init__(self, out: str, store: str, ref: str, spawned: bool) -> None:
+        super().__init__(out)
+        self.store, self.ref, self.spawned = store, ref, spawned
+        self.early = {k: self._dataset() for k, (early, _) in CASES.items() if early}
+
+    def _dataset(self) -> featstore.FeatureDataset:
+        return featstore.open_store(self.store).dataset(self.ref, batch_size=25, seed=3)
+
+    def train_dataloader(self):
+        from lightning.pytorch.utilities import CombinedLoader
+
+        loaders = {k: DataLoader(self.early[k] if early else self._dataset(), batch_size=None, num_workers=2,
+                                 persistent_workers=persistent, timeout=300,
+                                 multiprocessing_context="fork" if self.spawned and k != "early-persistent" else None)
+                   for k, (early, persistent) in CASES.items()}
+        return CombinedLoader(loaders, mode="max_size")
+
+
+def _trainer(strategy: str, **kw) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def grid(strategy: str, store: str, ref: str, out: str) -> None:
+    _trainer(strategy, max_epochs=2, enable_checkpointing=False).fit(Grid(out, store, ref, strategy == "ddp_spawn"))
+
+
+def datamodule(strategy: str, store: str, ref: str, out: str, steps: int) -> None:
+    from featstore.lightning import FeatureDataModule, LoaderOptions
+
+    def dm():
+        return FeatureDataModule(store, train=ref, val=ref, batch_size=25, seed=5,
+                                 loader=LoaderOptions(num_workers=2, persistent_workers=True))
+
+    # A checkpoint after STEPS steps, taken while the epoch runs on (Lightning marks an epoch that
+    # max_steps stops as finished, so the run goes one step further and the test uses STEPS).
+    every = pl.callbacks.ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=steps, save_top_k=-1,
+                                         save_on_train_epoch_end=False)
+    _trainer(strategy, max_steps=steps + 1, limit_val_batches=0, callbacks=[every]).fit(
+        Recorder(os.path.join(out, "first")), datamodule=dm())
+    _trainer(strategy, max_epochs=2, enable_checkpointing=False, limit_val_batches=2).fit(
+        Recorder(os.path.join(out, "second")), datamodule=dm(), ckpt_path=os.path.join(out, "mid.ckpt"))
+
+
+def main(strategy: str, store: str, ref: str, out: str, steps: str | None = None) -> None:
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging, in this script only
+    for sub in ("grid", "first", "second"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
+    grid(strategy, store, ref, os.path.join(out, "grid"))
+    if steps is not None:
+        datamodule(strategy, store, ref, out, int(steps))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,109 @@
+"""Real Lightning Trainers and torchrun on 2 CPU ranks (gloo): every rank reads its own samples
+wherever the dataset was built, every epoch is a new order without set_epoch, and
+featstore.lightning's data module resumes a mid-epoch checkpoint with every sample once.
+
+Each run is a subprocess (tests/lightning_child.py, tests/torchrun_child.py); one Trainer covers
+the four dataset cases of a strategy at once, to keep 2-core CI cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import featstore
+from featstore import ComputeOptions
+
+from .lightning_child import CASES
+from .models import TinyA, VectorData
+from .test_clients import figures
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 400  # 4 consumers (2 ranks x 2 workers) of 100 samples: no padding, so ranks are disjoint
+
+
+@pytest.fixture(scope="module")
+def version(tmp_path_factory, dask_client):
+    store = featstore.open_store(tmp_path_factory.mktemp("lightning") / "store")
+    return store.compute("lightning/v", model=TinyA(), dataset=VectorData(N), keep=["target"],
+                         outputs={"features": "float16", "logits": "float32"}, samples_per_shard=32,
+                         client=dask_client, options=ComputeOptions(progress=False, chunk_rows=16))
+
+
+def _run(args: list[str], timeout: float = 600) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+STEPS = 3  # the data module's first run stops here, mid-epoch (of 8 steps per rank and epoch)
+
+
+@pytest.fixture(scope="module")
+def runs(version, tmp_path_factory):
+    """Each strategy's child run, once: ``ddp`` also runs the data module's two fits (in the
+    same processes, to pay Lightning's start-up once)."""
+    done: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp(strategy)
+            _run(["-m", "tests.lightning_child", strategy, version.storage.url, version.ref, str(out),
+                  *([str(STEPS)] if strategy == "ddp" else [])])
+            done[strategy] = out
+        return done[strategy]
+    return run
+
+
+def _ranks(out: Path) -> list[dict[str, list[int]]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_split(ranks: list[dict[str, list[int]]], key: str, what: str) -> dict[str, int]:
+    a, b = ranks[0][key], ranks[1][key]
+    assert len(a) == len(b), f"{what}: uneven ranks"
+    assert not set(a) & set(b), f"{what}: {len(set(a) & set(b))} samples read by both ranks"
+    got = figures(a + b)
+    assert got == {"rows": N, "duplicates": 0, "missing": 0}, (what, got)
+    return got
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
+def test_lightning_ranks_and_epochs_wherever_the_dataset_is_built(runs, strategy):
+    ranks = _ranks(runs(strategy) / "grid")
+    for case in CASES:
+        for epoch in (0, 1):
+            _check_split(ranks, f"{epoch}/{case}", f"{strategy} {case} epoch {epoch}")
+        assert ranks[0][f"0/{case}"] != ranks[0][f"1/{case}"], f"{case}: epoch 1 repeated epoch 0's order"
+        print(f"\n{strategy} {case}: per epoch {figures(ranks[0][f'1/{case}'] + ranks[1][f'1/{case}'])}")
+
+
+@pytest.mark.timeout(660)
+def test_lightning_data_module_resumes_a_mid_epoch_checkpoint_exactly_once(runs):
+    out = runs("ddp")
+    first, second = _ranks(out / "first"), _ranks(out / "second")
+    assert all(len(r["0/train"]) == (STEPS + 1) * 25 for r in first)  # one step past the checkpoint
+    joined = [{"0/train": f["0/train"][:STEPS * 25] + s["0/train"], "1/train": s["1/train"]}
+              for f, s in zip(first, second, strict=True)]
+    epoch0 = _check_split(joined, "0/train", "data module, epoch 0 interrupted and resumed")
+    _check_split(joined, "1/train", "data module, epoch 1")
+    assert joined[0]["0/train"] != joined[0]["1/train"]
+    print(f"\ndata module resumed at step {STEPS}: epoch 0 {epoch0}")
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_from_the_environment_and_the_process_group(version, tmp_path):
+    _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tests.torchrun_child",
+          version.storage.url, version.ref, str(tmp_path)])
+    ranks = _ranks(tmp_path)
+    for case in ("early-persistent", "late"):
+        for epoch in (0, 1):
+            _check_split(ranks, f"{epoch}/{case}", f"torchrun {case} epoch {epoch}")
+        assert ranks[0][f"0/{case}"] != ranks[0][f"1/{case}"]
