@@ -74,6 +74,8 @@ def sizes(remote) -> dict[str, int]:
 
 
 def batches(ds) -> list[dict[str, torch.Tensor]]:
+    """Epoch 0's batches (iterating again without set_epoch would read the next epoch)."""
+    ds.set_epoch(0)
     return list(ds)
 
 
