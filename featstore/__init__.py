@@ -10,16 +10,17 @@ stream them into Model B's training loop.
 
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
-from .errors import (ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError, EmptyDataset, FeatstoreError,
-                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
-                     NonFiniteOutput, OutputMismatch, SourceMismatch, StoreConflict, StoreFull, StorePermissionDenied,
-                     StoreUnavailable, VersionNotFound)
+from .errors import (ComputeFailed, ConditionalWritesUnsupported, CorruptChunk, DatasetMismatch, DeviceSetupError,
+                     EmptyDataset, FeatstoreError, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
+                     NondeterministicAugment, NonFiniteOutput, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
+                     StorePermissionDenied, StoreUnavailable, VersionNotFound)
 from .ragged import Tokens
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "EmptyDataset",
+    "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch",
+    "DeviceSetupError", "EmptyDataset",
     "FeatureDataset",
     "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",

@@ -14,8 +14,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import (ComputeFailed, ComputeOptions, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput,
-               StoreConflict, StoreUnavailable, VersionNotFound, open_store)
+from . import (ComputeFailed, ComputeOptions, ConditionalWritesUnsupported, CorruptChunk, FeatstoreError,
+               IncompatibleFormat, InvalidInput, StoreConflict, StoreUnavailable, VersionNotFound, open_store)
 
 
 class Exit(enum.IntEnum):
@@ -24,7 +24,7 @@ class Exit(enum.IntEnum):
     OK = 0
     DAMAGED = 1            # verify found damaged shards (or a read hit a corrupt chunk)
     USAGE = 2              # bad arguments or bad input (argparse, InvalidInput)
-    UNAVAILABLE = 3        # the store cannot be reached, or no valid credentials
+    UNAVAILABLE = 3        # the store cannot be reached, no valid credentials, or it ignores conditional creates
     NOT_FOUND = 4          # no such feature set, version or tag
     COMPUTE_FAILED = 5     # Model A or the dataset raised in a task; finished shards are kept
     CONFLICT = 6           # another writer got there first
@@ -33,7 +33,8 @@ class Exit(enum.IntEnum):
 
 
 _EXIT_OF: tuple[tuple[type[BaseException], Exit], ...] = (
-    (CorruptChunk, Exit.DAMAGED), (StoreUnavailable, Exit.UNAVAILABLE), (VersionNotFound, Exit.NOT_FOUND),
+    (CorruptChunk, Exit.DAMAGED), (StoreUnavailable, Exit.UNAVAILABLE),
+    (ConditionalWritesUnsupported, Exit.UNAVAILABLE), (VersionNotFound, Exit.NOT_FOUND),
     (ComputeFailed, Exit.COMPUTE_FAILED), (StoreConflict, Exit.CONFLICT), (IncompatibleFormat, Exit.INCOMPATIBLE),
     (InvalidInput, Exit.USAGE),
 )
@@ -42,7 +43,8 @@ EXIT_CODES_HELP = """exit codes:
   0    ok
   1    verify found damaged data (or a read hit a corrupt chunk)
   2    usage: bad arguments or bad input (import path, outputs, name, ...)
-  3    the store cannot be reached, or there are no valid credentials for it
+  3    the store cannot be reached, or there are no valid credentials for it, or its S3
+       server ignores conditional creates (see the README section 'S3-compatible servers')
   4    no such feature set, version or tag
   5    compute failed: Model A or the dataset raised in a task (finished shards are kept;
        rerun the same command to resume)
