@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import zarr
 from torch.utils.data import DataLoader
 
-from featstore import ComputeOptions, DatasetMismatch
+from featstore import ComputeOptions, DatasetMismatch, InvalidInput
 
-from .models import GrowingData, TinyA
+from .models import GrowingData, Tile, TinyA
 
 SPP = 32
 OUT = {"features": "float32", "logits": "float16"}
@@ -119,3 +120,21 @@ def test_a_child_resumes_without_recomputing_the_parent(local_store, dask_client
     again = run(local_store, 160, dask_client, extends=parent.ref)
     assert again.id == child.id and again.manifest.timings["shards_computed"] == 0
     assert again.verify() == [] and np.array_equal(again.load()["features"], child.load()["features"])
+
+
+def test_samples_per_shard_is_kept_as_given_and_extends_accepts_the_parents_value(local_store, dask_client):
+    """500 rows per shard of ~4 KiB rows: the inner chunk (~1 MiB: 256 rows) does not divide 500,
+    so featstore picks 250-row chunks instead of storing 512-row shards (issue 20)."""
+    wide = dict(model=Tile(85), keep=["target"], outputs={"features": "float32"}, batch_size=100,
+                samples_per_shard=500, client=dask_client, options=QUIET)
+    parent = local_store.compute("wide/set", dataset=GrowingData(1000), **wide)
+    assert (parent.manifest.layout.samples_per_shard, parent.manifest.layout.chunk_rows) == (500, 250)
+    stored = zarr.open_array(parent.zarr_store(), path="features", mode="r")
+    assert stored.shards == (500, 1020) and stored.chunks == (250, 1020)
+    child = local_store.compute("wide/set", dataset=GrowingData(1200), extends=parent, **wide)
+    assert child.manifest.layout.samples_per_shard == 500
+    assert [(b.id, b.first, b.stop) for b in child.manifest.bases] == [(parent.id, 0, 2)]
+    assert child.manifest.timings["shards_computed"] == 1 and child.verify() == []
+    torch.testing.assert_close(child.load()["features"][:1000], parent.load()["features"], rtol=0, atol=0)
+    with pytest.raises(InvalidInput, match="keeps the parent's 500 samples per shard"):
+        local_store.compute("wide/set", dataset=GrowingData(1200), extends=parent, **{**wide, "samples_per_shard": 512})
