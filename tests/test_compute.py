@@ -16,6 +16,7 @@ from featstore import ComputeOptions, InvalidInput, VersionNotFound
 from featstore.writer import choose_layout
 
 from .models import CountingA, TinyA, VectorData, assert_close_across_processes
+from .servers import ALL_STORES
 
 OUTPUTS = {"features": "float16", "logits": "float32"}
 QUIET = ComputeOptions(progress=False)
@@ -31,6 +32,7 @@ def compute(store, client, name="tiny/train", model=None, data=None, **kw):
                          client=client, **kw)
 
 
+@pytest.mark.parametrize("store", ALL_STORES, indirect=True)
 def test_round_trip_equals_model_outputs(store, dask_client):
     data = VectorData(300)
     model = TinyA()

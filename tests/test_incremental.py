@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from featstore import ComputeOptions, DatasetMismatch, InvalidInput
 
 from .models import GrowingData, Tile, TinyA
+from .servers import ALL_STORES
 
 SPP = 32
 OUT = {"features": "float32", "logits": "float16"}
@@ -55,6 +56,7 @@ def test_extends_computes_only_new_samples_and_shares_the_parent_shards(store, d
     assert len(set(per_rank)) == 1 and sum(per_rank) >= 170
 
 
+@pytest.mark.parametrize("store", ALL_STORES, indirect=True)
 def test_deleting_or_gcing_the_parent_never_breaks_the_child(store, dask_client):
     parent = run(store, 96, dask_client)
     child = run(store, 140, dask_client, extends=parent)
