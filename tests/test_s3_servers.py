@@ -77,6 +77,9 @@ def test_the_probe_runs_once_per_process_and_store(proxied, s3_server):
 
 @both_servers
 def test_a_server_that_ignores_if_none_match_is_refused_before_any_write(proxied, s3_server, dask_client):
+    """Before the probe, 4 processes racing one version there all "won" the create, and 2 of 7
+    such races committed a version that could not be read (docs/reliability.md); now the
+    first create of each process is refused and nothing is written."""
     url, proxy, endpoint = proxied
     proxy.set_rules(Rule("ignore_condition", ops=("PUT",), times=None))
     storage = Storage(url, {"endpoint_url": proxy.url})
