@@ -50,12 +50,14 @@ def light_outputs(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
             "logits": torch.randn(n, 1000, generator=g), "target": torch.randint(0, 10, (n,), generator=g)}
 
 
-def write_light(store: featstore.FeatureStore, memory: dict[str, torch.Tensor], compression: str) -> featstore.Version:
-    """The light workload as a version (features stored float16, as the in-memory tensor)."""
+def write_light(store: featstore.FeatureStore, memory: dict[str, torch.Tensor], compression: str,
+                client: Any = None) -> featstore.Version:
+    """The light workload as a version (features stored float16, as the in-memory tensor);
+    ``client``: a Dask cluster to run on (None: the embedded default, started per call)."""
     n = len(memory["target"])
     return store.compute(f"light/{compression}", model=Replay(), dataset=ReplayData(memory, n), input_key=None,
                          keep=["target"], outputs={"features": "float16", "logits": "float32"},
-                         batch_size=BATCH, options=featstore.ComputeOptions(
+                         batch_size=BATCH, client=client, options=featstore.ComputeOptions(
                              progress=False, dataset_id=f"light-{n}", compression=compression))
 
 
