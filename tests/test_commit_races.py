@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = [(0, 32), (0, 32), (0, 64), (1, 32)]
 
 
-def race(url: str, endpoint: str, sync: Path, scheduler: str) -> list[dict]:
+def race(url: str, endpoint: str, sync: Path, scheduler: str, *extra: str) -> list[dict]:
     sync.mkdir()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.race_child", url, endpoint, str(seed), str(spp),
-                               str(sync), str(i), scheduler], cwd=ROOT, stdout=subprocess.PIPE,
+                               str(sync), str(i), scheduler, *extra], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i, (seed, spp) in enumerate(RUNS)]
     deadline = time.monotonic() + 120  # hang guard
