@@ -133,6 +133,8 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         config.chmod(0o600)
         self.ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+        # A socket left by a killed server that had one of these (now free) ports would be in the way.
+        self._remove_sockets()
         args = [self.weed, "-logtostderr", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-dir={data}", "-filer", "-s3", f"-s3.config={config}", "-s3.port.iceberg=0",
                 "-s3.port.lance=0", "-master.telemetry=false", "-master.volumeSizeLimitMB=100",
@@ -188,6 +190,10 @@ class SeaweedFS:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """The unix sockets of this server's ports (weed puts them in /tmp, whatever TMPDIR says)."""
         for port in self.ports.values():
             for folder in {tempfile.gettempdir(), "/tmp"}:
                 for sock in glob.glob(os.path.join(folder, f"seaweedfs-*-{port}.sock")):
