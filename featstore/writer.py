@@ -70,7 +70,8 @@ class ComputeOptions:
             GCS, ...), where each request costs ~10-30 ms and a prefix serves ~5,500 GET/s, so
             bigger objects mean fewer requests (readers fetch the inner chunks they need by
             range, so their memory does not grow with the shard). See docs/scale.md.
-        chunk_rows: rows per Zarr chunk inside a shard (None: about 1 MiB of the widest array).
+        chunk_rows: rows per Zarr chunk inside a shard (None: about 1 MiB of the widest array,
+            a divisor of an explicit ``samples_per_shard``; given, it must divide it).
         progress: show a terminal progress bar.
         n_workers: workers of the embedded LocalCluster (None: one per GPU, else one).
         processes: whether the embedded LocalCluster's workers are processes. None: processes
@@ -389,7 +390,9 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.partcodecs`
             and :mod:`featstore.kd`.
         batch_size: samples per forward of A.
-        samples_per_shard: rows per Zarr shard (one object); None picks ~16 MiB shards.
+        samples_per_shard: rows per Zarr shard (one object), kept exactly as given (the inner
+            chunk is picked to divide it; a value no sensible chunk divides is refused, naming
+            values that work); None picks ~16 MiB shards (64 MiB on an object store).
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
             or a scheduler address.
         options: :class:`ComputeOptions`.
