@@ -51,12 +51,14 @@ def light_outputs(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def write_light(store: featstore.FeatureStore, memory: dict[str, torch.Tensor], compression: str,
-                samples_per_shard: int | None = None) -> featstore.Version:
-    """The light workload as a version (features stored float16, as the in-memory tensor)."""
+                samples_per_shard: int | None = None, client: Any = None) -> featstore.Version:
+    """The light workload as a version (features stored float16, as the in-memory tensor);
+    ``client``: a Dask cluster to run on (None: the embedded default, started per call)."""
     n = len(memory["target"])
     return store.compute(f"light/{compression}", model=Replay(), dataset=ReplayData(memory, n), input_key=None,
                          keep=["target"], outputs={"features": "float16", "logits": "float32"},
-                         batch_size=BATCH, samples_per_shard=samples_per_shard, options=featstore.ComputeOptions(
+                         batch_size=BATCH, samples_per_shard=samples_per_shard, client=client,
+                         options=featstore.ComputeOptions(
                              progress=False, dataset_id=f"light-{n}", compression=compression))
 
 

@@ -11,23 +11,20 @@ stream them into Model B's training loop.
 from ._version import __version__
 from .dataset import FeatureDataset, ReaderOptions
 from .diskcache import clear_disk_cache, list_disk_cache
-from .errors import (ClusterUnavailable, ComputeFailed, CorruptChunk, DatasetMismatch, DeviceSetupError,
-                     DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning, FingerprintWarning,
-                     IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey, NondeterministicAugment,
-                     NonFiniteOutput, OutputMismatch,
-                     SourceMismatch, StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied, StoreUnavailable,
-                     VersionNotFound)
+from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk, DatasetMismatch,
+                     DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning,
+                     FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
+                     NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
+                     StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound)
 from .ragged import Tokens
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "ClusterUnavailable", "FeatstoreWarning", "FingerprintWarning", "StoreNotFound",
-    "ComputeFailed", "ComputeOptions", "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError",
-    "EmptyDataset",
-    "FeatureDataset",
-    "FeatureStore", "FeatstoreError", "IncompatibleFormat", "InvalidInput", "InvalidName",
-    "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "OutputMismatch", "ReaderOptions",
-    "SourceMismatch", "StoreConflict", "StoreFull", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version",
-    "VersionNotFound", "clear_disk_cache", "list_disk_cache", "open_store", "__version__",
+    "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
+    "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError", "EmptyDataset", "FeatstoreError",
+    "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
+    "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
+    "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
+    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "__version__",
 ]

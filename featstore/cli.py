@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, CorruptChunk, DeviceSetupError, DistributedSetupError,
-               FeatstoreWarning, IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
-               StoreUnavailable, VersionNotFound, clear_disk_cache, list_disk_cache, open_store)
+from . import (ClusterUnavailable, ComputeFailed, ComputeOptions, ConditionalWritesUnsupported, CorruptChunk,
+               DeviceSetupError, DistributedSetupError, FeatstoreWarning, IncompatibleFormat, InvalidInput,
+               StoreConflict, StoreFull, StoreNotFound, StoreUnavailable, VersionNotFound, clear_disk_cache,
+               list_disk_cache, open_store)
 
 #: Set (to anything but 0) to print the traceback of every error, like ``--debug``.
 DEBUG_ENV = "FEATSTORE_DEBUG"
@@ -33,7 +34,7 @@ class Exit(enum.IntEnum):
     OK = 0
     DAMAGED = 1            # verify found damaged shards (or a read hit a corrupt chunk)
     USAGE = 2              # bad arguments or bad input (argparse, InvalidInput)
-    UNAVAILABLE = 3        # the store cannot be reached or used (credentials, permissions, full)
+    UNAVAILABLE = 3        # the store cannot be reached or used (credentials, permissions, full, no If-None-Match)
     NOT_FOUND = 4          # no such store, feature set, version or tag
     COMPUTE_FAILED = 5     # Model A, its factory or the dataset raised; finished shards are kept
     CONFLICT = 6           # another writer got there first
@@ -47,6 +48,7 @@ class Exit(enum.IntEnum):
 #: tree has its row (tests/test_mistakes.py holds it to the tree and to the README's table).
 _EXIT_OF: tuple[tuple[type[BaseException], Exit], ...] = (
     (CorruptChunk, Exit.DAMAGED), (StoreFull, Exit.UNAVAILABLE), (StoreUnavailable, Exit.UNAVAILABLE),
+    (ConditionalWritesUnsupported, Exit.UNAVAILABLE),
     (StoreNotFound, Exit.NOT_FOUND), (VersionNotFound, Exit.NOT_FOUND), (ComputeFailed, Exit.COMPUTE_FAILED),
     (StoreConflict, Exit.CONFLICT), (IncompatibleFormat, Exit.INCOMPATIBLE), (InvalidInput, Exit.USAGE),
     (ClusterUnavailable, Exit.ENVIRONMENT), (DeviceSetupError, Exit.ENVIRONMENT),
@@ -57,7 +59,8 @@ EXIT_CODES_HELP = """exit codes:
   0    ok
   1    verify found damaged data (or a read hit a corrupt chunk)
   2    usage: bad arguments or bad input (import path, outputs, name, items, ...)
-  3    the store cannot be reached or used: no valid credentials, permission denied, disk full
+  3    the store cannot be reached or used: no valid credentials, permission denied, disk full,
+       or its S3 server ignores conditional creates (see the README section 'S3-compatible servers')
   4    no such store, feature set, version or tag
   5    compute failed: Model A, its factory or the dataset raised (fix it and rerun: finished
        shards are kept)

@@ -81,6 +81,13 @@ class StorePermissionDenied(StoreUnavailable, PermissionError):
     credentials or bucket policy of a remote one. The message names the path and the cause."""
 
 
+class ConditionalWritesUnsupported(FeatstoreError, NotImplementedError):
+    """The store's S3 server ignores ``If-None-Match: *`` on PUT (found by featstore's probe
+    before the first create): commits could not tell two writers apart, so none is made. Use a
+    server (or a path to it) that honours conditional creates; see the README section
+    "S3-compatible servers"."""
+
+
 class StoreFull(FeatstoreError, OSError):
     """The store's disk or quota is full. Nothing is committed; finished shards are kept, so
     freeing space and rerunning ``compute`` resumes."""

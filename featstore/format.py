@@ -579,6 +579,9 @@ def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version:
     if not (isinstance(top, list) and len(top) == 1 and isinstance(top[0], dict)
             and top[0].get("name") == "sharding_indexed"):
         problems.append("the codec chain is not one sharding codec (featstore writes whole shards)")
+    elif (top[0].get("configuration") or {}).get("chunk_shape") != [axis.chunk_rows, *spec.shape]:
+        problems.append(f"inner chunks {(top[0].get('configuration') or {}).get('chunk_shape')!r} but the "
+                        f"manifest says {[axis.chunk_rows, *spec.shape]}")
     names = _codec_names(meta.get("codecs", []))
     if not names or not set(names) <= ALLOWED_CODECS:
         problems.append(f"codecs {names} (featstore writes only {sorted(ALLOWED_CODECS)})")

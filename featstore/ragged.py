@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .chunking import dividing_chunk
 from .errors import InvalidInput, OutputMismatch
 
 #: The per-sample arrays of a version with per-token outputs (reserved field names).
@@ -144,13 +145,20 @@ def token_layout(samples_per_shard: int, max_tokens: int, row_bytes: int) -> tup
     """(token rows per shard, token rows per chunk): every sample of a shard may reach
     ``max_tokens``; chunks of about 1 MiB (a power of two rows, at least 16, dividing the shard).
 
-    >>> token_layout(100, 512, 256)
-    (51200, 4096)
+    A shard size that is no multiple of 16 (``samples_per_shard`` is kept as the user gave it)
+    may leave no power of two that large: then the chunk is a divisor near the target
+    (:func:`featstore.chunking.dividing_chunk`), so chunks never shrink to a few rows.
+
+    >>> token_layout(100, 512, 256), token_layout(500, 77, 256)
+    ((51200, 2048), (38500, 3850))
     """
     per_shard = samples_per_shard * max_tokens
-    chunk = 1 << max(4, min(14, (2**20 // max(row_bytes, 1)).bit_length() - 1))
+    target = 1 << max(4, min(14, (2**20 // max(row_bytes, 1)).bit_length() - 1))
+    chunk = target
     while per_shard % chunk:
         chunk //= 2
+    if chunk < 16:
+        chunk = dividing_chunk(per_shard, target, row_bytes) or chunk
     return per_shard, max(chunk, 1)
 
 

@@ -3,7 +3,8 @@
 Everything featstore writes besides Zarr chunks (manifests, receipts, tags) goes through
 :class:`Storage`, which maps backend errors onto the featstore error tree and offers one atomic
 primitive, :meth:`Storage.create`: write an object only if it does not exist yet
-(``os.link`` locally, ``If-None-Match: *`` on S3). Credentials given in ``storage_options`` are
+(``os.link`` locally, ``If-None-Match: *`` on S3, on a server checked to honour it: see
+:mod:`featstore.s3create`). Credentials given in ``storage_options`` are
 kept in memory only: never logged, never shown in a repr, never written to the store (they do
 travel, pickled, to the worker processes that need them: see the README section "Credentials").
 
@@ -32,6 +33,7 @@ from .errors import (FeatstoreError, InvalidInput, StoreConflict, StoreFull, Sto
                      StoreUnavailable)
 from .manifest import canonical_json, load_json
 from .s3config import plan
+from .s3create import check_honoured, put_if_absent
 from .s3get import S3Getter, shared_getter
 
 _WRITE_ID = "_write_id"
@@ -322,7 +324,8 @@ class Storage:
     def create(self, key: str, data: bytes) -> bool:
         """Write ``data`` only if ``key`` does not exist; return whether this call created it.
 
-        Atomic against concurrent writers: ``os.link`` locally, ``If-None-Match: *`` on S3.
+        Atomic against concurrent writers: ``os.link`` locally, ``If-None-Match: *`` on S3 (on a
+        server found to honour it: else :class:`~featstore.errors.ConditionalWritesUnsupported`).
         """
         path = self.path(key)
         with backend_errors(self.url, path):
@@ -335,19 +338,18 @@ class Storage:
                     return False
                 finally:
                     os.unlink(tmp)
-            try:
-                if "s3" in _protocols(self.fs) or "s3a" in _protocols(self.fs):
-                    self.fs.pipe_file(path, data, mode="create")
-                    return True
-                # Backends without a conditional put: an exists-check and a write under a lock,
-                # atomic among this process's threads, racy across processes (documented).
-                with _CREATE_LOCK:
-                    if self.fs.exists(path):
-                        return False
-                    self.fs.pipe_file(path, data)
-                return True
-            except FileExistsError:
-                return False
+            if self._is_s3:
+                # The server must really honour If-None-Match (checked once per process and
+                # store), and a 412 means "exists" whatever its body (see featstore.s3create).
+                check_honoured(self.fs, self.root, self.url)
+                return put_if_absent(self.fs, path, data)
+            # Backends without a conditional put: an exists-check and a write under a lock,
+            # atomic among this process's threads, racy across processes (documented).
+            with _CREATE_LOCK:
+                if self.fs.exists(path):
+                    return False
+                self.fs.pipe_file(path, data)
+            return True
 
     def create_json(self, key: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create a JSON object exactly once and return the object that is stored.
@@ -388,18 +390,12 @@ class Storage:
 
     def find(self, key: str) -> list[str]:
         """Every object under ``key``, as keys relative to the root."""
-        path = self.path(key)
-        with backend_errors(self.url, path):
-            self.fs.invalidate_cache(path)
-            try:
-                found = self.fs.find(path)
-            except FileNotFoundError:
-                return []
-        root = self.root.rstrip("/") + "/"
-        return sorted(p[len(root):] if p.startswith(root) else p for p in found)
+        return sorted(self._objects(key))
 
-    def find_modified(self, key: str) -> dict[str, float]:
-        """``{key: modification time (epoch seconds)}`` for every object under ``key``."""
+    def _objects(self, key: str) -> dict[str, dict[str, Any]]:
+        """``{key relative to the root: info}`` of every object under ``key``. Folders are not
+        objects: a server that keeps an emptied folder for a while (SeaweedFS cleans them up
+        later) lists it as a prefix, and s3fs's ``find`` then returns the folder itself."""
         path = self.path(key)
         with backend_errors(self.url, path):
             self.fs.invalidate_cache(path)
@@ -408,10 +404,15 @@ class Storage:
             except FileNotFoundError:
                 return {}
         root = self.root.rstrip("/") + "/"
+        return {p[len(root):] if p.startswith(root) else p: info for p, info in found.items()
+                if info.get("type") != "directory"}
+
+    def find_modified(self, key: str) -> dict[str, float]:
+        """``{key: modification time (epoch seconds)}`` for every object under ``key``."""
         out = {}
-        for p, info in found.items():
+        for p, info in self._objects(key).items():
             t = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
-            out[p[len(root):] if p.startswith(root) else p] = t if isinstance(t, (int, float)) else t.timestamp()
+            out[p] = t if isinstance(t, (int, float)) else t.timestamp()
         return out
 
     def exists(self, key: str) -> bool:

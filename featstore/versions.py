@@ -42,9 +42,10 @@ import zarr
 from .codecs import codec_by_name
 from .errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict,
                      StoreUnavailable, VersionNotFound)
-from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, SpreadStore, chunk_key, consolidate,
-                     consolidated_groups, create_arrays, create_views_group, decode_shard_rows, logical_key,
-                     open_array, shard_digest, shard_index, shard_index_bytes, spread_folder, spread_key, view_path)
+from .format import (SPREAD_FOLDER, ChunkRef, MetadataStore, ShardFormat, SpreadStore, check_array_metadata, chunk_key,
+                     consolidate, consolidated_groups, create_arrays, create_views_group, decode_shard_rows,
+                     logical_key, open_array, shard_digest, shard_index, shard_index_bytes, spread_folder, spread_key,
+                     view_path)
 from .manifest import (RECORDS_PER_OBJECT, ArraySpec, Base, Layout, Manifest, Pending, ReceiptRun, ShardReceipt,
                        ShardRecords, canonical_json, decode_records, encode_records, gc_mark_json, load_json,
                        newer_manifest, ref_json, ref_target, tag_json, tag_target)
@@ -1234,6 +1235,14 @@ class Catalog:
         for i in missing:
             if i not in by_index:
                 raise ComputeFailed(f"shard {i} of {key} has no receipt after the run; rerun compute.")
+        # A receipt for other rows than this layout's shard was written under another layout
+        # (a second claim of the folder): its shard cannot be committed as this one's.
+        foreign = [i for i in range(layout.n_shards) if (by_index[i].start, by_index[i].stop) != layout.shard_range(i)]
+        if foreign:
+            forget_receipts(self.storage, key, foreign)
+            raise ComputeFailed(f"the receipts of shards {foreign[:10]} of {key} are for other rows than "
+                                f"{layout.samples_per_shard} samples per shard: another run wrote them with "
+                                "another layout; nothing was committed. Rerun compute: those shards are recomputed.")
         return [by_index[i] for i in range(layout.n_shards)]
 
     def write_records(self, name: str, vid: str, receipts: Sequence[ShardReceipt],
@@ -1289,13 +1298,34 @@ class Catalog:
         return self._version(manifest)
 
     def _check_stored(self, manifest: Manifest) -> None:
-        """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage (every
-        view's, with views)."""
+        """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage and
+        every array's stored metadata is the manifest's layout (every view's, with views)."""
         vkey = version_key(manifest.name, manifest.id)
         have = stored_objects(self.storage, vkey, manifest.layout.spread)
         views: list[int | None] = [None] if manifest.views is None else list(range(manifest.views.count))
         for view in views:
             self._check_group(manifest, view_key(vkey, view), have)
+            self._check_layout(manifest, view_key(vkey, view))
+
+    def _check_layout(self, manifest: Manifest, key: str) -> None:
+        """Raise :class:`ComputeFailed` unless each array's ``zarr.json`` in the group at ``key``
+        describes the manifest's layout (shape, shard and chunk rows, dtype, codecs): a version
+        whose metadata another writer changed would be committed unreadable (issue 20)."""
+        found = read_many(self.storage, [f"{key}/{a}/zarr.json" for a in manifest.arrays])
+        ref, bad = f"{manifest.name}@{manifest.id}", []
+        for (name, spec), data in zip(manifest.arrays.items(), found.values(), strict=True):
+            try:
+                meta = None if data is None else load_json(data, self.storage.child_url(f"{key}/{name}/zarr.json"))
+                check_array_metadata(meta, spec, manifest.layout, version=ref, array=name)
+            except (CorruptChunk, IncompatibleFormat) as exc:
+                bad.append(f"{name}: {exc}")
+        if bad:
+            raise ComputeFailed(
+                f"the stored arrays of {ref} do not match the layout this run computed "
+                f"({manifest.layout.samples_per_shard} samples per shard, {manifest.layout.chunk_rows} per chunk): "
+                f"{bad[0]}{' (and more)' if len(bad) > 1 else ''}. Another writer changed them: nothing was "
+                "committed. If no other compute of it is running, delete the uncommitted version folder "
+                "and rerun compute.")
 
     def _check_group(self, manifest: Manifest, key: str, have: set[str]) -> None:
         """Raise :class:`ComputeFailed` unless every array object of the group at ``key`` is in ``have``."""

@@ -24,6 +24,7 @@ import zarr
 
 from ._version import __version__
 from .events import TOPIC, is_event, run_ended, run_started
+from .chunking import MIN_SHARE, dividing_chunk, nearest_multiples
 from .cluster import Cluster, connect, task_resources, workers
 from .codecs import keep_codec, output_codec
 from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
@@ -70,7 +71,8 @@ class ComputeOptions:
             GCS, ...), where each request costs ~10-30 ms and a prefix serves ~5,500 GET/s, so
             bigger objects mean fewer requests (readers fetch the inner chunks they need by
             range, so their memory does not grow with the shard). See docs/scale.md.
-        chunk_rows: rows per Zarr chunk inside a shard (None: about 1 MiB of the widest array).
+        chunk_rows: rows per Zarr chunk inside a shard (None: about 1 MiB of the widest array,
+            a divisor of an explicit ``samples_per_shard``; given, it must divide it).
         progress: show a terminal progress bar.
         n_workers: workers of the embedded LocalCluster (None: one per GPU, else one).
         processes: whether the embedded LocalCluster's workers are processes. None: processes
@@ -258,20 +260,42 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
 def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | None,
                   chunk_rows: int | None, target_shard_bytes: int) -> Layout:
     """Rows per shard and per chunk: about ``target_shard_bytes`` per shard, at least
-    ``MIN_SHARDS`` shards when N allows (so readers have something to spread), 1 MiB chunks."""
+    ``MIN_SHARDS`` shards when N allows (so readers have something to spread), 1 MiB chunks.
+
+    An explicit ``samples_per_shard`` is kept exactly: the inner chunk is chosen to divide it
+    (:mod:`featstore.chunking`), and a value that no sensible chunk divides, or that an explicit
+    ``chunk_rows`` does not divide, is refused naming values that work.
+
+    >>> choose_layout(10_000, [64], 500, None, 2**24).samples_per_shard
+    500
+    """
     widest = max(max(row_bytes), 1)
     total = max(sum(row_bytes), 1)
-    if chunk_rows is None:
-        chunk_rows = 1 << max(4, min(14, (2**20 // widest).bit_length() - 1))
+    if (samples_per_shard is not None and samples_per_shard < 1) or (chunk_rows is not None and chunk_rows < 1):
+        raise InvalidInput("samples_per_shard and chunk_rows must be positive integers.")
+    target = 1 << max(4, min(14, (2**20 // widest).bit_length() - 1))
     if samples_per_shard is None:
         by_bytes = max(1, target_shard_bytes // total)
         spread = -(-n // MIN_SHARDS)
-        samples_per_shard = max(1, min(by_bytes, spread))
-    if samples_per_shard < 1 or chunk_rows < 1:
-        raise InvalidInput("samples_per_shard and chunk_rows must be positive integers.")
-    chunk_rows = min(chunk_rows, samples_per_shard)
-    samples_per_shard = -(-samples_per_shard // chunk_rows) * chunk_rows
-    return Layout(n_samples=n, samples_per_shard=samples_per_shard, chunk_rows=chunk_rows)
+        chunk_rows = min(chunk_rows or target, max(1, min(by_bytes, spread)))
+        samples_per_shard = -(-max(1, min(by_bytes, spread)) // chunk_rows) * chunk_rows
+        return Layout(n_samples=n, samples_per_shard=samples_per_shard, chunk_rows=chunk_rows)
+    if chunk_rows is None:
+        chunk_rows = dividing_chunk(samples_per_shard, target, widest)
+        if chunk_rows is None:
+            lo, hi = nearest_multiples(samples_per_shard, target)
+            raise InvalidInput(
+                f"samples_per_shard={samples_per_shard} cannot be cut into equal inner chunks of about "
+                f"{target} rows (~1 MiB of the widest array): it has no divisor between {target // MIN_SHARE} "
+                f"and {target}, and a single chunk would be {samples_per_shard * widest / 2**20:.0f} MiB. Use "
+                f"{lo} or {hi} (multiples of {target}), or give ComputeOptions(chunk_rows=...) a number of "
+                f"rows that divides {samples_per_shard}.")
+    elif samples_per_shard % min(chunk_rows, samples_per_shard):
+        lo, hi = nearest_multiples(samples_per_shard, chunk_rows)
+        raise InvalidInput(f"samples_per_shard={samples_per_shard} is not a multiple of chunk_rows={chunk_rows} "
+                           f"(a shard holds whole chunks): use {lo} or {hi}, or a chunk_rows that divides "
+                           f"{samples_per_shard}.")
+    return Layout(n_samples=n, samples_per_shard=samples_per_shard, chunk_rows=min(chunk_rows, samples_per_shard))
 
 
 class _Progress:
@@ -371,7 +395,9 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.partcodecs`
             and :mod:`featstore.kd`.
         batch_size: samples per forward of A.
-        samples_per_shard: rows per Zarr shard (one object); None picks ~16 MiB shards.
+        samples_per_shard: rows per Zarr shard (one object), kept exactly as given (the inner
+            chunk is picked to divide it; a value no sensible chunk divides is refused, naming
+            values that work); None picks ~16 MiB shards (64 MiB on an object store).
         client: None (an embedded LocalCluster is started and closed), a ``distributed.Client``
             or a scheduler address.
         options: :class:`ComputeOptions`.

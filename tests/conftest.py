@@ -1,11 +1,10 @@
-"""Real parts for every test: a moto S3 server on loopback, a Dask LocalCluster, temp folders."""
+"""Real parts for every test: S3 servers on loopback (moto, SeaweedFS), a Dask LocalCluster, temp folders."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import uuid
 
 import pytest
 
@@ -58,25 +57,52 @@ def moto_endpoint():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory):
+    """A real SeaweedFS S3 server (``weed server -s3``) on 127.0.0.1, for the whole session.
+
+    Its one identity has the pinned AWS keys, so clients use the same credential chain as on
+    moto. A server that cannot start fails the tests that need it (never a skip)."""
+    from featstore.testservers import SeaweedFS
+
+    with SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), PINNED["AWS_ACCESS_KEY_ID"],
+                   PINNED["AWS_SECRET_ACCESS_KEY"]) as server:
+        yield server.endpoint
+
+
 @pytest.fixture
-def s3_url(moto_endpoint):
-    """A fresh bucket per test; returns (url, storage_options)."""
-    import boto3
-
-    bucket = f"fs-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/feats", {"endpoint_url": moto_endpoint}
+def s3_server():
+    """The S3 server a test's S3 fixtures use: moto, unless the test parametrizes ``s3_server``
+    (``@both_servers`` from tests/servers.py runs it on moto and on SeaweedFS)."""
+    return "moto"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture
+def s3_endpoint(request, s3_server):
+    """The endpoint URL of the test's S3 server (see ``s3_server``)."""
+    return request.getfixturevalue(f"{s3_server}_endpoint")
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    """A fresh bucket per test on the test's S3 server; returns (url, storage_options)."""
+    from .servers import new_bucket
+
+    return f"s3://{new_bucket(s3_endpoint)}/feats", {"endpoint_url": s3_endpoint}
+
+
+@pytest.fixture(params=["local", "moto"])
 def store(request, tmp_path):
-    """A FeatureStore on local disk and on S3 (moto), for contract tests run on both."""
+    """A FeatureStore on local disk and on S3 (moto), for contract tests run on both; a test
+    parametrized with ``ALL_STORES`` (tests/servers.py) also gets one on SeaweedFS."""
     import featstore
 
     if request.param == "local":
         return featstore.open_store(tmp_path / "store")
-    url, opts = request.getfixturevalue("s3_url")
-    return featstore.open_store(url, storage_options=opts)
+    from .servers import new_bucket
+
+    endpoint = request.getfixturevalue(f"{request.param}_endpoint")
+    return featstore.open_store(f"s3://{new_bucket(endpoint)}/feats", storage_options={"endpoint_url": endpoint})
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""A loopback HTTP proxy in front of the real moto S3 server that injects transient faults.
+"""A loopback HTTP proxy in front of a real S3 server (moto or SeaweedFS) that injects faults.
 
-A moto server cannot fail on purpose, so tests point ``endpoint_url`` at this proxy instead. It
+A real server cannot fail on purpose, so tests point ``endpoint_url`` at this proxy instead. It
 runs in the test process but listens on TCP, so every process that talks to "S3" (the driver,
 Dask workers, DataLoader workers) goes through it and meets the same faults.
 
@@ -11,8 +11,11 @@ Faults, chosen per request by :class:`Rule`:
 - ``"reset"``: the request is read, then the connection is reset (TCP RST), nothing forwarded.
 - ``"timeout"``: the request is read, then nothing is sent for ``stall`` seconds (longer than
   the client's read timeout), then the connection is dropped; nothing forwarded.
-- ``"lost_reply"``: the request IS forwarded and applied by moto, then the connection is reset
-  before the reply reaches the client (the icechunk#2099 case for conditional writes).
+- ``"lost_reply"``: the request IS forwarded and applied by the server, then the connection is
+  reset before the reply reaches the client (the icechunk#2099 case for conditional writes).
+- ``"ignore_condition"``: the request is forwarded without its ``If-None-Match`` header (and
+  re-signed, for a server that checks signatures), as a server that ignores conditional creates
+  would treat it: a second create of a key overwrites it. Not a failure: no retry follows.
 
 A "request" is identified by (method, path, query, Range): its first ``times`` attempts fail,
 the next ones pass, so a client that retries sees a few consecutive failures and then success.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import http.client
+import os
 import random
 import re
 import socket
@@ -40,7 +44,11 @@ _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "SlowDown", "Please reduce your request rate."),
 }
-KINDS = ("503", "500", "reset", "timeout", "lost_reply")
+KINDS = ("503", "500", "reset", "timeout", "lost_reply", "ignore_condition")
+#: The kinds after which the client sees a failure (and retries).
+FAILURES = frozenset(KINDS) - {"ignore_condition"}
+#: What ``ignore_condition`` removes from a request.
+CONDITION_HEADERS = frozenset({"if-none-match"})
 
 
 def classify(method: str, path: str, query: str) -> str:
@@ -109,7 +117,7 @@ class FaultProxy:
         self.requests: collections.Counter = collections.Counter()  # by op
         self.faults: collections.Counter = collections.Counter()  # by (kind, op)
         self.attempts: collections.Counter = collections.Counter()  # by request identity
-        self.forwarded: collections.Counter = collections.Counter()  # by op, reached moto
+        self.forwarded: collections.Counter = collections.Counter()  # by op, reached the server
         self.clients: collections.Counter = collections.Counter()  # by (op, path, client): who sent it
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
         self._faulted: set = set()
@@ -184,7 +192,8 @@ class FaultProxy:
                 if kind is not None:
                     self._owner[ident] = rule
                     self.faults[(kind, op)] += 1
-                    self._faulted.add(ident)
+                    if kind in FAILURES:
+                        self._faulted.add(ident)
                     return kind
         return None
 
@@ -219,13 +228,15 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    def _forward(self, body: bytes, drop: frozenset[str] = frozenset()) -> tuple[int, list[tuple[str, str]], bytes]:
+        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP]
+        if drop & {k.lower() for k, _ in headers}:
+            headers = resigned([(k, v) for k, v in headers if k.lower() not in drop], self.command, self.path)
         conn = http.client.HTTPConnection(*self.owner.upstream, timeout=60)
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-            for k, v in self.headers.items():
-                if k.lower() not in _HOP:
-                    conn.putheader(k, v)
+            for k, v in headers:
+                conn.putheader(k, v)
             if body or self.command in ("PUT", "POST"):
                 conn.putheader("Content-Length", str(len(body)))
             conn.endheaders(body or None)
@@ -271,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.owner._stop.wait(self.owner.stall)
             self._reset()
             return
-        status, headers, data = self._forward(body)
+        status, headers, data = self._forward(body, CONDITION_HEADERS if kind == "ignore_condition" else frozenset())
         with self.owner.lock:
             self.owner.forwarded[op] += 1
         if kind == "lost_reply":
@@ -280,6 +291,30 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, headers, data)
 
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+
+def resigned(headers: list[tuple[str, str]], method: str, path: str) -> list[tuple[str, str]]:
+    """``headers`` signed again (SigV4, the environment's test credentials) after some were
+    removed: a server that checks signatures (SeaweedFS) would refuse the client's signature,
+    which covers every header it sent. The payload hash the client sent is kept."""
+    from botocore.auth import S3SigV4Auth, SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    class KeepPayloadHash(S3SigV4Auth):
+        _modify_request_before_signing = SigV4Auth._modify_request_before_signing
+
+    auth = next((v for k, v in headers if k.lower() == "authorization"), None)
+    if auth is None:
+        return headers  # an unsigned request stays unsigned
+    scope = re.search(r"Credential=([^/,]+)/\d{8}/([^/]+)/", auth)
+    assert scope and scope.group(1) == os.environ["AWS_ACCESS_KEY_ID"], "signed with other credentials"
+    kept = {k: v for k, v in headers if k.lower() not in ("authorization", "x-amz-date")}
+    host = next(v for k, v in kept.items() if k.lower() == "host")
+    request = AWSRequest(method=method, url=f"http://{host}{path}", headers=kept)
+    creds = Credentials(scope.group(1), os.environ["AWS_SECRET_ACCESS_KEY"])
+    KeepPayloadHash(creds, "s3", scope.group(2)).add_auth(request)
+    return list(request.headers.items())
 
 
 def client_of(user_agent: str) -> str:

@@ -166,6 +166,18 @@ class Raises(nn.Module):
         raise RuntimeError("boom from Model A")
 
 
+class Tile(nn.Module):
+    """Model A whose one output is its input tiled ``reps`` times: wide rows, exact values."""
+
+    def __init__(self, reps: int) -> None:
+        super().__init__()
+        self.reps = reps
+        self.w = nn.Parameter(torch.ones(1))  # something to digest
+
+    def forward(self, x):
+        return {"features": x.repeat(1, self.reps)}
+
+
 class IdData(torch.utils.data.Dataset):
     """Items ``{"input": [id, id+0.5, ...]}`` so a model can see which sample it runs on."""
 

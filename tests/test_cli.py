@@ -10,6 +10,7 @@ from featstore import ComputeOptions
 from featstore.cli import build_parser, main, parse_outputs, parse_value
 
 from .models import TinyA, VectorData
+from .servers import ALL_STORES, new_bucket
 
 
 def _subparsers():
@@ -34,17 +35,22 @@ def test_option_parsing():
     assert parse_value("8") == 8 and parse_value("false") is False and parse_value("a:b") == "a:b"
 
 
-def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client):
+@pytest.mark.parametrize("where", ALL_STORES)
+def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client, where, request):
     import featstore
 
-    root = str(tmp_path / "store")
-    store = featstore.open_store(root)
+    if where == "local":
+        root, options = str(tmp_path / "store"), {}
+    else:  # an S3 server, reached through --storage-option as a user would
+        endpoint = request.getfixturevalue(f"{where}_endpoint")
+        root, options = f"s3://{new_bucket(endpoint)}/feats", {"endpoint_url": endpoint}
+    store = featstore.open_store(root, storage_options=options or None)
     v = store.compute("c/set", model=TinyA(), dataset=VectorData(64),
                       outputs={"features": "float32", "logits": "float32"}, batch_size=16,
                       samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
 
     def run(*argv: str) -> tuple[int, object]:
-        code = main([*argv, "--json"])
+        code = main([*argv, *(a for k, val in options.items() for a in ("--storage-option", f"{k}={val}")), "--json"])
         return code, json.loads(capsys.readouterr().out)
 
     code, rows = run("list", root)
@@ -63,6 +69,9 @@ def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client):
     assert code == 0 and out["deleted"]
     code, out = run("info", root, "c/set")
     assert code == 4 and out["error"] == "VersionNotFound"
+    # Nothing is left to collect: no object, and no folder a server keeps a while (SeaweedFS).
+    code, out = run("gc", root, "--older-than", "0")
+    assert code == 0 and out["deleted"] == [] and store.storage.find("") == []
 
 
 @pytest.mark.parametrize("option", ["endpoint_url=http://127.0.0.1:1", "anon=true"])

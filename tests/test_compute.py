@@ -12,9 +12,11 @@ import torch
 import zarr
 
 import featstore
-from featstore import ComputeOptions, VersionNotFound
+from featstore import ComputeOptions, InvalidInput, VersionNotFound
+from featstore.writer import choose_layout
 
 from .models import CountingA, TinyA, VectorData, assert_close_across_processes
+from .servers import ALL_STORES
 
 OUTPUTS = {"features": "float16", "logits": "float32"}
 QUIET = ComputeOptions(progress=False)
@@ -30,6 +32,7 @@ def compute(store, client, name="tiny/train", model=None, data=None, **kw):
                          client=client, **kw)
 
 
+@pytest.mark.parametrize("store", ALL_STORES, indirect=True)
 def test_round_trip_equals_model_outputs(store, dask_client):
     data = VectorData(300)
     model = TinyA()
@@ -312,3 +315,17 @@ def test_test_models_compute_exactly():
                         assert torch.equal(torch.cat([p[k] for p in parts]), ref[k]), (k, n_threads, bs)
         finally:
             torch.set_num_threads(threads)
+
+
+def test_a_shard_size_no_chunk_divides_is_refused_naming_sizes_that_work(local_store, dask_client):
+    # 4 KiB rows: ~1 MiB inner chunks are 256 rows; 4099 (a prime) has no divisor near that, and
+    # as one chunk it would be 16 MiB: refused, never rounded (it used to become 4352).
+    with pytest.raises(InvalidInput, match=r"samples_per_shard=4099 .* Use 4096 or 4352"):
+        choose_layout(10_000, [4096], 4099, None, 2**26)
+    assert choose_layout(10_000, [4096], 499, None, 2**26).chunk_rows == 499  # 2 MiB: one chunk
+    # An explicit chunk that does not divide the shard: refused before anything is written.
+    with pytest.raises(InvalidInput, match=r"not a multiple of chunk_rows=128.*use 384 or 512"):
+        local_store.compute("odd/set", model=TinyA(), dataset=VectorData(64), outputs={"features": "float16"},
+                            batch_size=32, samples_per_shard=500, client=dask_client,
+                            options=ComputeOptions(progress=False, chunk_rows=128))
+    assert local_store.storage.find("") == []

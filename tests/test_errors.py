@@ -168,6 +168,7 @@ BUILTIN_BASES = {
     "EmptyDataset": ValueError, "MissingInputKey": ValueError, "OutputMismatch": ValueError,
     "NonFiniteOutput": ValueError, "VersionNotFound": KeyError, "StoreConflict": FileExistsError,
     "StoreUnavailable": ConnectionError, "StorePermissionDenied": PermissionError, "StoreFull": OSError,
+    "ConditionalWritesUnsupported": NotImplementedError,
     "IncompatibleFormat": ValueError, "CorruptChunk": OSError, "ComputeFailed": RuntimeError,
     "DeviceSetupError": RuntimeError, "DatasetMismatch": ValueError, "NondeterministicAugment": ValueError,
     "SourceMismatch": ValueError, "StoreNotFound": FileNotFoundError, "ClusterUnavailable": ConnectionError,

@@ -1,4 +1,5 @@
-"""Transient S3 faults, injected by a loopback proxy in front of the real moto server.
+"""Transient S3 faults, injected by a loopback proxy in front of a real S3 server (moto; the
+lost-reply tests on SeaweedFS too).
 
 The proxy sits on TCP, so the driver, the Dask workers and the DataLoader workers all meet the
 faults. Each test prints the figures it measured (faults injected, retries seen, attempts before
@@ -8,7 +9,6 @@ the typed error): run with ``-s`` to see them.
 from __future__ import annotations
 
 import time
-import uuid
 
 import boto3
 import numpy as np
@@ -18,10 +18,12 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, StoreConflict, StoreUnavailable
+from featstore.s3create import PROBE_FOLDER
 from featstore.storage import S3_MAX_ATTEMPTS, Storage
 
 from .faultproxy import FaultProxy, Rule
 from .models import TinyA, VectorData
+from .servers import both_servers, new_bucket
 
 N, SPP = 256, 64
 OUT = {"features": "float16", "logits": "float32"}
@@ -30,18 +32,26 @@ READ_TIMEOUT = 2  # seconds; the proxy's "timeout" fault stalls longer than this
 
 
 @pytest.fixture(scope="module")
-def proxy(moto_endpoint):
-    p = FaultProxy(moto_endpoint, stall=READ_TIMEOUT + 2).start()
-    yield p
-    p.stop()
+def proxies():
+    """One proxy per S3 server, started when a test first needs it."""
+    made: dict[str, FaultProxy] = {}
+    yield made
+    for p in made.values():
+        p.stop()
 
 
 @pytest.fixture
-def faulty(proxy, moto_endpoint):
-    """A fresh bucket reached through the proxy: (url, storage_options, boto3 client direct to moto)."""
-    bucket = f"flt-{uuid.uuid4().hex[:12]}"
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
-    s3.create_bucket(Bucket=bucket)
+def proxy(proxies, s3_server, s3_endpoint):
+    if s3_server not in proxies:
+        proxies[s3_server] = FaultProxy(s3_endpoint, stall=READ_TIMEOUT + 2).start()
+    return proxies[s3_server]
+
+
+@pytest.fixture
+def faulty(proxy, s3_endpoint):
+    """A fresh bucket reached through the proxy: (url, storage_options, boto3 client direct to the server)."""
+    bucket = new_bucket(s3_endpoint, "flt")
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     proxy.set_rules()
     proxy.reset_counts()
     # A short read timeout is the user's choice (the stall fault would otherwise take 15 s);
@@ -133,15 +143,19 @@ def test_compute_and_read_survive_transient_faults(faulty, proxy, reference, das
 
 
 @pytest.mark.timeout(120)
+@both_servers
 def test_lost_reply_of_conditional_write_is_our_success(faulty, proxy):
     url, opts, s3, bucket = faulty
     storage = Storage(url, opts)
     proxy.set_rules(Rule("lost_reply", ops=("PUT",), path=r"/mine\.json\?", times=1))
     stored = storage.create_json("x/mine.json", {"v": 1})
-    print(f"\n[lost-reply] faults={dict(proxy.faults)} forwarded PUTs={proxy.forwarded['PUT']} "
-          f"attempts={dict((k[1], n) for k, n in proxy.attempts.items() if k[0] == 'PUT')}")
+    attempts = {k[1]: n for k, n in proxy.attempts.items() if k[0] == "PUT"}
+    print(f"\n[lost-reply] faults={dict(proxy.faults)} forwarded PUTs={proxy.forwarded['PUT']} attempts={attempts}")
     assert proxy.faults[("lost_reply", "PUT")] == 1
-    assert proxy.forwarded["PUT"] == 2  # the first PUT landed, the retry met If-None-Match: 412
+    probes = sum(n for path, n in attempts.items() if f"/{PROBE_FOLDER}/" in path)
+    assert probes == 2 and len(attempts) == 2  # this process's first create on the store probed it
+    # the first PUT landed, the retry met If-None-Match: 412 (whatever the server's reply body)
+    assert proxy.forwarded["PUT"] - probes == 2 and attempts[f"/{bucket}/feats/x/mine.json"] == 2
     assert stored["v"] == 1 and storage.read_json("x/mine.json") == stored
 
     # A real competing writer is still a conflict, with or without a lost reply of our own.
@@ -155,6 +169,7 @@ def test_lost_reply_of_conditional_write_is_our_success(faulty, proxy):
 
 
 @pytest.mark.timeout(180)
+@both_servers
 def test_lost_reply_of_the_manifest_commits_once(faulty, proxy, dask_client, reference):
     url, opts, s3, bucket = faulty
     store = featstore.open_store(url, storage_options=opts)

@@ -9,11 +9,13 @@ import re
 import numpy as np
 import pytest
 import torch
+import zarr
 from torch.utils.data import DataLoader
 
-from featstore import ComputeOptions, DatasetMismatch
+from featstore import ComputeOptions, DatasetMismatch, InvalidInput
 
-from .models import GrowingData, TinyA
+from .models import GrowingData, Tile, TinyA
+from .servers import ALL_STORES
 
 SPP = 32
 OUT = {"features": "float32", "logits": "float16"}
@@ -72,6 +74,7 @@ def test_extends_computes_only_new_samples_and_shares_the_parent_shards(store, d
     assert len(set(per_rank)) == 1 and sum(per_rank) >= 170
 
 
+@pytest.mark.parametrize("store", ALL_STORES, indirect=True)
 def test_deleting_or_gcing_the_parent_never_breaks_the_child(store, dask_client):
     parent = run(store, 96, dask_client)
     child = run(store, 140, dask_client, extends=parent)
@@ -141,3 +144,21 @@ def test_a_child_resumes_without_recomputing_the_parent(local_store, dask_client
     again = run(local_store, 160, dask_client, extends=parent.ref)
     assert again.id == child.id and again.manifest.timings["shards_computed"] == 0
     assert again.verify() == [] and np.array_equal(again.load()["features"], child.load()["features"])
+
+
+def test_samples_per_shard_is_kept_as_given_and_extends_accepts_the_parents_value(local_store, dask_client):
+    """500 rows per shard of ~4 KiB rows: the inner chunk (~1 MiB: 256 rows) does not divide 500,
+    so featstore picks 250-row chunks instead of storing 512-row shards (issue 20)."""
+    wide = dict(model=Tile(85), keep=["target"], outputs={"features": "float32"}, batch_size=100,
+                samples_per_shard=500, client=dask_client, options=QUIET)
+    parent = local_store.compute("wide/set", dataset=GrowingData(1000), **wide)
+    assert (parent.manifest.layout.samples_per_shard, parent.manifest.layout.chunk_rows) == (500, 250)
+    stored = zarr.open_array(parent.zarr_store(), path="features", mode="r")
+    assert stored.shards == (500, 1020) and stored.chunks == (250, 1020)
+    child = local_store.compute("wide/set", dataset=GrowingData(1200), extends=parent, **wide)
+    assert child.manifest.layout.samples_per_shard == 500
+    assert [(b.id, b.first, b.stop) for b in child.manifest.bases] == [(parent.id, 0, 2)]
+    assert child.manifest.timings["shards_computed"] == 1 and child.verify() == []
+    torch.testing.assert_close(child.load()["features"][:1000], parent.load()["features"], rtol=0, atol=0)
+    with pytest.raises(InvalidInput, match="keeps the parent's 500 samples per shard"):
+        local_store.compute("wide/set", dataset=GrowingData(1200), extends=parent, **{**wide, "samples_per_shard": 512})

@@ -1,7 +1,7 @@
 """SIGKILL a real computing process at random points, resume, and compare with a clean run.
 
-CI runs 4 kills on local disk and 2 on S3; FEATSTORE_KILLS_LOCAL / FEATSTORE_KILLS_S3 raise
-them for a longer local run.
+CI runs 4 kills on local disk, 2 on moto and 1 on SeaweedFS; FEATSTORE_KILLS_LOCAL /
+FEATSTORE_KILLS_S3 / FEATSTORE_KILLS_SEAWEEDFS raise them for a longer run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from featstore import ComputeOptions
 from featstore.tasks import PROBE_ROWS
 
 from .models import TinyA, VectorData
+from .servers import ALL_STORES, new_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 N, SPP = 512, 32
@@ -30,7 +31,8 @@ OUT = {"features": "float16", "logits": "float32"}
 # Kill/resume cycles per backend (each ~5-10 s); raise them for a soak run, e.g.
 # FEATSTORE_KILLS_LOCAL=50. The defaults keep CI's whole suite under its time budget.
 KILLS = {"local": int(os.environ.get("FEATSTORE_KILLS_LOCAL", 4)),
-         "s3": int(os.environ.get("FEATSTORE_KILLS_S3", 2))}
+         "moto": int(os.environ.get("FEATSTORE_KILLS_S3", 2)),
+         "seaweedfs": int(os.environ.get("FEATSTORE_KILLS_SEAWEEDFS", 1))}
 
 
 def compute(store, client, data, seed=0):
@@ -69,7 +71,7 @@ def receipts_of(store) -> set[int]:
 
 
 @pytest.mark.timeout(900)  # a hang guard: 10 or 5 kill/resume cycles take minutes on a loaded 2-core machine
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ALL_STORES)
 def test_sigkill_at_random_points_then_resume(backend, tmp_path, dask_client, clean_digests, request):
     clean_id, clean_shards, clean_values = clean_digests
     rng = random.Random(f"kill-{backend}")
@@ -78,8 +80,8 @@ def test_sigkill_at_random_points_then_resume(backend, tmp_path, dask_client, cl
         if backend == "local":
             url, endpoint = str(tmp_path / f"store{attempt}"), None
         else:
-            url, opts = request.getfixturevalue("s3_url")
-            url, endpoint = f"{url}{attempt}", opts["endpoint_url"]
+            endpoint = request.getfixturevalue(f"{backend}_endpoint")
+            url = f"s3://{new_bucket(endpoint)}/feats"
         store = featstore.open_store(url, {"endpoint_url": endpoint} if endpoint else None)
         kill_when(spawn_child(url, endpoint), lambda s=store: receipts_of(s),
                   at_least=rng.randrange(0, SHARDS - 2), extra_delay=rng.uniform(0, 0.3))

@@ -1,5 +1,7 @@
 """One contract for :class:`featstore.storage.Storage`, run against every backend featstore
-supports: the local filesystem, fsspec's in-memory filesystem and S3 (the moto server).
+supports: the local filesystem, fsspec's in-memory filesystem and S3 (the moto server, and a real
+SeaweedFS server, whose replies are not AWS's: its 412 to a conditional create has no
+``<Condition>`` element, for one).
 
 Everything above Storage (claims, commits, tags) relies on exactly these properties, so a new
 backend is supported when this class passes against it.
@@ -15,10 +17,13 @@ import pytest
 from featstore.errors import FeatstoreError, StoreConflict
 from featstore.storage import Storage
 
+from ..servers import new_bucket
 
-@pytest.fixture(params=["local", "memory", "s3", "s3-s3fs"])
+
+@pytest.fixture(params=["local", "memory", "s3", "s3-s3fs", "seaweedfs", "seaweedfs-s3fs"])
 def storage(request, tmp_path, monkeypatch):
-    """S3 twice: reads through obstore (the default) and through s3fs (FEATSTORE_S3_CLIENT)."""
+    """Each S3 server twice: reads through obstore (the default) and through s3fs
+    (FEATSTORE_S3_CLIENT); "s3" is moto."""
     if request.param == "local":
         yield Storage(str(tmp_path / "root"))
     elif request.param == "memory":
@@ -26,10 +31,12 @@ def storage(request, tmp_path, monkeypatch):
         yield s
         s.delete("", recursive=True)
     else:
-        monkeypatch.setenv("FEATSTORE_S3_CLIENT", "s3fs" if request.param == "s3-s3fs" else "obstore")
-        url, opts = request.getfixturevalue("s3_url")
-        s = Storage(url, opts)
-        assert (s._s3_getter() is None) == (request.param == "s3-s3fs")  # the client under test
+        server, _, client = request.param.partition("-")
+        monkeypatch.setenv("FEATSTORE_S3_CLIENT", client or "obstore")
+        endpoint = request.getfixturevalue("moto_endpoint" if server == "s3" else f"{server}_endpoint")
+        url = f"s3://{new_bucket(endpoint)}/root"
+        s = Storage(url, {"endpoint_url": endpoint})
+        assert (s._s3_getter() is None) == (client == "s3fs")  # the client under test
         yield s
 
 
