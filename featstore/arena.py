@@ -115,7 +115,16 @@ class Arena:
         """Map ``path`` into a slot (or find it mapped with the same content) and hold the slot
         until :meth:`unpin`. None when the file does not fit a slot or every slot is held.
         Raises ``FileNotFoundError`` for a missing file."""
-        st = os.stat(path)
+        # The signature is the opened file's (see cache.MappedFiles.get: a path replaced between
+        # a stat and the open would be held under the new file's signature with the old bytes).
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return self._pin_fd(path, fd)
+        finally:
+            os.close(fd)
+
+    def _pin_fd(self, path: str, fd: int) -> Slot | None:
+        st = os.fstat(fd)
         sig = (st.st_ino, st.st_size, st.st_mtime_ns)
         if not 0 < st.st_size <= self.slot_bytes:
             return None
@@ -131,7 +140,6 @@ class Arena:
             index = self._free_slot()
             if index is None:
                 return None
-            fd = os.open(path, os.O_RDONLY)
             try:
                 # Faulted in here, in one call, not page by page in the batch gathers.
                 _libc().map(self.base + index * self.slot_bytes, st.st_size, _PROT_READ,
@@ -139,8 +147,6 @@ class Arena:
             except OSError:
                 self._free.append(index)
                 raise
-            finally:
-                os.close(fd)
             slot = Slot(index, sig, st.st_size, pins=1)
             self._slots[path] = slot
             self._mapped += slot.nbytes

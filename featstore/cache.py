@@ -177,16 +177,27 @@ class MappedFiles:
         held already is mapped for this use alone, not kept (unmapped once the caller drops
         it): bytes read once, such as a compressed shard decoded into the shared cache, would
         otherwise stay resident in every process that read one."""
-        st = os.stat(path)
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            hit = self._maps.get(path)
-            if hit is not None and hit[0] == sig:
-                self._maps.move_to_end(path)
-                return hit[1]
-        view = _map(path)
+        return self.get_signed(path, keep)[0]
+
+    def get_signed(self, path: str, keep: bool = True) -> tuple[memoryview, tuple[int, int, int]]:
+        """:meth:`get`, with the ``(inode, size, mtime_ns)`` of the very file mapped."""
+        # The signature is the opened file's: a stat of the path before the open would describe
+        # whatever file the path named then, and a file replaced in between would be kept under
+        # the new file's signature with the old one's bytes (and its chunks' checks).
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with self._lock:
+                hit = self._maps.get(path)
+                if hit is not None and hit[0] == sig:
+                    self._maps.move_to_end(path)
+                    return hit[1], sig
+            view = _map_fd(fd)
+        finally:
+            os.close(fd)
         if not keep:
-            return view
+            return view, sig
         with self._lock:
             old = self._maps.pop(path, None)
             if old is not None:
@@ -196,7 +207,7 @@ class MappedFiles:
             while self._bytes > self.max_bytes and len(self._maps) > 1:
                 _, (_, evicted, _) = self._maps.popitem(last=False)  # unmapped once its last array is freed
                 self._bytes -= len(evicted)
-        return view
+        return view, sig
 
     def checked(self, path: str, view: memoryview) -> set[int]:
         """The chunks of ``view`` (the map of ``path`` that :meth:`get` returned) already checked
@@ -215,15 +226,19 @@ class MappedFiles:
 def _map(path: str, writable: bool = False) -> memoryview:
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return memoryview(b"")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        # Read maps are faulted in here, in a reader thread, not page by page in the batch gather.
-        flags = mmap.MAP_SHARED | (0 if writable else getattr(mmap, "MAP_POPULATE", 0))
-        return memoryview(mmap.mmap(fd, size, flags=flags, prot=prot))
+        return _map_fd(fd, writable)
     finally:
         os.close(fd)
+
+
+def _map_fd(fd: int, writable: bool = False) -> memoryview:
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return memoryview(b"")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    # Read maps are faulted in here, in a reader thread, not page by page in the batch gather.
+    flags = mmap.MAP_SHARED | (0 if writable else getattr(mmap, "MAP_POPULATE", 0))
+    return memoryview(mmap.mmap(fd, size, flags=flags, prot=prot))
 
 
 class SharedCache:
@@ -291,22 +306,22 @@ class SharedCache:
     def get(self, key: str) -> memoryview | None:
         """The cached bytes of ``key`` (read-only, mapped), or None; a hit counts as a use."""
         path = self._path(key)
-        try:
-            ino = os.stat(path).st_ino
+        try:  # the inode of the file opened, not of whatever the path named a moment before
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             with self._lock:
                 self._maps.pop(key, None)
             return None
-        with self._lock:
-            held = self._maps.get(key)
-        if held is None or held[0] != ino:
-            try:
-                view = _map(path)
-            except FileNotFoundError:
-                return None
-            held = (ino, view)
+        try:
+            ino = os.fstat(fd).st_ino
             with self._lock:
-                self._maps[key] = held
+                held = self._maps.get(key)
+            if held is None or held[0] != ino:
+                held = (ino, _map_fd(fd))
+                with self._lock:
+                    self._maps[key] = held
+        finally:
+            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # least recently used goes first
         return held[1]

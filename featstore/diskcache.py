@@ -292,15 +292,13 @@ class DiskCache:
         """Entry ``name``'s object (mapped, checked), or None: absent, or damaged (then removed)."""
         path = self.path(name)
         try:
-            view = maps.get(path, keep)  # a file replaced or changed since is mapped afresh
+            view, sig = maps.get_signed(path, keep)  # a file replaced or changed since is mapped afresh
             checked = maps.checked(path, view)
             if ENTRY_CHECKED not in checked:
                 # The whole crc32c once per file in this process (a file changed since has
                 # another signature), the length and the trailer once per mapping: a version
                 # bigger than the process's kept mappings is mapped afresh each epoch without
                 # hashing it again.
-                st = os.stat(path)
-                sig = (st.st_ino, st.st_size, st.st_mtime_ns)
                 if not (_trailer_ok(view) and (sig in self._verified or _intact(view))):
                     self.discard(name)
                     return None

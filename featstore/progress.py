@@ -14,8 +14,9 @@ workers recognise the iteration they belong to by a key: the DataLoader's base s
 every worker of one DataLoader iterator, drawn afresh for each iterator) with the number of
 iterations this worker process has started (which tells a persistent worker's epochs apart). The
 first worker of an iteration to start records (key, epoch) in a small ring; the others find it
-there, in whatever order they start. Every write is one aligned 64-bit word, so a worker reads a
-record whole or not at all.
+there, in whatever order they start (two starting at the same moment may each record one, the
+later one the epoch after the earlier's: each then takes the key's oldest record). Every write
+is one aligned 64-bit word, so a worker reads a record whole or not at all.
 
 A fresh worker (its process's first iteration) belongs to the DataLoader iterator that started
 it: the training process stamps each worker's copy, just before it forks or pickles it, with the
@@ -149,8 +150,11 @@ class SharedProgress:
 
     def _latest(self) -> tuple[int, bool, int, int] | None:
         n = self._get(RING_NEXT)
-        word = self._get(HEADER + (n - 1) % RING) if n else 0
-        return _unpack(word) if word else None
+        for i in range(n - 1, max(0, n - RING) - 1, -1):  # a refused iteration's record is 0
+            word = self._get(HEADER + i % RING)
+            if word:
+                return _unpack(word)
+        return None
 
     def stamp(self) -> tuple[int, int]:
         """(generation, the epoch a new iteration would read now): what a DataLoader worker's
@@ -192,30 +196,55 @@ class SharedProgress:
             e, first = started[1], False  # type: ignore[index]
         else:
             e, first = self._next(gen)
+        mine = None
+        if found is None and key is not None:
+            # The workers of one DataLoader iteration start at once: two may both find no record,
+            # and the later one take the epoch after the earlier one's record. So each records
+            # what it found and then takes the iteration's oldest record: the same for all of them.
+            mine = self._record(_pack(key, first, gen, e))
+            e, first = self._find(key, gen) or (e, first)
+            if _pack(key, first, gen, e) != mine[1]:  # ours is the later: it says the same now
+                mine = self._rerecord(*mine, _pack(key, first, gen, e))
         start = Start(e)
         if first and self._get(RESUME_GEN) == gen:
             workers = self._get(RESUME_WORKERS)
             start = Start(e, self._get(RESUME_SEEN), workers - 1 if workers else None)
         if check is not None:
-            check(start)
-        if found is None:
-            self._record(_pack(key or _own_key(), first, gen, e))
+            try:
+                check(start)
+            except BaseException:
+                if mine is not None:  # refused: as if never started (the others are refused alike)
+                    self._unrecord(*mine)
+                raise
+        if found is None and key is None:
+            self._record(_pack(_own_key(), first, gen, e))
         self._mark_slot(slot, _pack(key or 0, first, gen, e))
         return start
 
     def _find(self, key: int, gen: int) -> tuple[int, bool] | None:
-        for i in range(RING):
-            word = self._get(HEADER + i)
+        """The oldest record of ``key`` in generation ``gen``."""
+        n = self._get(RING_NEXT)
+        for i in range(max(0, n - RING), n):
+            word = self._get(HEADER + i % RING)
             if word:
                 k, first, g, e = _unpack(word)
                 if k == key and g == gen & 0xFF:
                     return e, first
         return None
 
-    def _record(self, word: int) -> None:
+    def _record(self, word: int) -> tuple[int, int]:
         n = self._get(RING_NEXT)
         self._set(HEADER + n % RING, word)
         self._set(RING_NEXT, n + 1)
+        return HEADER + n % RING, word
+
+    def _unrecord(self, at: int, word: int) -> None:
+        self._rerecord(at, word, 0)
+
+    def _rerecord(self, at: int, word: int, new: int) -> tuple[int, int]:
+        if self._get(at) == word:  # not overwritten by a later iteration meanwhile
+            self._set(at, new)
+        return at, new
 
     def _check_slot(self, slot: int, key: int | None, gen: int, fresh: bool) -> None:
         """A fresh worker whose slot already holds its key from another process is a second
