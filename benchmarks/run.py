@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from featstore import allocator
-
+from featstore.compute import _malloc as allocator
 from . import diskcache, memory, reader, rows
 from .measure import memcopy_gbps
 from .peers import run_peers

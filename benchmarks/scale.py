@@ -28,12 +28,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from featstore.manifest import Layout, ReceiptRun, ShardReceipt
-from featstore.plan import UniformShards, consumer_plan
+from featstore.format._manifests import Layout, ReceiptRun, ShardReceipt
+from featstore.read._assignment import UniformShards, consumer_plan
 from featstore.store import FeatureStore, open_store
-from featstore.versions import (Catalog, compact_receipts, finished_shards, read_receipts, receipt_key,
+from featstore.versions._catalog import (Catalog, compact_receipts, finished_shards, read_receipts, receipt_key,
                                 run_key, version_key, write_receipt)
-from featstore.writer import OBJECT_STORE_SHARD_BYTES, choose_layout
+from featstore.compute._driver import OBJECT_STORE_SHARD_BYTES, choose_layout
 
 from .procfs import rss
 from .synthetic import ARRAYS, synthetic_receipts, synthetic_version

@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import featstore  # noqa: E402
-from featstore.views import epoch_seeds, replay  # noqa: E402
+from featstore.versions._views import epoch_seeds, replay  # noqa: E402
 
 from .sections import write_marked
 

@@ -8,17 +8,18 @@ stream them into Model B's training loop.
 >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
 """
 
-from ._version import __version__
-from .dataset import FeatureDataset, ReaderOptions
-from .diskcache import clear_disk_cache, list_disk_cache
-from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk, DatasetMismatch,
-                     DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning,
-                     FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
-                     NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
-                     StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound)
-from .ragged import Tokens
-from .store import FeatureStore, Version, open_store
-from .writer import ComputeOptions
+from featstore._version import __version__
+from featstore.read._dataset import FeatureDataset, ReaderOptions
+from featstore.read._disk_cache import clear_disk_cache, list_disk_cache
+from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk,
+                              DatasetMismatch, DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError,
+                              FeatstoreWarning, FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName,
+                              MissingInputKey, NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch,
+                              StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied, StoreUnavailable,
+                              VersionNotFound)
+from featstore.codecs._ragged import Tokens
+from featstore.store import FeatureStore, Version, open_store
+from featstore.compute._driver import ComputeOptions
 
 __all__ = [
     "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",

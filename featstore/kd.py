@@ -28,11 +28,11 @@ from collections.abc import Mapping
 
 import torch
 
-from .ensemble import Ensemble, Teacher, ensemble, most_confident
-from .errors import InvalidInput
-from .partcodecs import sparse_weights
-from .teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows, real_rows,
-                       row_mean, sparse_parts)
+from featstore.distill._ensemble import Ensemble, Teacher, ensemble, most_confident
+from featstore.errors import InvalidInput
+from featstore.codecs._parts import sparse_weights
+from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
+                                         real_rows, row_mean, sparse_parts)
 
 __all__ = ["Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident"]
 

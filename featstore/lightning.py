@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
+from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
 try:
     from lightning.pytorch import LightningDataModule

@@ -10,13 +10,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .dataset import FeatureDataset
-from .export import Exported, export_version
-from .ragged import Tokens
-from .storage import Storage
-from .versions import Catalog
-from .versions import Version as CoreVersion
-from .writer import ComputeOptions, compute
+from featstore.read._dataset import FeatureDataset
+from featstore.versions._export import Exported, export_version
+from featstore.codecs._ragged import Tokens
+from featstore.storage._backends import Storage
+from featstore.versions._catalog import Catalog
+from featstore.versions._catalog import Version as CoreVersion
+from featstore.compute._driver import ComputeOptions, compute
 
 
 class Version(CoreVersion):

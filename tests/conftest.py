@@ -63,7 +63,7 @@ def seaweedfs_endpoint(tmp_path_factory):
 
     Its one identity has the pinned AWS keys, so clients use the same credential chain as on
     moto. A server that cannot start fails the tests that need it (never a skip)."""
-    from featstore.testservers import SeaweedFS
+    from featstore.testing._servers import SeaweedFS
 
     with SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), PINNED["AWS_ACCESS_KEY_ID"],
                    PINNED["AWS_SECRET_ACCESS_KEY"]) as server:

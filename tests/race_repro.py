@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
     from distributed import Client, LocalCluster
 
-    from featstore.testservers import SeaweedFS
+    from featstore.testing._servers import SeaweedFS
 
     from .faultproxy import FaultProxy, Rule
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
-from featstore.cache import CacheOptions, SharedCache, sweep_stale
+from featstore.read._memory_cache import CacheOptions, SharedCache, sweep_stale
 
 from .models import TinyA, VectorData
 
@@ -360,7 +360,7 @@ def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
 def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versions, tmp_path, monkeypatch):
     """Epoch 2 of one reader checks no crc32c of a mapped shard it checked in epoch 1; a shard
     object replaced on disk between epochs is mapped afresh and its damage is caught."""
-    import featstore.format as fmt
+    import featstore.format._zarr as fmt
 
     src = versions["raw"]
     shutil.copytree(src.storage.root, tmp_path / "store")
@@ -407,8 +407,8 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
     across pieces that start mid-shard and batches that cross chunk and piece edges."""
     import numpy as np
 
-    from featstore.gather import InPlace
-    from featstore.plan import Piece
+    from featstore.read._gather import InPlace
+    from featstore.read._assignment import Piece
 
     rng = np.random.default_rng(seed)
     chunk_rows, n_chunks = int(rng.integers(1, 9)), int(rng.integers(1, 6))
@@ -427,8 +427,7 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
 
 
 def _held_slots() -> int:
-    from featstore import arena
-
+    from featstore.read import _arena as arena
     return sum(s.pins for a in (arena._ARENAS[1].values() if arena._ARENAS else ()) for s in a._slots.values())
 
 
@@ -437,8 +436,8 @@ def windows(monkeypatch) -> Counter:
     """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
     ``"in place"`` (shard by shard, InPlace), counted where the reader decides
     (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
-    from featstore.dataset import FeatureDataset
-    from featstore.gather import ArenaRows
+    from featstore.read._dataset import FeatureDataset
+    from featstore.read._gather import ArenaRows
 
     counts: Counter = Counter()
     real = FeatureDataset._arena_rows
@@ -543,8 +542,7 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
     made to do here without exhausting the machine) reads shard by shard, same batches."""
     import errno
 
-    from featstore import arena
-
+    from featstore.read import _arena as arena
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=6))
     monkeypatch.setattr(arena, "_ARENAS", None)

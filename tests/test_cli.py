@@ -7,7 +7,7 @@ import json
 import pytest
 
 from featstore import ComputeOptions
-from featstore.cli import build_parser, main, parse_outputs, parse_value
+from featstore.cli._main import build_parser, main, parse_outputs, parse_value
 
 from .models import TinyA, VectorData
 from .servers import ALL_STORES, new_bucket

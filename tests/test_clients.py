@@ -111,7 +111,7 @@ def test_iterating_again_reads_the_next_epoch_and_set_epoch_wins(version, worker
 
 def test_a_late_worker_joins_its_iterations_epoch(version):
     """Each worker finds its DataLoader iteration by key, whatever order the workers start in."""
-    from featstore.progress import SLOTS, SharedProgress, iteration_key
+    from featstore.read._worker_share import SLOTS, SharedProgress, iteration_key
 
     p = SharedProgress()
     keys = [iteration_key(1234, i) for i in range(3)]

@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from featstore import CorruptChunk, InvalidInput, NonFiniteOutput
-from featstore import codecs as C
-from featstore import format as F
-from featstore import stats as S
-
-
+from featstore.codecs import _dense as C
+from featstore.format import _zarr as F
+from featstore.codecs import _statistics as S
 def _slow_stats(x: torch.Tensor) -> dict:
     x = x.to(torch.float64)
     f = x[torch.isfinite(x)]

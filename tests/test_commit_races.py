@@ -22,7 +22,7 @@ import pytest
 
 import featstore
 from featstore import ComputeFailed, ComputeOptions
-from featstore.versions import (Catalog, finished_shards, forget_receipts, read_receipts, split_version_key,
+from featstore.versions._catalog import (Catalog, finished_shards, forget_receipts, read_receipts, split_version_key,
                                 version_key, write_receipt)
 
 from .models import FailsAt, TinyA, VectorData

@@ -13,7 +13,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, InvalidInput, VersionNotFound
-from featstore.writer import choose_layout
+from featstore.compute._driver import choose_layout
 
 from .models import CountingA, TinyA, VectorData, assert_close_across_processes
 from .servers import ALL_STORES
@@ -78,7 +78,7 @@ def test_plain_zarr_reads_a_committed_version(store, dask_client):
 
 @pytest.mark.parametrize("compression", ["auto", "zstd", "none"])
 def test_compression_choice_is_recorded_and_reads_back_exactly(store, dask_client, compression):
-    from featstore import format as codecs
+    from featstore.format import _zarr as codecs
 
     data, model = VectorData(200), TinyA()
     v = compute(store, dask_client, data=data, model=model, batch_size=64,
@@ -244,8 +244,7 @@ def test_embedded_cluster_leaves_callers_model_alone(local_store):
 MALLINFO_CHILD = """
 import ctypes, sys
 import numpy as np
-from featstore import allocator
-
+from featstore.compute import _malloc as allocator
 class Info(ctypes.Structure):
     _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                  "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -266,8 +265,7 @@ assert libc.mallinfo2().hblks == before and block.sum() == 4 << 20, "a fresh mma
 
 
 def test_allocator_setting_is_scoped_and_changes_no_value(local_store, dask_client):
-    from featstore import allocator
-
+    from featstore.compute import _malloc as allocator
     glibc = allocator._glibc() is not None  # off glibc (musl, macOS) tuned() does nothing
     with allocator.tuned() as outer:
         with allocator.tuned() as inner:  # concurrent tasks share one setting

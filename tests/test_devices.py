@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from featstore.devices import (ClusterPlan, WorkerView, _Slots, choose_device, gpu_worker_specs, name_index,
+from featstore.compute._devices import (ClusterPlan, WorkerView, _Slots, choose_device, gpu_worker_specs, name_index,
                                plan_cluster, task_device, visible_gpu_ids)
 from featstore.errors import DeviceSetupError, FeatstoreError
 
@@ -225,8 +225,8 @@ def test_embedded_per_gpu_cluster_gives_each_worker_process_its_own_gpu():
     """A real LocalCluster started from a per-GPU plan for two fake GPU ids: each worker process
     has its own CUDA_VISIBLE_DEVICES and a GPU resource, and compute tasks ask for one GPU.
     (No CUDA here: the workers see no device and fall back to the CPU.)"""
-    from featstore.cluster import start, task_resources
-    from featstore.devices import worker_devices
+    from featstore.compute._cluster import start, task_resources
+    from featstore.compute._devices import worker_devices
 
     cluster = start(plan_cluster(["7", "3"], None, None, dask_cuda=False))
     try:

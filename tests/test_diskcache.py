@@ -24,9 +24,9 @@ import torch
 
 import featstore
 from featstore import ComputeOptions, InvalidInput
-from featstore.cli import main as cli_main
-from featstore.diskcache import DiskCache, DiskCacheOptions, list_disk_cache
-from featstore.diskreading import entry_name, scope_identity
+from featstore.cli._main import main as cli_main
+from featstore.read._disk_cache import DiskCache, DiskCacheOptions, list_disk_cache
+from featstore.read._disk_tier import entry_name, scope_identity
 
 from .faultproxy import FaultProxy, Rule, wait_until
 from .models import TinyA, VectorData
@@ -347,7 +347,7 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     child's copy of the descriptor is closed at the fork, so the lock ends with the parent's."""
     import fcntl
 
-    from featstore.cache import _flocked
+    from featstore.read._memory_cache import _flocked
 
     lock = str(tmp_path / "lock")
     ready_r, ready_w = os.pipe()

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, StoreConflict, StoreUnavailable
-from featstore.s3create import PROBE_FOLDER
-from featstore.storage import S3_MAX_ATTEMPTS, Storage
+from featstore.storage._s3_create import PROBE_FOLDER
+from featstore.storage._backends import S3_MAX_ATTEMPTS, Storage
 
 from .faultproxy import FaultProxy, Rule
 from .models import TinyA, VectorData

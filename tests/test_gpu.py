@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from featstore import ComputeOptions
-from featstore.devices import WorkerView, plan_cluster, task_device, visible_gpu_ids
-from featstore.transfer import Offloader, pin, to_device
+from featstore.compute._devices import WorkerView, plan_cluster, task_device, visible_gpu_ids
+from featstore.compute._transfer import Offloader, pin, to_device
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,7 +123,7 @@ def test_task_device_pins_the_thread_to_its_gpu():
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """The embedded default on this machine: one worker process per GPU."""
-    from featstore.cluster import connect
+    from featstore.compute._cluster import connect
 
     cluster = connect(None)
     yield cluster
@@ -131,7 +131,7 @@ def gpu_cluster():
 
 
 def _worker_side(dask_worker) -> dict:
-    from featstore.devices import describe
+    from featstore.compute._devices import describe
 
     return {**describe(dask_worker), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
 
@@ -169,7 +169,7 @@ def test_compute_on_gpu_matches_a_cpu_reference(local_store, gpu_cluster, autoca
 def test_dask_cuda_cluster_when_installed():
     pytest.importorskip("dask_cuda", reason="dask-cuda is not installed, so featstore's LocalCUDACluster path "
                         "(plan kind 'dask-cuda', featstore.cluster.start) is not checked: pip install featstore[gpu]")
-    from featstore.cluster import start
+    from featstore.compute._cluster import start
 
     ids = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
     cluster = start(plan_cluster(ids, None, None, dask_cuda=True))

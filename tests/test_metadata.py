@@ -183,7 +183,7 @@ def test_malformed_or_newer_tags_and_receipts(copy):
         with pytest.raises(IncompatibleFormat, match=words):
             store.open(f"{NAME}@best")
     # Receipts (resume markers) carry a schema too; a newer or damaged one is refused.
-    from featstore.manifest import ShardReceipt
+    from featstore.format._manifests import ShardReceipt
 
     receipt = json.loads((vdir / "_receipts" / "000001.json").read_text())
     assert receipt["schema"] == "featstore.receipt" and ShardReceipt.from_json(receipt).index == 1

@@ -25,7 +25,7 @@ import featstore
 from featstore import (ClusterUnavailable, ComputeFailed, ComputeOptions, DeviceSetupError, EmptyDataset,
                        FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
                        NonFiniteOutput, OutputMismatch, StoreNotFound, VersionNotFound)
-from featstore.cli import EXIT_CODES_HELP, Exit, _fail, exit_code, main
+from featstore.cli._main import EXIT_CODES_HELP, Exit, _fail, exit_code, main
 
 from . import daskprocs
 from . import mistakes as M
@@ -304,7 +304,7 @@ def test_model_holding_a_function_warns_naming_model_id(local_store, dask_client
 
 
 def test_blind_spots_flags_plain_functions_and_hooks_not_torch_modules():
-    from featstore.fingerprint import blind_spots
+    from featstore.versions._fingerprints import blind_spots
 
     assert blind_spots(nn.TransformerEncoderLayer(8, 2)) == []  # its activation is torch's F.relu
     lin = nn.Linear(2, 2)
@@ -324,7 +324,7 @@ def test_dataset_with_random_items_warns_naming_dataset_id(local_store, dask_cli
 
 
 def test_cli_prints_warnings_on_one_line_and_in_the_json(tmp_path, capsys):
-    from featstore.cli import _warnings_on_one_line
+    from featstore.cli._main import _warnings_on_one_line
 
     with _warnings_on_one_line() as warned:
         warnings.warn(FingerprintWarning("Model A holds code\nits fingerprint cannot see"), stacklevel=1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from featstore import events
-from featstore.monitor import Monitor
+from featstore.monitor import _events as events
+from featstore.monitor._run_state import Monitor
 
 
 def _run(m: Monitor, now: float = 100.0) -> None:

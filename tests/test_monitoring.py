@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from featstore import ComputeOptions
-from featstore.cluster import connect
-from featstore.logs import TaskFailureFilter
+from featstore.compute._cluster import connect
+from featstore.compute._dask_logs import TaskFailureFilter
 
 from . import daskprocs
 from .models import TinyA, VectorData
@@ -97,7 +97,7 @@ def test_a_failing_task_prints_one_clear_error_on_the_console(tmp_path):
     (["list", "{root}", "--storage-option", "nonsense"], 2),
 ])
 def test_cli_exit_codes(tmp_path, capsys, argv, code):
-    from featstore.cli import main
+    from featstore.cli._main import main
 
     assert main([a.format(root=tmp_path / "store") for a in argv] + ["--json"]) == code
     out = json.loads(capsys.readouterr().out)
@@ -105,8 +105,8 @@ def test_cli_exit_codes(tmp_path, capsys, argv, code):
 
 
 def test_warm_heap_lasts_between_shard_tasks_and_ends_after_the_last(monkeypatch):
-    from featstore import allocator
-    from featstore.tasks import _WarmHeap
+    from featstore.compute import _malloc as allocator
+    from featstore.compute._shard_task import _WarmHeap
 
     if allocator._glibc() is None:
         pytest.skip("glibc's malloc settings only")

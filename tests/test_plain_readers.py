@@ -18,7 +18,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, Tokens
-from featstore.cli import main
+from featstore.cli._main import main
 from featstore.ragged import TOKEN_LENGTH, TOKEN_START, attention_mask, gather_rows
 from featstore.ragged import pad_sequences as pad_tokens
 
@@ -94,7 +94,7 @@ def _featstore_batch(source, n):
 
 def _as_batch(version, plain: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """A plain reader's stored arrays decoded the way featstore decodes stored values."""
-    from featstore.partcodecs import assemble
+    from featstore.codecs._parts import assemble
 
     spec = version.manifest.arrays
     out = {}
@@ -126,7 +126,7 @@ def test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently(versions
     v = versions[kind]
     _check_reads_bit_for_bit(v, v.url)
     if kind == "codecs":  # every codec is there, with its parts
-        from featstore.partcodecs import parts_codec
+        from featstore.codecs._parts import parts_codec
 
         canonical = {c if c.startswith(("float", "bfloat")) else parts_codec(c).name for c in MULTI_OUTPUTS.values()}
         assert {a.codec for a in v.manifest.arrays.values()} >= canonical

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featstore.plan import (UniformShards, consumer_plan, consumer_span, round_robin_consumed, shard_order,
+from featstore.read._assignment import (UniformShards, consumer_plan, consumer_span, round_robin_consumed, shard_order,
                             span_pieces, window_permutation)
-from featstore.shuffle import ShardPermutation
+from featstore.read._shuffle import ShardPermutation
 
 LAYOUTS = {
     "one-shard": [10],

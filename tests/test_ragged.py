@@ -10,7 +10,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, InvalidInput, Tokens, kd
-from featstore.format import shard_index
+from featstore.format._zarr import shard_format, shard_index
 from featstore.ragged import RaggedRows, RaggedWindow, attention_mask, gather_rows, offsets, pack, padded, token_layout
 from featstore.ragged import pad_sequences as pad_tokens
 
@@ -75,7 +75,7 @@ def test_only_real_tokens_are_stored_and_plain_zarr_reads_them(local_store):
     torch.testing.assert_close(got, flat, atol=0.02, rtol=0.01)
     # each shard object holds only the chunks that cover its samples' tokens
     per_shard, chunk = spec.tokens
-    fmt = featstore.format.shard_format(v.array("logits"))
+    fmt = shard_format(v.array("logits"))
     for s, (a, b) in enumerate(v.manifest.layout.shard_range(i) for i in range(v.manifest.layout.n_shards)):
         raw = (v.storage.path(v.key) + f"/logits/c/{s}/0")
         index = shard_index(open(raw, "rb").read(), fmt)

@@ -19,7 +19,7 @@ import pytest
 
 import featstore
 from featstore import ComputeOptions
-from featstore.tasks import PROBE_ROWS
+from featstore.compute._shard_task import PROBE_ROWS
 
 from .models import TinyA, VectorData
 from .servers import ALL_STORES, new_bucket

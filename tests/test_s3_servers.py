@@ -18,8 +18,8 @@ import s3fs
 
 import featstore
 from featstore import ComputeOptions, ConditionalWritesUnsupported
-from featstore.s3create import _HONOURED, PROBE_FOLDER, put_if_absent, store_identity
-from featstore.storage import Storage
+from featstore.storage._s3_create import _HONOURED, PROBE_FOLDER, put_if_absent, store_identity
+from featstore.storage._backends import Storage
 
 from .faultproxy import FaultProxy, Rule
 from .models import TinyA, VectorData

@@ -12,7 +12,7 @@ import pytest
 
 import featstore
 from featstore import ComputeOptions, FeatstoreError
-from featstore.storage import Storage
+from featstore.storage._backends import Storage
 
 from . import worker_logs
 from .models import TinyA, VectorData

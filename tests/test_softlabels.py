@@ -11,8 +11,8 @@ import zarr
 
 from featstore import ComputeOptions, InvalidInput, NonFiniteOutput, VersionNotFound
 from featstore import kd
-from featstore.manifest import Manifest
-from featstore.partcodecs import PAD_ID, parts_codec
+from featstore.format._manifests import Manifest
+from featstore.codecs._parts import PAD_ID, parts_codec
 
 from .models import VectorData
 
@@ -91,7 +91,7 @@ def test_topk_keeps_the_k_largest_log_probs_at_the_temperature():
 
 
 def test_kl_is_recorded_over_the_first_kl_rows_of_a_large_batch():
-    from featstore.partcodecs import KL_ROWS, finalize_error
+    from featstore.codecs._parts import KL_ROWS, finalize_error
 
     x = _logits(KL_ROWS + 300, 50)
     batch, _, error = _batch("topk:5", x)

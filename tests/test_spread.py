@@ -14,9 +14,9 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
-from featstore.format import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
-from featstore.manifest import Layout, Manifest
-from featstore.versions import receipt_key
+from featstore.format._zarr import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
+from featstore.format._manifests import Layout, Manifest
+from featstore.versions._catalog import receipt_key
 
 from .augments import noisy_flip
 from .models import GrowingData, TinyA, VectorData

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from featstore import ComputeFailed, ComputeOptions, NonFiniteOutput
-from featstore.fingerprint import sample_positions
+from featstore.versions._fingerprints import sample_positions
 
 from .models import FailsAt, IdData, NaNAt, TinyA, VectorData
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from featstore import ComputeOptions
-from featstore.transfer import HostBatch, Offloader, to_device
+from featstore.compute._transfer import HostBatch, Offloader, to_device
 
 from .models import TinyA, VectorData
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from featstore.errors import InvalidInput, NondeterministicAugment
-from featstore.views import (
+from featstore.versions._views import (
     SourceJoin, ViewDataset, check_replayable, check_view_mode, epoch_seeds, epoch_view, item_columns,
     item_fields, replay, replay_rows, view_seed, view_seeds,
 )

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from featstore.errors import FeatstoreError, StoreConflict
-from featstore.storage import Storage
+from featstore.storage._backends import Storage
 
 from ..servers import new_bucket
 
