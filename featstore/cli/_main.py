@@ -45,7 +45,7 @@ class Exit(enum.IntEnum):
 
 
 #: The one map from errors to exit codes, most specific first: every class of featstore's error
-#: tree has its row (tests/test_mistakes.py holds it to the tree and to the README's table).
+#: tree has its row (tests/cli/test_mistakes.py holds it to the tree and to the README's table).
 _EXIT_OF: tuple[tuple[type[BaseException], Exit], ...] = (
     (CorruptChunk, Exit.DAMAGED), (StoreFull, Exit.UNAVAILABLE), (StoreUnavailable, Exit.UNAVAILABLE),
     (ConditionalWritesUnsupported, Exit.UNAVAILABLE),
