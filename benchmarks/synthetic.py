@@ -12,7 +12,8 @@ import struct
 
 from featstore.format._zarr import create_arrays
 from featstore.format._manifests import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.versions._catalog import Catalog, version_key
+from featstore.versions._catalog import Catalog
+from featstore.versions._keys import version_key
 
 ARRAYS = {"features": ArraySpec("float16", "float16", (512,), "output"),
           "logits": ArraySpec("float32", "float32", (1000,), "output"),

@@ -16,9 +16,11 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 
 from featstore.errors import ComputeFailed, DeviceSetupError, FeatstoreError, InvalidInput
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 #: What torch says when code asks for CUDA on a machine (or build) without it.
 CUDA_MISSING = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver",

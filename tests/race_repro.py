@@ -53,7 +53,7 @@ def main() -> None:
 
     from featstore.testing._servers import SeaweedFS
 
-    from .faultproxy import FaultProxy, Rule
+    from featstore.testing import FaultProxy, Rule
 
     tmp = Path(tempfile.mkdtemp(prefix="race-repro-"))
     if args.server == "moto":

@@ -232,7 +232,7 @@ def test_gc_during_a_live_compute_never_commits_missing_data(tmp_path, dask_clie
 def test_commit_and_gc_handshake(local_store, dask_client):
     """The interleavings a thread test cannot force: gc marks a folder before the commit's
     manifest (the commit withdraws), and a commit before gc looks (gc leaves it alone)."""
-    from featstore.versions._catalog import GC_MARK
+    from featstore.versions._keys import GC_MARK
 
     kw = dict(model=TinyA(), outputs=OUT, batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
     v = local_store.compute("edge/hs", dataset=VectorData(64), **kw)
@@ -325,7 +325,7 @@ def read_only_root(request, tmp_path, monkeypatch):
     root = tmp_path / "ro"
     root.mkdir()
     if request.param == "simulated-EROFS":  # featstore's local writes (folders, temp files) refused
-        import featstore.storage._backends
+        import featstore.storage._local
 
         real_makedirs = os.makedirs
 
@@ -340,7 +340,7 @@ def read_only_root(request, tmp_path, monkeypatch):
             return open(path, mode, *args, **kw)
 
         monkeypatch.setattr(os, "makedirs", refuse)
-        monkeypatch.setattr(featstore.storage._backends, "open", refuse_open, raising=False)
+        monkeypatch.setattr(featstore.storage._local, "open", refuse_open, raising=False)
         yield root
         return
     root.chmod(0o555)

@@ -19,10 +19,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from featstore import (ClusterUnavailable, ComputeFailed, ComputeOptions, ConditionalWritesUnsupported, CorruptChunk,
-               DeviceSetupError, DistributedSetupError, FeatstoreWarning, IncompatibleFormat, InvalidInput,
-               StoreConflict, StoreFull, StoreNotFound, StoreUnavailable, VersionNotFound, clear_disk_cache,
-               list_disk_cache, open_store)
+from featstore.compute._options import ComputeOptions
+from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk,
+                              DeviceSetupError, DistributedSetupError, FeatstoreWarning, IncompatibleFormat,
+                              InvalidInput, StoreConflict, StoreFull, StoreNotFound, StoreUnavailable,
+                              VersionNotFound)
+
+# The command line imports only what each command needs: `featstore --help`, list, info, tag,
+# delete, gc, verify and cache never import torch or Dask (the compute and read sides, and the
+# disk cache's reader, are imported inside the commands that use them).
 
 #: Set (to anything but 0) to print the traceback of every error, like ``--debug``.
 DEBUG_ENV = "FEATSTORE_DEBUG"
@@ -128,6 +133,8 @@ def parse_outputs(text: str) -> dict[str, str]:
 
 def _store(args: argparse.Namespace, create: bool = False) -> Any:
     """The store the command names; only ``compute`` (and ``demo``) may create one."""
+    from featstore.store import open_store  # zarr and fsspec: not for --help
+
     return open_store(args.url, storage_options=storage_options(args), create=create)
 
 
@@ -245,8 +252,12 @@ def cmd_cache(args: argparse.Namespace) -> Result:
     they have mapped and fetch the rest again. Not part of 'gc': gc tidies one store, the cache
     belongs to a node and holds many stores."""
     if args.action == "clear":
+        from featstore.read._disk_cache import clear_disk_cache
+
         freed = clear_disk_cache(args.dir, unused_only=args.unused)
         return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"
+    from featstore.read._disk_cache import list_disk_cache
+
     rows = [asdict(s) for s in list_disk_cache(args.dir)]
     text = "\n".join(f"{r['version']}  {r['store']}  {r['entries']} objects  {r['bytes']} bytes"
                      f"{'  in use' if r['in_use'] else ''}" for r in rows)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from featstore.errors import InvalidInput, NonFiniteOutput
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 @dataclass(frozen=True)
 class Codec:
@@ -21,8 +23,13 @@ class Codec:
 
     name: str
     stored: str  # numpy dtype string written to zarr
-    torch_dtype: torch.dtype
+    dtype_name: str  # the torch dtype it decodes to, by name (torch is imported when first used)
     lossy: bool
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype a reader gets back."""
+        return getattr(torch, self.dtype_name)
 
     def encode(self, values: torch.Tensor) -> np.ndarray:
         """Turn A's output (any float dtype, any device) into the stored numpy array.
@@ -84,16 +91,13 @@ def decode_np(codec: Codec, stored: np.ndarray) -> torch.Tensor:
 
 
 OUTPUT_CODECS: dict[str, Codec] = {
-    "float32": Codec("float32", "float32", torch.float32, lossy=False),
-    "float16": Codec("float16", "float16", torch.float16, lossy=True),
-    "bfloat16": Codec("bfloat16", "uint16", torch.bfloat16, lossy=True),
+    "float32": Codec("float32", "float32", "float32", lossy=False),
+    "float16": Codec("float16", "float16", "float16", lossy=True),
+    "bfloat16": Codec("bfloat16", "uint16", "bfloat16", lossy=True),
 }
 
-_KEEP_DTYPES = {
-    torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.float16: "float16",
-    torch.float32: "float32", torch.float64: "float64",
-}
+#: torch dtypes a kept field may have, by name; each is stored as the numpy dtype of that name.
+_KEEP_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"})
 
 
 def output_codec(name: str) -> Codec:
@@ -122,7 +126,7 @@ def unrepresentable(codec: Codec, output: str, samples: list[int], largest: floa
             "them as inf.")
 
 
-_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def largest_finite(values: torch.Tensor) -> float:
@@ -134,15 +138,13 @@ def largest_finite(values: torch.Tensor) -> float:
 
 def keep_codec(dtype: torch.dtype) -> Codec:
     """The lossless codec for a kept dataset field (labels, ids) of this torch dtype."""
-    if dtype == torch.bfloat16:
+    stored = str(dtype).removeprefix("torch.")
+    if stored == "bfloat16":
         return OUTPUT_CODECS["bfloat16"]
-    try:
-        stored = _KEEP_DTYPES[dtype]
-    except KeyError:
+    if stored not in _KEEP_DTYPES:
         raise InvalidInput(
-            f"cannot store a kept field of dtype {dtype}; convert it to an integer or float tensor."
-        ) from None
-    return Codec(f"keep-{stored}", stored, dtype, lossy=False)
+            f"cannot store a kept field of dtype {dtype}; convert it to an integer or float tensor.")
+    return Codec(f"keep-{stored}", stored, stored, lossy=False)
 
 
 def codec_by_name(name: str) -> Codec:
@@ -150,9 +152,8 @@ def codec_by_name(name: str) -> Codec:
     if name in OUTPUT_CODECS:
         return OUTPUT_CODECS[name]
     if name.startswith("keep-"):
-        for dtype, stored in _KEEP_DTYPES.items():
-            if stored == name[5:]:
-                return keep_codec(dtype)
+        if name[5:] in _KEEP_DTYPES:
+            return Codec(name, name[5:], name[5:], lossy=False)
     raise InvalidInput(f"unknown codec {name!r} in a manifest; upgrade featstore.")
 
 

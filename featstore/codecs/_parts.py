@@ -38,11 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from featstore.codecs._dense import OUTPUT_CODECS, finite_rows
 from featstore.errors import IncompatibleFormat, InvalidInput, NonFiniteOutput
 from featstore._allowed_names import check_field
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 PAD_ID = -1
 #: Seed of ``sample:S``'s draws (with the sample index): fixed, so a recompute draws the same ids.

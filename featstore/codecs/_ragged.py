@@ -32,10 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from featstore.codecs._chunking import dividing_chunk
 from featstore.errors import InvalidInput, OutputMismatch
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 #: The per-sample arrays of a version with per-token outputs (reserved field names).
 TOKEN_START = "token_start"

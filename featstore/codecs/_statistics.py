@@ -11,10 +11,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from featstore.codecs._dense import Codec, finite_rows
 from featstore.codecs._parts import finalize_error, merge_error
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 #: Sample ids with NaN/Inf recorded per output.
 NONFINITE_KEPT = 1000

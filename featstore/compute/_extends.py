@@ -19,7 +19,7 @@ from featstore.errors import DatasetMismatch, IncompatibleFormat, InvalidInput
 from featstore.versions._fingerprints import sampled_digest
 from featstore.format._manifests import ArraySpec, Base, Layout, ShardReceipt
 from featstore.codecs._statistics import NONFINITE_KEPT, summarize
-from featstore.versions._catalog import Version
+from featstore.versions._committed import Version
 
 #: Fingerprint parts a child must share with its parent (all but the dataset's identity).
 #: Fingerprint parts a child must share with its parent (``collate`` and ``tokens`` only where

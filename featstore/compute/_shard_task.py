@@ -43,10 +43,11 @@ from featstore.format._manifests import ArraySpec, Layout, ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack
 from featstore.codecs._statistics import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
-from featstore.storage._backends import Storage
+from featstore.storage import Storage
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore._user_code import build_model, describe, read_items, user_error
-from featstore.versions._catalog import group_store, object_key, read_receipts, version_key, view_key, write_receipt
+from featstore.versions._keys import group_store, object_key, version_key, view_key
+from featstore.versions._receipts import read_receipts, write_receipt
 from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
 
 _AHEAD = 4  # batches a task may run ahead of its write thread

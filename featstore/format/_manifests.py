@@ -43,28 +43,6 @@ OBJECT_VERSION = 1
 _HEX = frozenset("0123456789abcdef")
 
 
-def canonical_json(obj: Any) -> bytes:
-    """Deterministic JSON bytes (sorted keys, no NaN): what fingerprints and stored objects use."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def load_json(data: bytes | str, where: str) -> dict[str, Any]:
-    """Parse one stored JSON object (never a pickle); anything else is :class:`IncompatibleFormat`.
-
-    >>> load_json(b'{"a": 1}', "x.json")
-    {'a': 1}
-    """
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
-        raise IncompatibleFormat(f"{where} is not valid JSON ({exc}); the object is damaged. "
-                                 "Delete the version and recompute it.") from exc
-    if not isinstance(obj, dict):
-        raise IncompatibleFormat(f"{where} does not hold a JSON object; the object is damaged or not "
-                                 "featstore's. Delete it (or its version) and recompute.")
-    return obj
-
-
 def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bool = True) -> None:
     """Refuse an object that is not a JSON object of ``schema`` at a version this code reads.
 

@@ -39,7 +39,8 @@ import zarr.storage
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from featstore.errors import CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict
-from featstore.format._manifests import MAX_SPREAD, ArraySpec, Layout, load_json
+from featstore._json import load_json
+from featstore.format._manifests import MAX_SPREAD, ArraySpec, Layout
 
 ZSTD_LEVEL = 3
 COMPRESSIONS = ("auto", "zstd", "none")

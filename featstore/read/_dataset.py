@@ -40,7 +40,7 @@ from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_
 from featstore.read._ranks import Placement, resolve
 from featstore.read._resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state,
                                     rank_state, rotated, worker_state)
-from featstore.versions._catalog import Version, deleted_while_reading
+from featstore.versions._committed import Version, deleted_while_reading
 from featstore.read._views import ViewReading
 from featstore.read._windows import InThread, WindowReader, spare_cores
 

@@ -14,7 +14,7 @@ import torch
 
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.versions._fingerprints import dataset_digest, describe_key
-from featstore.versions._catalog import Version
+from featstore.versions._committed import Version
 from featstore.versions._views import (VIEW_FIELD, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
                                        normalize_fields, view_seeds)
 

@@ -1,4 +1,4 @@
-"""Real S3-compatible servers on loopback, for featstore's tests and benchmarks: SeaweedFS.
+"""Real S3-compatible servers on loopback, for featstore's tests and benchmarks: SeaweedFS, moto.
 
 moto copies AWS's replies exactly; a real server shows what featstore meets elsewhere (SeaweedFS's
 412 reply to a conditional create has no ``<Condition>`` element, for one). :class:`SeaweedFS`
@@ -15,8 +15,8 @@ sends SIGTERM, waits a few seconds, then SIGKILLs that one PID and removes the u
 leaves in /tmp (``seaweedfs-<part>-<port>.sock``). A server that cannot start raises
 :class:`ServerFailed` with the tail of its log: a test run that needs it fails, it never skips.
 
-Imports nothing from featstore: it is a helper beside the package (issue 24 moves it into
-``featstore.testing``), not part of the library's data path.
+:func:`moto_server` starts moto (AWS's exact replies) the same way, and :func:`new_bucket` makes a
+fresh bucket on either. Imports nothing from featstore: helpers for tests, not the data path.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -199,3 +200,27 @@ class SeaweedFS:
                 for sock in glob.glob(os.path.join(folder, f"seaweedfs-*-{port}.sock")):
                     with contextlib.suppress(OSError):
                         os.remove(sock)
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """A moto S3 server (AWS's exact replies) on 127.0.0.1 and a free port; yields its endpoint.
+    Needs ``moto[server]`` (the ``test`` extra), imported only here."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def new_bucket(endpoint: str, prefix: str = "fs") -> str:
+    """Create a bucket with a fresh name on ``endpoint`` (credentials from the environment)."""
+    import boto3
+
+    bucket = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return bucket

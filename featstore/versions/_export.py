@@ -27,8 +27,9 @@ from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
 from featstore.format._zarr import (VIEWS_GROUP, chunk_key, consolidate, consolidated_groups, mark_metadata,
                                     shard_digest, view_path)
 from featstore.codecs._ragged import TOKEN_LENGTH
-from featstore.storage._backends import Storage
-from featstore.versions._catalog import IO_THREADS, Version
+from featstore.storage import Storage
+from featstore.versions._committed import Version
+from featstore.versions._keys import IO_THREADS
 
 GROUP_META = {"zarr_format": 3, "node_type": "group"}
 

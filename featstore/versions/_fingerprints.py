@@ -21,11 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from featstore.errors import FingerprintWarning, InvalidInput
-from featstore.format._manifests import canonical_json
+from featstore._json import canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 DATASET_SAMPLES = 16
 

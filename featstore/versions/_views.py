@@ -21,15 +21,18 @@ Nothing here does IO besides calling the user's dataset and augment.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import torch
 
 from featstore.errors import InvalidInput, NondeterministicAugment
 from featstore._user_code import read_item
+from featstore._lazy import lazy_module
+
+torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 SEED_POLICY = "splitmix64(seed,view,index)>>1/v1"
 VIEW_MODES = ("epoch", "random")
@@ -42,7 +45,27 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
-Augment = Callable[[Any, torch.Generator], Any]
+Augment = Callable[[Any, "torch.Generator"], Any]
+
+
+@dataclass(frozen=True)
+class Views:
+    """K augmented views per sample, one option of :meth:`FeatureStore.compute`: view ``v`` of
+    sample ``i`` is ``augment(dataset[i], torch.Generator().manual_seed(view_seed(seed, i, v)))``.
+
+    >>> views = Views(k=8, augment=random_crop, seed=0)       # doctest: +SKIP
+    >>> store.compute("cnn-a/views", model=model_a, dataset=train_set, views=views)  # doctest: +SKIP
+
+    Args:
+        k: the number of views per sample (at least 1).
+        augment: ``fn(item, generator) -> item``, drawing its randomness from ``generator`` only
+            (checked: an augment that does not is :class:`~featstore.NondeterministicAugment`).
+        seed: the views' seed (stored in the manifest; the reader replays the same views).
+    """
+
+    k: int
+    augment: Augment
+    seed: int = 0
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -151,10 +174,11 @@ def replay_rows(augment: Augment, items: Sequence[Any], seeds: Sequence[int] | n
     return [augment(it, gen.manual_seed(s)) for it, s in zip(items, seeds, strict=True)]
 
 
-class ViewDataset(torch.utils.data.Dataset):
+class ViewDataset:
     """``dataset`` as view ``view`` sees it: item ``i`` is augmented with its view seed.
 
-    This is what Model A runs on at compute time (and what the reader's join rebuilds).
+    This is what Model A runs on at compute time (and what the reader's join rebuilds): a
+    map-style dataset (``__len__``, ``__getitem__``, ``__getitems__``), as torch's DataLoader reads.
     """
 
     def __init__(self, dataset: Any, augment: Augment, seed: int, view: int) -> None:

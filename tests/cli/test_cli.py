@@ -81,3 +81,29 @@ def test_storage_options_reach_the_store(tmp_path, capsys, option):
                  "--storage-option", "endpoint_url=http://127.0.0.1:1", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 3 and out["error"] == "StoreUnavailable"
+
+
+QUICK_COMMANDS = (["--help"], ["list", "{root}"], ["info", "{root}", "legacy/tiny"], ["verify", "{root}", "legacy/tiny"],
+                  ["tag", "{root}", "legacy/tiny", "quick"], ["delete", "{root}", "legacy/bf"],
+                  ["gc", "{root}", "--dry-run"], ["cache", "list", "--dir", "{cache}"])
+
+
+@pytest.mark.parametrize("argv", QUICK_COMMANDS, ids=lambda a: a[0].lstrip("-"))
+def test_quick_commands_import_neither_torch_nor_dask(argv, tmp_path):
+    """featstore --help, list, info, verify, tag, delete, gc and cache run without importing
+    torch, Dask or bokeh (seconds of start-up): what the process has imported when it exits."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path / "store"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "store-0.1.0", root)
+    args = [a.format(root=root, cache=tmp_path / "cache") for a in argv]
+    code = ("import sys\nfrom featstore.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'dask', 'distributed', 'bokeh') if m in sys.modules))\n"
+            "sys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "HEAVY []", run.stdout[-500:]

@@ -16,7 +16,7 @@ import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
 from featstore.format._zarr import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
 from featstore.format._manifests import Layout, Manifest
-from featstore.versions._catalog import receipt_key
+from featstore.versions._keys import receipt_key
 
 from tests.augments import noisy_flip
 from tests.models import GrowingData, TinyA, VectorData

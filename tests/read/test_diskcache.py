@@ -28,7 +28,7 @@ from featstore.cli._main import main as cli_main
 from featstore.read._disk_cache import DiskCache, DiskCacheOptions, list_disk_cache
 from featstore.read._disk_tier import entry_name, scope_identity
 
-from tests.faultproxy import FaultProxy, Rule, wait_until
+from featstore.testing import FaultProxy, Rule, wait_until
 from tests.models import TinyA, VectorData
 
 N, SPP = 333, 32  # 11 shards x 3 arrays: zstd float16 features, raw float32 logits, zstd int64 target

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore import ComputeOptions, StoreConflict, StoreUnavailable
 from featstore.storage._s3_create import PROBE_FOLDER
-from featstore.storage._backends import S3_MAX_ATTEMPTS, Storage
+from featstore.storage import S3_MAX_ATTEMPTS, Storage
 
-from tests.faultproxy import FaultProxy, Rule
+from featstore.testing import FaultProxy, Rule
 from tests.models import TinyA, VectorData
 from tests.servers import both_servers, new_bucket
 

@@ -19,9 +19,9 @@ import s3fs
 import featstore
 from featstore import ComputeOptions, ConditionalWritesUnsupported
 from featstore.storage._s3_create import _HONOURED, PROBE_FOLDER, put_if_absent, store_identity
-from featstore.storage._backends import Storage
+from featstore.storage import Storage
 
-from tests.faultproxy import FaultProxy, Rule
+from featstore.testing import FaultProxy, Rule
 from tests.models import TinyA, VectorData
 from tests.servers import both_servers, new_bucket
 

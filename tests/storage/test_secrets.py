@@ -12,7 +12,7 @@ import pytest
 
 import featstore
 from featstore import ComputeOptions, FeatstoreError
-from featstore.storage._backends import Storage
+from featstore.storage import Storage
 
 from tests import worker_logs
 from tests.models import TinyA, VectorData

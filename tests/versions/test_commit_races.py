@@ -22,8 +22,9 @@ import pytest
 
 import featstore
 from featstore import ComputeFailed, ComputeOptions
-from featstore.versions._catalog import (Catalog, finished_shards, forget_receipts, read_receipts, split_version_key,
-                                version_key, write_receipt)
+from featstore.versions._catalog import Catalog
+from featstore.versions._keys import split_version_key, version_key
+from featstore.versions._receipts import finished_shards, forget_receipts, read_receipts, write_receipt
 
 from tests.models import FailsAt, TinyA, VectorData
 from tests.servers import both_servers, new_bucket

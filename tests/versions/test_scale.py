@@ -13,11 +13,13 @@ import pytest
 import featstore
 from benchmarks.synthetic import synthetic_version
 from featstore.format._manifests import Layout, ShardReceipt
-from featstore.storage._backends import Storage
+from featstore.storage import Storage
 from featstore.store import FeatureStore
-from featstore.versions._catalog import (RECORDS_PER_OBJECT, compact_receipts, finished_shards, read_receipts,
-                                version_key, write_receipt)
-from featstore.compute._driver import LOCAL_SHARD_BYTES, OBJECT_STORE_SHARD_BYTES, choose_layout, default_shard_bytes
+from featstore.versions._catalog import RECORDS_PER_OBJECT
+from featstore.versions._keys import version_key
+from featstore.versions._receipts import compact_receipts, finished_shards, read_receipts, write_receipt
+from featstore.compute._driver import choose_layout
+from featstore.compute._options import LOCAL_SHARD_BYTES, OBJECT_STORE_SHARD_BYTES, default_shard_bytes
 
 from tests.models import TinyA, VectorData
 
@@ -75,10 +77,10 @@ def test_open_and_plan_read_the_same_small_objects_at_500_and_125000_shards(tmp_
 
 
 def test_records_hold_every_shard_and_are_read_only_by_verify(tmp_path, monkeypatch):
-    import featstore.versions._catalog
+    import featstore.versions._receipts
 
     assert RECORDS_PER_OBJECT == 65536  # 6 MiB objects at 3 arrays; smaller here to test several
-    monkeypatch.setattr(featstore.versions._catalog, "RECORDS_PER_OBJECT", 1000)
+    monkeypatch.setattr(featstore.versions._receipts, "RECORDS_PER_OBJECT", 1000)
     base = featstore.open_store(tmp_path / "store")
     m = synthetic_version(base, "scale/rec", 1010, samples_per_shard=4)
     store = counted(base.storage)
@@ -113,9 +115,9 @@ def test_finished_shards_are_found_by_listing_and_runs_read_concurrently(store):
 
 
 def test_a_task_compacts_its_receipts_and_a_resume_reads_the_runs(local_store, monkeypatch):
-    import featstore.versions._catalog
+    import featstore.versions._receipts
 
-    monkeypatch.setattr(featstore.versions._catalog, "RUN_EVERY", 4)  # the driver folds receipts as tasks finish
+    monkeypatch.setattr(featstore.versions._receipts, "RUN_EVERY", 4)  # the driver folds receipts as tasks finish
     kw = dict(model=TinyA(), dataset=VectorData(80),
               keep=["target"], outputs={"features": "float32", "logits": "float32"}, batch_size=8, samples_per_shard=8,
               options=featstore.ComputeOptions(progress=False, processes=False, n_workers=1))

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore import ComputeOptions, InvalidInput, NondeterministicAugment, SourceMismatch
 from featstore.format._zarr import view_path
-from featstore.versions._catalog import forget_receipts, receipt_key, view_key
+from featstore.versions._keys import receipt_key, view_key
+from featstore.versions._receipts import forget_receipts
 from featstore.versions._views import view_seed
 
 from tests.augments import CountingAugment, global_noise, noisy_flip
@@ -266,9 +267,9 @@ def test_views_and_extends_are_refused_together(tmp_path, dask_client):
 
 
 def test_view_receipts_compact_into_runs_and_a_resume_reads_them(tmp_path, dask_client, monkeypatch):
-    import featstore.versions._catalog
+    import featstore.versions._receipts
 
-    monkeypatch.setattr(featstore.versions._catalog, "RUN_EVERY", 2)  # the driver folds receipts as tasks finish
+    monkeypatch.setattr(featstore.versions._receipts, "RUN_EVERY", 2)  # the driver folds receipts as tasks finish
     store = featstore.open_store(tmp_path / "store")
     first = compute(store, dask_client, model_id="tiny-a", shards_per_task=3)
     runs = {view: [n for n in store.storage.list_dirs(f"{view_key(first.key, view)}/_receipts")
