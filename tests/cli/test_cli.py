@@ -83,8 +83,9 @@ def test_storage_options_reach_the_store(tmp_path, capsys, option):
     assert code == 3 and out["error"] == "StoreUnavailable"
 
 
-QUICK_COMMANDS = (["--help"], ["list", "{root}"], ["info", "{root}", "legacy/tiny"], ["verify", "{root}", "legacy/tiny"],
-                  ["tag", "{root}", "legacy/tiny", "quick"], ["delete", "{root}", "legacy/bf"],
+QUICK_COMMANDS = (["--help"], ["list", "{root}"], ["info", "{root}", "legacy/tiny"],
+                  ["verify", "{root}", "legacy/tiny"], ["tag", "{root}", "legacy/tiny", "quick"],
+                  ["delete", "{root}", "legacy/bf"],
                   ["gc", "{root}", "--dry-run"], ["cache", "list", "--dir", "{cache}"])
 
 
