@@ -28,14 +28,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from featstore.format._manifests import Layout, ReceiptRun, ShardReceipt
-from featstore.read._assignment import UniformShards, consumer_plan
-from featstore.store import FeatureStore, open_store
-from featstore.versions._catalog import Catalog
-from featstore.versions._keys import receipt_key, version_key
-from featstore.versions._receipts import compact_receipts, finished_shards, read_receipts, run_key, write_receipt
-from featstore.compute._driver import choose_layout
-from featstore.compute._options import OBJECT_STORE_SHARD_BYTES
+from featstore.format import Layout, ReceiptRun, ShardReceipt
+from featstore.read import UniformShards, consumer_plan
+from featstore import FeatureStore, open_store
+from featstore.versions import Catalog
+from featstore.versions import receipt_key, version_key
+from featstore.versions import compact_receipts, finished_shards, read_receipts, run_key, write_receipt
+from featstore.compute import choose_layout
+from featstore.compute import OBJECT_STORE_SHARD_BYTES
 
 from .procfs import rss
 from .synthetic import ARRAYS, synthetic_receipts, synthetic_version

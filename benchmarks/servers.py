@@ -143,7 +143,7 @@ def server_repeat(endpoint: str, pid: int, m: dict, local: featstore.Version, cl
 
 def run_servers(n: int, repeats: int, workdir: str, servers: tuple[str, ...] = SERVERS) -> dict[str, Any]:
     """Every row ``repeats`` times on each server, the servers interleaved within a repeat."""
-    from featstore.testing._servers import SeaweedFS
+    from featstore.testing import SeaweedFS
 
     from .run import _moto
 

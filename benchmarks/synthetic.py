@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from featstore.format._zarr import create_arrays
-from featstore.format._manifests import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.versions._catalog import Catalog
-from featstore.versions._keys import version_key
+from featstore.format import create_arrays
+from featstore.format import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
+from featstore.versions import Catalog
+from featstore.versions import version_key
 
 ARRAYS = {"features": ArraySpec("float16", "float16", (512,), "output"),
           "logits": ArraySpec("float32", "float32", (1000,), "output"),

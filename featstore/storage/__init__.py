@@ -14,6 +14,7 @@ from featstore.storage._errors import BackendErrorStore, backend_errors
 from featstore.storage._fsspec import FsspecStorage
 from featstore.storage._local import LocalStorage
 from featstore.storage._s3 import S3_MAX_ATTEMPTS, S3Storage, s3_options
+from featstore.storage._s3_reads import S3Getter
 
-__all__ = ["SECRET_OPTIONS", "S3_MAX_ATTEMPTS", "BackendErrorStore", "FsspecStorage", "LocalStorage", "S3Storage",
-           "Storage", "backend_errors", "backend_for", "redact", "s3_options"]
+__all__ = ["SECRET_OPTIONS", "S3_MAX_ATTEMPTS", "BackendErrorStore", "FsspecStorage", "LocalStorage", "S3Getter",
+           "S3Storage", "Storage", "backend_errors", "backend_for", "redact", "s3_options"]

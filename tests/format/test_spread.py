@@ -171,7 +171,7 @@ def test_extends_a_spread_parent(store):
 
 def test_views_of_a_spread_version(local_store, tmp_path):
     kw = dict(model=TinyA(), dataset=VectorData(64), keep=["target"], outputs=OUT, batch_size=16,
-              samples_per_shard=SPP, views=2, augment=noisy_flip, augment_seed=3)
+              samples_per_shard=SPP, views=featstore.Views(k=2, augment=noisy_flip, seed=3))
     v = local_store.compute("sp/views", options=options(), **kw)
     plain = featstore.open_store(tmp_path / "plain").compute("sp/views", options=options(None), **kw)
     objects = shard_objects(local_store, v)

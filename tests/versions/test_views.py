@@ -26,12 +26,17 @@ OUT = {"features": "float16", "logits": "float32"}
 TOL = {"features": 2e-3, "logits": 1e-5}
 
 
-def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, model_id=None, shards_per_task=1, **kw):
+def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, model_id=None, shards_per_task=1,
+            old_keywords=False, **kw):
+    if views is None or old_keywords:  # the keywords of before featstore.Views (deprecated, one release)
+        kw.update(views=views, augment=augment, augment_seed=7)
+    else:
+        kw.update(views=featstore.Views(k=views, augment=augment, seed=7))
     return store.compute("tiny/views", model=model or TinyA(), dataset=data or VectorData(N),
                          keep={"target": "target", "seen": "input", "flip": "flip"}, outputs=OUT,
-                         samples_per_shard=SPP, batch_size=16, client=client, views=views, augment=augment,
-                         augment_seed=7, options=ComputeOptions(progress=False, chunk_rows=16, model_id=model_id,
-                                                                shards_per_task=shards_per_task), **kw)
+                         samples_per_shard=SPP, batch_size=16, client=client,
+                         options=ComputeOptions(progress=False, chunk_rows=16, model_id=model_id,
+                                                shards_per_task=shards_per_task), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +157,16 @@ def test_an_augment_using_global_randomness_is_detected(local_store, dask_client
     with pytest.raises(NondeterministicAugment, match="generator"):
         compute(local_store, dask_client, augment=global_noise)
     assert local_store.names() == []
+
+
+def test_the_old_views_keywords_still_work_with_a_deprecation_warning(local_store, dask_client):
+    with pytest.warns(DeprecationWarning, match="featstore.Views"):
+        old = compute(local_store, dask_client, old_keywords=True)
+    new = compute(local_store, dask_client)  # the same version: same fingerprint, so the same id
+    assert new.id == old.id and new.manifest.views == old.manifest.views and new.manifest.views.count == K
+    with pytest.raises(InvalidInput, match="inside views="):
+        local_store.compute("tiny/views", model=TinyA(), dataset=VectorData(N), outputs=OUT,
+                            views=featstore.Views(k=K, augment=noisy_flip), augment=noisy_flip)
 
 
 def test_views_arguments_are_checked(local_store, dask_client):
