@@ -29,7 +29,8 @@ from featstore.compute._cluster import Cluster, connect, task_resources, workers
 from featstore.codecs._dense import keep_codec, output_codec
 from featstore.errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
 from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
-from featstore.format._zarr import RESERVED_FIELDS, choose_compression, chunk_label
+from featstore.format._arrays import choose_compression, chunk_label
+from featstore.format._keys import RESERVED_FIELDS
 from featstore.compute._extends import Growth, plan_growth
 from featstore.format._manifests import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
 from featstore.monitor._run_state import RunState

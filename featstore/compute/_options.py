@@ -96,9 +96,9 @@ class ComputeOptions:
     connect_timeout: float = 5.0
 
     def __post_init__(self) -> None:
-        from featstore.format import _manifests, _zarr  # zarr is imported where options are checked, not for --help
+        from featstore.format import _arrays, _manifests  # zarr is imported where options are checked, not for --help
 
-        _zarr.check_compression(self.compression)
+        _arrays.check_compression(self.compression)
         if isinstance(self.connect_timeout, bool) or not isinstance(self.connect_timeout, (int, float)) \
                 or not self.connect_timeout > 0:
             raise InvalidInput(f"connect_timeout must be a positive number of seconds, got {self.connect_timeout!r}.")

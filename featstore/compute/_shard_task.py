@@ -38,7 +38,8 @@ from featstore.codecs._dense import (Codec, codec_by_name, finite_rows, keep_cod
 from featstore.compute._devices import task_device
 from featstore.errors import (ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput,
                               OutputMismatch)
-from featstore.format._zarr import chunk_key, open_for_write, shard_digest, zstd_saving
+from featstore.format._arrays import open_for_write, zstd_saving
+from featstore.format._keys import chunk_key, shard_digest
 from featstore.format._manifests import ArraySpec, Layout, ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack

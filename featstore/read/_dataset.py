@@ -29,8 +29,8 @@ from featstore.read._memory_cache import CacheOptions, MappedFiles, SharedCache,
 from featstore.read._disk_cache import ENTRY_TRAILER, POLICIES, DiskCacheOptions
 from featstore.read._disk_tier import DiskObjects, scope_identity
 from featstore.errors import CorruptChunk, DistributedSetupError, InvalidInput
-from featstore.format._zarr import (ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format,
-                                    shard_index_bytes)
+from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format,
+                                             shard_index_bytes)
 from featstore.read._gather import ArenaRows, InPlace, window_rows
 from featstore.codecs._parts import assemble, expand_fields
 from featstore.codecs._ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_LENGTH, TOKEN_START, RaggedRows,

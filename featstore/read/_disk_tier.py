@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from featstore.read._memory_cache import MappedFiles
 from featstore.read._disk_cache import DiskCache, DiskCacheOptions, entry_body
 from featstore.errors import CorruptChunk
-from featstore.format._zarr import ChunkRef, ShardFormat, shard_intact
+from featstore.format._shard_decoder import ChunkRef, ShardFormat, shard_intact
 from featstore._json import canonical_json
 from featstore.storage import Storage
 from featstore.versions._committed import Version, deleted_while_reading

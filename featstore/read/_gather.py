@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from featstore.read._arena import Arena, Slot
-from featstore.format._zarr import ShardFormat
+from featstore.format._shard_decoder import ShardFormat
 from featstore.read._assignment import Piece
 from featstore.codecs._ragged import RaggedWindow
 

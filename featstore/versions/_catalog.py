@@ -38,8 +38,9 @@ from typing import Any
 
 from featstore.errors import (ComputeFailed, CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput,
                               StoreConflict, VersionNotFound)
-from featstore.format._zarr import (check_array_metadata, chunk_key, consolidate, consolidated_groups, create_arrays,
-                                    create_views_group, logical_key)
+from featstore.format._arrays import (check_array_metadata, consolidate, consolidated_groups, create_arrays,
+                                      create_views_group)
+from featstore.format._keys import chunk_key, logical_key
 from featstore._json import canonical_json, load_json
 from featstore.format._manifests import (ArraySpec, Base, Layout, Manifest, Pending, ShardReceipt, ShardRecords,
                                          gc_mark_json, newer_manifest, ref_json, ref_target, tag_json, tag_target)

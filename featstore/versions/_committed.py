@@ -18,8 +18,9 @@ import zarr
 from featstore.codecs._dense import codec_by_name
 from featstore.errors import (CorruptChunk, FeatstoreError, InvalidInput,
                               StoreUnavailable, VersionNotFound)
-from featstore.format._zarr import (ChunkRef, ShardFormat, chunk_key, decode_shard_rows, open_array, shard_digest,
-                                    shard_index, shard_index_bytes, view_path)
+from featstore.format._arrays import open_array
+from featstore.format._keys import chunk_key, shard_digest, view_path
+from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.format._manifests import (Manifest, ShardReceipt)
 from featstore.codecs._parts import assemble, parts_codec
 from featstore.codecs._ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets

@@ -24,8 +24,8 @@ import numpy as np
 import zarr
 
 from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
-from featstore.format._zarr import (VIEWS_GROUP, chunk_key, consolidate, consolidated_groups, mark_metadata,
-                                    shard_digest, view_path)
+from featstore.format._arrays import consolidate, consolidated_groups
+from featstore.format._keys import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
 from featstore.codecs._ragged import TOKEN_LENGTH
 from featstore.storage import Storage
 from featstore.versions._committed import Version

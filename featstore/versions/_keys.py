@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zarr
 
-from featstore.format._zarr import (SPREAD_FOLDER, MetadataStore, SpreadStore,
-                                    logical_key, spread_folder, spread_key, view_path)
+from featstore.format._arrays import SpreadStore
+from featstore.format._keys import SPREAD_FOLDER, MetadataStore, logical_key, spread_folder, spread_key, view_path
 from featstore._allowed_names import check_name, check_tag, check_version_id
 from featstore.storage import Storage
 from featstore._lazy import lazy_module

@@ -8,7 +8,7 @@ import torch
 
 from featstore import CorruptChunk, InvalidInput, NonFiniteOutput
 from featstore.codecs import _dense as C
-from featstore.format import _zarr as F
+from featstore.format import _arrays as F
 from featstore.codecs import _statistics as S
 def _slow_stats(x: torch.Tensor) -> dict:
     x = x.to(torch.float64)

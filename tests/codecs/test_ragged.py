@@ -10,7 +10,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, InvalidInput, Tokens, kd
-from featstore.format._zarr import shard_format, shard_index
+from featstore.format._shard_decoder import shard_format, shard_index
 from featstore.ragged import RaggedRows, RaggedWindow, attention_mask, gather_rows, offsets, pack, padded, token_layout
 from featstore.ragged import pad_sequences as pad_tokens
 

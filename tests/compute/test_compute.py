@@ -78,7 +78,7 @@ def test_plain_zarr_reads_a_committed_version(store, dask_client):
 
 @pytest.mark.parametrize("compression", ["auto", "zstd", "none"])
 def test_compression_choice_is_recorded_and_reads_back_exactly(store, dask_client, compression):
-    from featstore.format import _zarr as codecs
+    from featstore.format import _arrays as codecs
 
     data, model = VectorData(200), TinyA()
     v = compute(store, dask_client, data=data, model=model, batch_size=64,

@@ -14,7 +14,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
-from featstore.format._zarr import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
+from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
 from featstore.format._manifests import Layout, Manifest
 from featstore.versions._keys import receipt_key
 

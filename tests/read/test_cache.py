@@ -360,7 +360,7 @@ def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
 def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versions, tmp_path, monkeypatch):
     """Epoch 2 of one reader checks no crc32c of a mapped shard it checked in epoch 1; a shard
     object replaced on disk between epochs is mapped afresh and its damage is caught."""
-    import featstore.format._zarr as fmt
+    import featstore.format._shard_decoder as fmt
 
     src = versions["raw"]
     shutil.copytree(src.storage.root, tmp_path / "store")

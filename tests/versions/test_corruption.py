@@ -68,7 +68,7 @@ def read_error(action, *args) -> Exception | None:
 def _decode_error(data: bytes, fmt, rows: int, ref) -> Exception | None:
     """What the reader's own shard decoder makes of ``data`` (the whole object, in memory): the
     path of ``store.dataset`` (a local uncompressed shard is first checked as mapped)."""
-    from featstore.format._zarr import decode_shard_rows, mapped_chunks
+    from featstore.format._shard_decoder import decode_shard_rows, mapped_chunks
 
     try:
         if not fmt.compressed:
@@ -86,7 +86,7 @@ def test_every_single_bit_flip_of_one_shard_object_is_detected(damaged, field):
     """Every bit of one small shard object (a zstd one, ``target``, ~2,400 bits; an uncompressed
     one, ``features``, ~8,900 bits), flipped one at a time: each flip is a CorruptChunk naming
     that object from the reader's decoder. In memory, so the cost stays about a second."""
-    from featstore.format._zarr import ChunkRef, shard_format
+    from featstore.format._shard_decoder import ChunkRef, shard_format
 
     store, v, base = damaged
     rel = next(f.relative_to(base).as_posix() for f in shard_objects(base) if f.relative_to(base).parts[0] == field)

@@ -15,7 +15,7 @@ from benchmarks.synthetic import synthetic_version
 from featstore.format._manifests import Layout, ShardReceipt
 from featstore.storage import Storage
 from featstore.store import FeatureStore
-from featstore.versions._catalog import RECORDS_PER_OBJECT
+from featstore.format._manifests import RECORDS_PER_OBJECT
 from featstore.versions._keys import version_key
 from featstore.versions._receipts import compact_receipts, finished_shards, read_receipts, write_receipt
 from featstore.compute._driver import choose_layout

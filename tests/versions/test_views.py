@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, InvalidInput, NondeterministicAugment, SourceMismatch
-from featstore.format._zarr import view_path
+from featstore.format._keys import view_path
 from featstore.versions._keys import receipt_key, view_key
 from featstore.versions._receipts import forget_receipts
 from featstore.versions._views import view_seed
