@@ -8,7 +8,7 @@ The names are imported when first used: this package's modules import torch.
 from featstore._lazy import lazy_exports
 
 _NAMES = {
-    "FeatureDataset": "_dataset", "ReaderOptions": "_dataset", "CACHES": "_dataset",
+    "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",
     "DiskCacheOptions": "_disk_cache", "clear_disk_cache": "_disk_cache", "list_disk_cache": "_disk_cache",
     "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
     "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
