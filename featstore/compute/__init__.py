@@ -11,7 +11,7 @@ _NAMES = {
     "ComputeOptions": "_options", "compute": "_driver", "choose_layout": "_driver",
     "OBJECT_STORE_SHARD_BYTES": "_options", "LOCAL_SHARD_BYTES": "_options",
     "Cluster": "_cluster", "connect": "_cluster", "worker_devices": "_devices", "tuned": "_malloc",
-    "collate_batch": "_shard_task",
+    "collate_batch": "_batches",
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

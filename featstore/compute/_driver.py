@@ -38,8 +38,8 @@ from featstore._allowed_names import check_field, check_name
 from featstore.codecs._parts import PartsCodec, check_output_codec, is_parts_codec, part_array, parts_codec
 from featstore.codecs._ragged import TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
 from featstore.codecs._statistics import summarize
-from featstore.compute._shard_task import (PROBE_TOKENS, REUSED, TaskSpec, collate_batch, probe, release_models,
-                                           run_shards)
+from featstore.compute._batches import collate_batch
+from featstore.compute._shard_task import PROBE_TOKENS, REUSED, TaskSpec, probe, release_models, run_shards
 from featstore._user_code import dataset_length, read_item
 from featstore.versions._catalog import Catalog, Claim
 from featstore.versions._committed import Version

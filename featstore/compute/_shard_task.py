@@ -19,10 +19,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import os
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,122 +32,32 @@ import zarr
 
 from featstore.monitor._events import batch_done, shard_started, shard_written
 from featstore.compute._malloc import tuned as tuned_allocator
-from featstore.codecs._dense import (Codec, codec_by_name, finite_rows, keep_codec, largest_finite, output_codec,
-                                     unrepresentable)
+from featstore.codecs._dense import (keep_codec, output_codec)
 from featstore.compute._devices import task_device
-from featstore.errors import (ComputeFailed, FeatstoreError, InvalidInput, MissingInputKey, NonFiniteOutput,
-                              OutputMismatch)
-from featstore.format._arrays import open_for_write, zstd_saving
-from featstore.format._keys import chunk_key, shard_digest
+from featstore.errors import (FeatstoreError, InvalidInput)
+from featstore.format._arrays import zstd_saving
+from featstore.format._keys import chunk_key
 from featstore.format._manifests import ArraySpec, Layout, ShardReceipt
-from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, offsets, pack
-from featstore.codecs._statistics import NONFINITE_KEPT, max_abs_error, merge_stats, value_stats
+from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, pack
+from featstore.codecs._statistics import merge_stats
 from featstore.storage import Storage
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore._user_code import build_model, describe, read_items, user_error
-from featstore.versions._keys import group_store, object_key, version_key, view_key
-from featstore.versions._receipts import read_receipts, write_receipt
+from featstore.versions._keys import object_key, version_key, view_key
+from featstore.versions._receipts import read_receipts
 from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
 
+from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
+from featstore.compute._shard_writing import (check_batch, encode_batch, open_arrays, shard_buffers, tokens_per_shard,
+                                              unstage, write_shard, device_stage, encodes_on_device)
+
+
 _AHEAD = 4  # batches a task may run ahead of its write thread
-#: A batch's real-token mask travels with its kept fields under this key (never stored).
-_MASK = "_token_mask"
 #: The probe's mean real tokens per sample (sizes the shards of per-token outputs).
 PROBE_TOKENS = "_tokens_per_sample"
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
 PROBE_ROWS = 64
-
-
-# ---------------------------------------------------------------------------------------------
-# Selecting fields of dataset items and normalising Model A's outputs (pure).
-# ---------------------------------------------------------------------------------------------
-def select(item: Any, key: Any, what: str) -> Any:
-    """Pick ``key`` out of a dataset item (dict key, tuple index, callable, or the item itself)."""
-    if key is None:
-        return item
-    if callable(key):
-        try:
-            return key(item)
-        except FeatstoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's selector raises anything
-            raise user_error(exc, f"the {'input_key' if what == 'input' else 'keep'} callable {describe(key)}",
-                             "fix it, then rerun.") from exc
-    try:
-        return item[key]
-    except (KeyError, IndexError, TypeError):
-        have = (sorted(map(str, item)) if isinstance(item, Mapping)
-                else f"a {type(item).__name__} of length {len(item)}" if hasattr(item, "__len__")
-                else type(item).__name__)
-        raise MissingInputKey(
-            f"dataset items have no {what} {key!r} (items are {have}); pass the right "
-            f"{'input_key' if what == 'input' else 'keep'} (a key, an index or a callable)."
-        ) from None
-
-
-def collate_batch(items: Sequence[Any], input_key: Any, keep: Mapping[str, Any], collate: Any,
-                  start: int) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Model A's input batch and the kept fields' tensors for dataset items ``start, ...``.
-
-    What cannot be batched is an :class:`InvalidInput` naming the field and the fix (the driver
-    calls this on the first item before anything runs, so most such items never reach a task).
-    """
-    from torch.utils.data import default_collate
-
-    stop = start + len(items)
-    try:
-        x = (collate or default_collate)([select(it, input_key, "input") for it in items])
-    except FeatstoreError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - default_collate and the user's collate raise anything
-        if collate is not None:
-            raise user_error(exc, f"ComputeOptions.collate {describe(collate)} on samples [{start}, {stop})",
-                             "fix it, then rerun.") from exc
-        raise InvalidInput(
-            f"collating the input ({describe_field(input_key)}) of samples [{start}, {stop}) failed "
-            f"({type(exc).__name__}: {exc}): Model A's inputs must be tensors, numpy arrays or numbers of one "
-            "shape. Convert them in the dataset (PIL images: torchvision.transforms.functional.pil_to_tensor), "
-            "or pass ComputeOptions(collate=fn) to build the batch (e.g. featstore.ragged.pad_sequences).") from exc
-    kept = {}
-    for name, key in keep.items():
-        values = [select(it, key, "keep field") for it in items]
-        try:
-            kept[name] = torch.as_tensor(default_collate(values))
-        except Exception as exc:  # noqa: BLE001
-            raise InvalidInput(
-                f"keep field {name!r} of samples [{start}, {stop}) cannot be stored ({type(exc).__name__}: "
-                f"{exc}): a kept field must be a number or a tensor of one fixed shape per sample (a "
-                f"{type(values[0]).__name__} here). Convert or pad it in the dataset, or leave it out of keep."
-            ) from exc
-    return x, kept
-
-
-def describe_field(key: Any) -> str:
-    """``input_key`` as messages name it."""
-    return "the whole item" if key is None else describe(key) if callable(key) else repr(key)
-
-
-def as_outputs(out: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Model A's return value as ``{output name: tensor}``."""
-    if isinstance(out, torch.Tensor):
-        if len(names) != 1:
-            raise OutputMismatch(f"Model A returned one tensor but outputs names {list(names)}; "
-                                 "return a dict with those keys or name one output.")
-        return {names[0]: out}
-    if isinstance(out, Mapping):
-        # ``outputs`` may name a subset of what A returns (store the logits, not the features);
-        # a name A does not return is an error.
-        unknown = sorted(set(names) - set(out))
-        if unknown:
-            raise OutputMismatch(f"outputs names {unknown}, which Model A does not return (it returns "
-                                 f"{sorted(map(str, out))}); name a subset of those in `outputs`.")
-        bad = [k for k in names if not isinstance(out[k], torch.Tensor)]
-        if bad:
-            raise OutputMismatch(f"Model A's outputs {bad} are not tensors.")
-        return {k: out[k] for k in names}
-    raise OutputMismatch(f"Model A returned a {type(out).__name__}; return a tensor or a dict of tensors.")
-
 
 # ---------------------------------------------------------------------------------------------
 # One Model A per worker process.
@@ -242,13 +151,13 @@ def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tupl
     x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
     if spec.tokens is not None:
         try:
-            kept[_MASK] = batch_mask(spec.tokens, x, len(items), start)
+            kept[TOKEN_MASK] = batch_mask(spec.tokens, x, len(items), start)
         except FeatstoreError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's mask function raises anything
             raise user_error(exc, f"Tokens(mask={describe(spec.tokens.mask)}) on samples [{start}, "
                              f"{start + len(items)})", "fix it, then rerun.") from exc
-        kept[TOKEN_LENGTH] = kept[_MASK].sum(1).to(torch.int32)
+        kept[TOKEN_LENGTH] = kept[TOKEN_MASK].sum(1).to(torch.int32)
     return (pin(x) if pinned else x), kept
 
 
@@ -266,137 +175,6 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: i
         raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
                          f"on samples [{start}, {start + rows})") from exc
     return as_outputs(out, list(spec.outputs))
-
-
-def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
-    """The per-sample shape Model A's output (or a kept field) ``name`` must have."""
-    if name in spec.arrays and not spec.arrays[name].output:
-        return spec.arrays[name].shape
-    # an output stored in parts: the shape A produced is recorded with each part
-    return next(tuple(a.params["row_shape"]) for a in spec.arrays.values() if a.output == name)
-
-
-def _check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
-    for name, t in values.items():
-        want = _want_shape(spec, name)
-        if tuple(t.shape) != (t.shape[0] if name in spec.ragged else rows, *want):
-            raise OutputMismatch(
-                f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
-                f"{(rows, *want)} was expected (from the first batch); Model A's output "
-                "shape must not change between batches.")
-        dtype = str(t.dtype).removeprefix("torch.")
-        if spec.dtypes and dtype != spec.dtypes[name]:
-            raise OutputMismatch(
-                f"{name!r} has dtype {dtype} on samples [{start}, {start + rows}), but the first "
-                f"batch had {spec.dtypes[name]}; Model A's output dtype must not change between batches.")
-
-
-def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor | dict[str, torch.Tensor], start: int,
-                  encoded: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
-    """Encode an output stored in parts (sparse soft labels, int8): one array per part, the
-    codec's error statistics with the first part's. ``t`` is the output, or what
-    :func:`device_stage` already made of it on the device."""
-    parts, error = codec.finish(t, start, name) if isinstance(t, dict) else codec.encode(t, start, name)
-    for i, (part, arr) in enumerate(parts.items()):
-        key = part_array(name, part)
-        encoded[key], stats[key] = arr, value_stats(torch.from_numpy(unpadded(part, arr)))
-        if i == 0 and error.get("rows"):
-            stats[key]["codec_error"] = error
-
-
-def _encode(spec: TaskSpec, values: dict[str, Any], start: int, token0: int = 0) -> tuple[dict, dict]:
-    """Each value as stored, and its statistics; a per-token output's rows are tokens, the first
-    being token row ``token0`` (what ``sample:S`` seeds its draws with, like a sample index)."""
-    encoded, stats = {}, {}
-    for name, t in values.items():
-        if name in spec.outputs and is_parts_codec(spec.outputs[name]):
-            _encode_parts(name, parts_codec(spec.outputs[name]), t, token0 if name in spec.ragged else start,
-                          encoded, stats)
-            continue
-        want = spec.arrays[name]
-        codec = codec_by_name(want.codec)
-        if want.source != "output":  # a kept field: stored exactly in its own dtype
-            encoded[name] = codec.encode(t)
-            stats[name] = value_stats(t)
-            continue
-        encoded[name], stats[name] = _encode_dense(spec, name, codec, t, start)
-    return encoded, stats
-
-
-def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, start: int) -> tuple[np.ndarray, dict]:
-    """One dense output as stored, and the statistics of what is stored: NaN/Inf from Model A,
-    or finite values the codec cannot represent (float64 beyond float32's range, float32 beyond
-    float16's) are :class:`NonFiniteOutput` naming the samples unless ``allow_nonfinite``; a
-    cast's rounding is the codec error (``max_abs_error``)."""
-    bad = ~finite_rows(t)  # one finiteness pass serves the check and the statistics
-    if bool(bad.any()) and not spec.allow_nonfinite:
-        rows = (torch.nonzero(bad).reshape(-1) + start).tolist()
-        raise NonFiniteOutput(
-            f"Model A produced NaN/Inf in {name!r} for {len(rows)} samples (first: {rows[:10]}); fix the "
-            "model or data, or pass ComputeOptions(allow_nonfinite=True) to store them.")
-    arr, lost = codec.store(t)
-    if lost is not None:
-        if not spec.allow_nonfinite:
-            raise NonFiniteOutput(unrepresentable(codec, name, (torch.nonzero(lost).reshape(-1) + start).tolist(),
-                                                  largest_finite(t)))
-        bad |= lost
-    cast = t.dtype != codec.torch_dtype
-    s = value_stats(codec.decode(arr) if cast else t, not bool(bad.any()))  # what is stored
-    if bool(bad.any()):
-        s["nonfinite_samples"] = (torch.nonzero(bad).reshape(-1) + start).tolist()[:NONFINITE_KEPT]
-    if cast or codec.lossy:
-        s["max_abs_error"] = max_abs_error(codec, arr, t)
-    return arr, s
-
-
-def _open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
-    try:
-        return open_for_write(group_store(spec.storage, spec.key, spec.layout.spread, read_only=False), spec.arrays)
-    except FileNotFoundError:  # zarr's "array not found": the claim's arrays are gone
-        pass
-    # Raised outside the except block, without zarr's error as its context: that one does not
-    # survive the pickling that takes a task's error to the driver.
-    raise ComputeFailed(f"the arrays of {spec.storage.child_url(spec.key)} were deleted while it was "
-                        "computed (by store.gc or another process); nothing was committed. Rerun "
-                        "compute: the shards still stored are kept.")
-
-
-def _shard_buffers(spec: TaskSpec, index: int) -> dict[str, Any]:
-    """A shard's buffers: one array per per-sample field, a list of batches' token rows per
-    per-token array (their count is known only once the shard's batches are in)."""
-    start, stop = spec.layout.shard_range(index)
-    return {n: [] if a.ragged else np.empty((stop - start, *a.shape), dtype=a.dtype) for n, a in spec.arrays.items()}
-
-
-def _tokens_per_shard(spec: TaskSpec) -> int:
-    """Token rows each shard owns in the per-token arrays (0 without per-token outputs)."""
-    a = next((a for a in spec.arrays.values() if a.ragged), None)
-    return 0 if a is None else spec.layout.of(a).samples_per_shard
-
-
-def _write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                 buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
-    start, stop = spec.layout.shard_range(index)
-    digests = {}
-    if TOKEN_START in buffers:  # each sample's first token row, now that the shard's counts are in
-        buffers[TOKEN_START][:] = index * _tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
-        stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
-    for name, buf in buffers.items():
-        if isinstance(buf, list):  # a per-token array: the shard's tokens, packed from its first row
-            a = spec.arrays[name]
-            buf = np.concatenate(buf) if buf else np.empty((0, *a.shape), dtype=a.dtype)
-            t0 = index * _tokens_per_shard(spec)
-            # a shard without a single token still stores one (padding) row: every shard of
-            # every array is an object, which is what commit and resume check
-            arrays[name][t0:t0 + max(len(buf), 1)] = buf if len(buf) else np.zeros((1, *a.shape), dtype=a.dtype)
-            buffers[name] = buf
-        else:
-            arrays[name][start:stop] = buf
-        digests[name] = shard_digest(buffers[name])
-    receipt = ShardReceipt(index, start, stop, digests, stats, view=spec.view)
-    # The receipt is written only after every array of the shard is stored: it is the marker.
-    write_receipt(spec.storage, spec.key, receipt)
-    return receipt
 
 
 class _Reporter:
@@ -479,13 +257,13 @@ def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
     """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
     once its device->host copies have landed; ``token0``: its first token row (per-token outputs)."""
     values = batch.wait()
-    mask = values.pop(_MASK, None)
-    staged = _unstage(values)
+    mask = values.pop(TOKEN_MASK, None)
+    staged = unstage(values)
     for name in spec.ragged:
         if name in values:
             values[name] = pack(values[name], mask, name)[0]
-    _check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
-    enc, st = _encode(spec, {**values, **staged}, b0, token0)
+    check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
+    enc, st = encode_batch(spec, {**values, **staged}, b0, token0)
     for n, arr in enc.items():
         if isinstance(buffers[n], list):
             buffers[n].append(arr)
@@ -495,46 +273,6 @@ def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int,
 
 
 #: Joins an output's name and a part in the keys of what :func:`device_stage` hands the host.
-_STAGED = "/"
-
-
-def encodes_on_device(device: torch.device) -> bool:
-    """Whether the sparse codecs run on the task's device, before the copy to the host: on a GPU
-    (a language model's per-token logits are 64-256 KB a token, the parts a few hundred bytes,
-    and the host's passes over every class would bound the worker), or where
-    ``FEATSTORE_DEVICE_ENCODE=1`` asks for it (the tests run this path on the CPU)."""
-    return device.type != "cpu" or os.environ.get("FEATSTORE_DEVICE_ENCODE") == "1"
-
-
-def device_stage(spec: TaskSpec, outs: dict[str, torch.Tensor], mask: torch.Tensor | None, b0: int,
-                 token0: int) -> dict[str, torch.Tensor]:
-    """Model A's outputs with each sparse-codec output replaced by its codec's device half
-    (:meth:`PartsCodec.encode_tensors`, keys ``<name>/<part>``), a per-token one packed to its
-    real tokens first; the others unchanged. Runs on the task thread, on A's device."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in outs.items():
-        codec = parts_codec(spec.outputs[name]) if is_parts_codec(spec.outputs[name]) else None
-        if codec is None or not codec.sparse:
-            out[name] = t
-            continue
-        rows = len(t)
-        if name in spec.ragged:
-            t = pack(t, mask.to(t.device), name)[0]
-        _check_batch(spec, {name: t}, rows, b0)
-        first = token0 if name in spec.ragged else b0
-        out.update({f"{name}{_STAGED}{k}": v for k, v in codec.encode_tensors(t, first, name).items()})
-    return out
-
-
-def _unstage(values: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    """Take :func:`device_stage`'s tensors out of ``values``, grouped by output."""
-    staged: dict[str, dict[str, torch.Tensor]] = {}
-    for key in [k for k in values if _STAGED in k]:
-        name, part = key.split(_STAGED, 1)
-        staged.setdefault(name, {})[part] = values.pop(key)
-    return staged
-
-
 def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
                          buffers: dict[str, np.ndarray], stats: dict[str, dict], report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
@@ -542,7 +280,7 @@ def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[
     holds uninitialised rows that must never get a receipt."""
     for job in batch_jobs:
         job.result()  # already done (same thread, earlier in order): re-raises a failure
-    receipt = _write_shard(spec, arrays, index, buffers, stats)
+    receipt = write_shard(spec, arrays, index, buffers, stats)
     report.send(_shard_event(report, receipt, buffers))
     return receipt
 
@@ -646,13 +384,13 @@ def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, i
 
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int],
                 device: torch.device) -> list[dict]:
-    arrays = _open_arrays(spec)
+    arrays = open_arrays(spec)
     plan = _batch_plan(spec, shards)
     cuda = device.type == "cuda"
     offload = Offloader(device)
     receipts: list[dict] = []
     report = _Reporter(spec)
-    on_device, per_shard, shard_tokens = encodes_on_device(device), _tokens_per_shard(spec), 0
+    on_device, per_shard, shard_tokens = encodes_on_device(device), tokens_per_shard(spec), 0
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
@@ -670,7 +408,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                                            plan[k + 1][2], cuda)
                 start, stop = spec.layout.shard_range(index)
                 if b0 == start:
-                    buffers = _shard_buffers(spec, index)
+                    buffers = shard_buffers(spec, index)
                     stats = {}
                     shard_tokens = 0  # real tokens of the shard's earlier batches (per-token outputs)
                     batch_jobs: list[Future] = []
@@ -679,9 +417,9 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
                     outs = _forward(spec, net, x, b0, b1 - b0, device)
                     if on_device:
-                        outs = device_stage(spec, outs, kept.get(_MASK), b0, token0)
-                if _MASK in kept:
-                    shard_tokens += int(kept[_MASK].sum())
+                        outs = device_stage(spec, outs, kept.get(TOKEN_MASK), b0, token0)
+                if TOKEN_MASK in kept:
+                    shard_tokens += int(kept[TOKEN_MASK].sum())
                 report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
                 # on CUDA: starts the copies, returns at once
                 host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
@@ -721,7 +459,7 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[t
         outs = _forward(spec, net, x, 0, rows, device)
     out: dict[str, tuple[tuple[int, ...], str, float]] = {}
     if spec.tokens is not None:
-        mask = kept.pop(_MASK)
+        mask = kept.pop(TOKEN_MASK)
         outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
         out[PROBE_TOKENS] = ((), "float64", float(mask.sum()) / max(rows, 1))
         kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
