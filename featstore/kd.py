@@ -13,7 +13,7 @@ Dense stored logits are divided by ``temperature`` like the student's (classic K
 output read with ``ragged="padded"`` (``[B, L, ...]`` plus ``"<name>.lengths"``) has padding
 rows: the loss is averaged over the real tokens only.
 
-Several teachers (:func:`ensemble`, from :mod:`featstore.ensemble`): their outputs for the same
+Several teachers (:func:`ensemble`, from :mod:`featstore.distill`): their outputs for the same
 rows, as a mean or weighted mean of probabilities or a per-row selection; ``kd_loss`` and
 ``densify`` take the ensemble in place of a batch, and sparse teachers stay sparse (the union of
 their supports plus one uniform tail, exactly).

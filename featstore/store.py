@@ -49,7 +49,7 @@ class Version(CoreVersion):
                verify: bool = True, progress: bool = False) -> Exported:
         """Write this version to ``url`` (a new folder, any fsspec URL) as a self-contained
         standard Zarr v3 group that zarr, xarray and TensorStore read as it is: the route for
-        versions made with ``extends=`` or spread over prefixes (see :mod:`featstore.export`).
+        versions made with ``extends=`` or spread over prefixes (see :mod:`featstore.versions`).
 
         >>> store.open("cnn-a/train-grown").export("/data/grown.zarr")
         Exported(url='/data/grown.zarr', objects=48, bytes=50331648, shards_checked=48)
@@ -110,7 +110,7 @@ class FeatureStore(Catalog):
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
-        :class:`~featstore.viewreading.ViewReading`.
+        :class:`~featstore.read.ViewReading`.
 
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)

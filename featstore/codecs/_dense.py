@@ -102,7 +102,7 @@ _KEEP_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "f
 
 def output_codec(name: str) -> Codec:
     """Look up a dense output codec by name (``float32``, ``float16``, ``bfloat16``); every
-    output codec a compute accepts is validated by :func:`featstore.partcodecs.check_output_codec`."""
+    output codec a compute accepts is validated by :func:`featstore.codecs.check_output_codec`."""
     codec = OUTPUT_CODECS.get(name) if isinstance(name, str) else None
     if codec is None:
         raise InvalidInput(f"unknown dense output codec {name!r}; choose one of {sorted(OUTPUT_CODECS)}.")

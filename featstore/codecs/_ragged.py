@@ -55,7 +55,7 @@ class Tokens:
 
     Attributes:
         mask: ``mask(x) -> [B, L]`` bool/int tensor on Model A's input batch ``x`` (what the
-            ``collate`` of :class:`~featstore.writer.ComputeOptions` built): nonzero marks a
+            ``collate`` of :class:`~featstore.compute.ComputeOptions` built): nonzero marks a
             real token (an attention mask). Part of the fingerprint (by source).
         max_tokens: the most real tokens a sample may have (a longer one is refused at compute
             time); sizes each shard's token range, so set it to the model's context length.
@@ -149,7 +149,7 @@ def token_layout(samples_per_shard: int, max_tokens: int, row_bytes: int) -> tup
 
     A shard size that is no multiple of 16 (``samples_per_shard`` is kept as the user gave it)
     may leave no power of two that large: then the chunk is a divisor near the target
-    (:func:`featstore.chunking.dividing_chunk`), so chunks never shrink to a few rows.
+    (:func:`featstore.codecs.dividing_chunk`), so chunks never shrink to a few rows.
 
     >>> token_layout(100, 512, 256), token_layout(500, 77, 256)
     ((51200, 2048), (38500, 3850))

@@ -2,13 +2,13 @@
 
 The embedded default is one worker process per GPU, each seeing only its own GPU (dask-cuda's
 ``LocalCUDACluster`` when it is installed, else a ``LocalCluster`` with a ``CUDA_VISIBLE_DEVICES``
-per worker; :mod:`featstore.devices` holds the decisions) and advertising a ``GPU`` resource,
+per worker; :mod:`featstore.compute` holds the decisions) and advertising a ``GPU`` resource,
 or, on a machine without GPUs, one worker thread inside the calling process (measured
 1.4-1.9x faster compute on 2 cores than a worker process: no start-up, no pickling of Model A
 and the dataset). The dashboard listens on loopback only: it shows task names and can run code.
 The embedded scheduler preloads :mod:`featstore.dashboard` (the featstore page and its plugin),
 by name, so this module never imports it; a failed task's Dask traceback stays off the console
-(:mod:`featstore.logs`).
+(:mod:`featstore.compute`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _connect(address: str, timeout: float) -> Any:
 
 
 def start(plan: ClusterPlan) -> Cluster:
-    """Start the embedded cluster ``plan`` describes (see :func:`featstore.devices.plan_cluster`):
+    """Start the embedded cluster ``plan`` describes (see :func:`featstore.compute.plan_cluster`):
     worker processes get their share of the cores, GPU workers one GPU each; the scheduler
     preloads featstore's dashboard page."""
     from distributed import Client, LocalCluster

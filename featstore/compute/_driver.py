@@ -1,6 +1,6 @@
 """The compute driver: validate the call, fingerprint it, run the shard tasks on Dask, commit.
 
-The driver plans and watches; the work happens in :mod:`featstore.tasks` (inside Dask tasks),
+The driver plans and watches; the work happens in :mod:`featstore.compute` (inside Dask tasks),
 the version's lifecycle (claim, receipts, commit) in :mod:`featstore.versions`, and what goes
 into Zarr in :mod:`featstore.format`. Reading is not this module's business: the writer and
 the reader never import each other.
@@ -172,7 +172,7 @@ def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | Non
     ``MIN_SHARDS`` shards when N allows (so readers have something to spread), 1 MiB chunks.
 
     An explicit ``samples_per_shard`` is kept exactly: the inner chunk is chosen to divide it
-    (:mod:`featstore.chunking`), and a value that no sensible chunk divides, or that an explicit
+    (:mod:`featstore.codecs`), and a value that no sensible chunk divides, or that an explicit
     ``chunk_rows`` does not divide, is refused naming values that work.
 
     >>> choose_layout(10_000, [64], 500, None, 2**24).samples_per_shard
@@ -301,7 +301,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         outputs: ``{output name: codec}``; A returns one tensor (one name) or a dict of them.
             Codecs: ``float32`` (exact), ``float16`` (a cast), ``bfloat16``; soft labels
             stored sparsely ``topk:K[@T]``, ``topp:P:MIN_K[:CAP][@T]``, ``sample:S[@T]``, and
-            ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.partcodecs`
+            ``int8`` (per-sample absmax) for dense outputs: see :mod:`featstore.codecs`
             and :mod:`featstore.kd`.
         batch_size: samples per forward of A.
         samples_per_shard: rows per Zarr shard (one object), kept exactly as given (the inner

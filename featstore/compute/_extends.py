@@ -1,7 +1,7 @@
 """Growing a version: compute only the new samples of a dataset that extends a parent's.
 
 A child version keeps the parent's layout (rows per shard, chunk rows, codecs, compression)
-and references the parent's *full* shards in place (:class:`~featstore.manifest.Base`
+and references the parent's *full* shards in place (:class:`~featstore.format.Base`
 entries in its manifest); it computes the parent's last, partial shard again and every shard
 after it. Its shard records cover every shard (the parent's digests and statistics copied:
 metadata only), so verify, stats and a later child work across the boundary. The parent's

@@ -55,7 +55,7 @@ class ComputeOptions:
             not bytes, is what it spends. The choice is recorded per array in the manifest.
         tune_allocator: on CPU workers with glibc, keep freed memory for reuse while a shard
             task runs instead of mapping and zeroing fresh pages for every activation tensor
-            (measured 2.5x on the demo CNN); see :mod:`featstore.allocator`.
+            (measured 2.5x on the demo CNN); see :mod:`featstore.compute`.
         shards_per_task: shards each Dask task computes. 1 (the default): Dask's progress bars
             and task stream move once per shard and a lost worker costs one shard; the fetch,
             forward and write stages still overlap inside the task (compute time measured

@@ -5,9 +5,9 @@ so Model A's forward is the only work on the task's own thread: a fetch thread r
 collates batch i+1 from the dataset, the task runs A on batch i, and a write thread checks and
 encodes batch i-1 and compresses and writes finished shards, in order. On a GPU the input goes
 host->device from pinned memory and the outputs come back on a side stream into pinned buffers
-(:mod:`featstore.transfer`), so the copies overlap the next forward too; each task runs on the
-device :mod:`featstore.devices` picks for its worker. A task returns only small receipts (as
-JSON dicts) and reports progress as it goes: :mod:`featstore.events` per shard and per batch
+(:mod:`featstore.compute`), so the copies overlap the next forward too; each task runs on the
+device :mod:`featstore.compute` picks for its worker. A task returns only small receipts (as
+JSON dicts) and reports progress as it goes: :mod:`featstore.monitor` per shard and per batch
 (what the terminal bar and the dashboard page show), and its time split into ``forward``,
 ``fetch``, ``encode`` and ``write`` through ``distributed.metrics.context_meter`` (Dask's Fine
 Performance Metrics). Nothing here knows about the driver, the cluster, the commit or what
@@ -178,7 +178,7 @@ def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: i
 
 
 class _Reporter:
-    """A task's progress events (see :mod:`featstore.events`); silent outside a Dask worker.
+    """A task's progress events (see :mod:`featstore.monitor`); silent outside a Dask worker.
 
     Made on the task's thread, where Dask knows the worker; ``send`` works from any thread.
     """
@@ -330,7 +330,7 @@ def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardRec
 
 
 class _WarmHeap:
-    """Keeps :func:`featstore.allocator.tuned` on between the shard tasks of this process.
+    """Keeps :func:`featstore.compute.tuned` on between the shard tasks of this process.
 
     A compute is one task per shard: without this, every task's end would return the warm heap
     to the OS (``malloc_trim``) and the next task would map and zero its activations afresh.

@@ -300,7 +300,7 @@ def ensemble(source: Any, names: str | Sequence[str] | None = None, *, how: str 
         how: ``"mean"`` (average of probabilities), ``"weighted"`` (``weights``, normalised to
             sum 1) or ``"select"`` (per row one teacher: ``select(teachers) -> [R]`` positions,
             default :func:`most_confident`; each ``teachers[i]`` is a
-            :class:`~featstore.teachers.TeacherRows` with ``prob(labels)``, ``max_prob()``, ...;
+            :class:`~featstore.distill.TeacherRows` with ``prob(labels)``, ``max_prob()``, ...;
             ``R`` rows are the outputs' leading dimensions flattened: ``B``, or ``B * L`` per token).
         weights: one per teacher, as a sequence in order or a mapping label -> weight.
         rules: per teacher, the reconstruction rule of a sparse output (``uniform_tail`` or

@@ -1,7 +1,7 @@
 """One teacher's output in a batch as rows of a distribution (pure torch): its stored form, the
 reconstruction rule, which rows are padding, and the KL to a student in closed form.
 
-:mod:`featstore.kd` (one teacher) and :mod:`featstore.ensemble` (several) are built on this.
+:mod:`featstore.kd` (one teacher) and :mod:`featstore.distill` (several) are built on this.
 A row is one distribution over ``C`` classes: a batch's output ``[B, ..., C]`` (dense) or
 ``[B, ..., K]`` (sparse parts) is read as ``[R, ...]`` rows, ``R`` the product of its leading
 dimensions. :class:`TeacherRows` holds the rows either dense (``probs [R, C]``) or sparse

@@ -95,7 +95,7 @@ class ArraySpec:
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
     source: str  # "output" (Model A), "keep" (a dataset field) or "seed" (a view's replay seeds)
     compression: str = "zstd"
-    #: For one part of an output stored as several arrays (:mod:`featstore.partcodecs`: sparse
+    #: For one part of an output stored as several arrays (:mod:`featstore.codecs`: sparse
     #: soft labels, int8): the output's name, this array's part (``ids``, ``values``, ``counts``,
     #: ``scale``; ``""`` for int8's values) and how to read the parts back (representation,
     #: temperature, reconstruction rule, classes). Empty for a plain array; manifests before
@@ -268,7 +268,7 @@ class Layout:
 class ViewsSpec:
     """The augmented views of a version: ``count`` views per sample, view ``v`` of sample ``i``
     being ``augment(dataset[i], Generator().manual_seed(seed(i, v)))`` under the named seed
-    ``policy`` (see :mod:`featstore.views`) with the version's ``seed``; ``augment`` is the
+    ``policy`` (see :mod:`featstore.versions`) with the version's ``seed``; ``augment`` is the
     augment's identity (a digest of its source), which the reader's join checks."""
 
     count: int

@@ -4,7 +4,7 @@ A Dask scheduler preload: importing this module adds the page
 ``/individual-featstore`` to the dashboard (listed under "More..." and in
 ``/individual-plots.json``, so JupyterLab's Dask extension lists it too), and ``dask_setup``
 installs the :class:`FeatstorePlugin`, which folds the events computes send (see
-:mod:`featstore.events`) into a :class:`~featstore.monitor.Monitor`, and a collector that adds
+:mod:`featstore.monitor`) into a :class:`~featstore.monitor.Monitor`, and a collector that adds
 featstore's numbers to the scheduler's ``/metrics``. On a cluster of your own::
 
     dask scheduler --preload featstore.dashboard

@@ -1,6 +1,6 @@
 """The progress events a compute sends while it runs: one small, pure schema.
 
-Tasks (:mod:`featstore.tasks`) and the driver (:mod:`featstore.writer`) send these with Dask's
+Tasks (:mod:`featstore.compute`) and the driver (:mod:`featstore.compute`) send these with Dask's
 ``log_event`` under one topic, :data:`TOPIC`; the terminal progress bar and the dashboard page
 (:mod:`featstore.dashboard`, a scheduler plugin) read them. Messages are plain dicts of strings
 and numbers, because Dask sends events with msgpack. Nothing here imports Dask or torch.

@@ -1,4 +1,4 @@
-"""What the dashboard knows about computes: :mod:`featstore.events` folded into run states.
+"""What the dashboard knows about computes: :mod:`featstore.monitor` folded into run states.
 
 Pure bookkeeping (no Dask, no Bokeh), so it is tested on its own and shared by the dashboard
 page and the Prometheus collector in :mod:`featstore.dashboard`. Samples are counted per shard,

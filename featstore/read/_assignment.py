@@ -5,7 +5,7 @@ of them. Each epoch:
 
 1. the shards are permuted with a seed made of (seed, epoch) - every consumer computes the same
    permutation without talking to the others, and only at the positions of its own span
-   (:class:`featstore.shuffle.ShardPermutation`), so a plan's cost does not grow with the number
+   (:class:`featstore.read.ShardPermutation`), so a plan's cost does not grow with the number
    of shards when they are given as :class:`UniformShards` (a version's layout);
 2. the shards, in that order, form one sequence of N sample positions, which is cut into one
    contiguous span per consumer (``partition``: ``"even"`` spans differ by at most one sample and

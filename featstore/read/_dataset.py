@@ -1,11 +1,11 @@
 """FeatureDataset: a torch ``IterableDataset`` over one pinned version.
 
 Each (rank, DataLoader worker) pair reads only its own span of the epoch's plan
-(:mod:`featstore.plan`), with reads issued ahead on a thread pool so S3 latency hides behind
+(:mod:`featstore.read`), with reads issued ahead on a thread pool so S3 latency hides behind
 Model B's step, and yields ready batches: ``{array: tensor, ..., "index": tensor}``. The store is
 opened lazily inside each worker process, so it is safe under fork and spawn.
 
-A version with augmented views is read one view per epoch (:func:`featstore.views.epoch_view`),
+A version with augmented views is read one view per epoch (:func:`featstore.versions.epoch_view`),
 and its batches carry ``"view"``. ``source=`` joins the student's own input: each row's
 ``source[index]``, augmented with that (index, view)'s seed, beside A's stored outputs.
 """
@@ -84,16 +84,16 @@ class FeatureDataset(ShardReads, IterableDataset):
     ``for batch in loader`` pass (all its DataLoader workers together, persistent or not), or
     ``iter(ds)`` in a process. ``set_epoch(e)`` makes the next one read ``e`` (it wins over the
     count, which continues from it); ``load_state_dict`` resumes the saved epoch. The rules are
-    in :mod:`featstore.progress`.
+    in :mod:`featstore.read`.
 
     **Ranks.** Rank and world size are found when each epoch's iteration starts, not when the
     dataset is built: ``rank=``/``world_size=``, else ``torch.distributed``, else ``RANK`` and
-    ``WORLD_SIZE`` (see :mod:`featstore.ranks`). DataLoader workers use what the training process
+    ``WORLD_SIZE`` (see :mod:`featstore.read`). DataLoader workers use what the training process
     resolved when it started them; a placement that changes under persistent workers, or that
     cannot be resolved, raises :class:`~featstore.DistributedSetupError`.
 
     **Resume.** :meth:`state_dict`/:meth:`load_state_dict` per rank, or per DataLoader worker
-    under torchdata's ``StatefulDataLoader`` (see :mod:`featstore.resume`).
+    under torchdata's ``StatefulDataLoader`` (see :mod:`featstore.read`).
     """
 
     def __init__(self, version: Version, *, rank: int | None = None, world_size: int | None = None,
@@ -126,7 +126,7 @@ class FeatureDataset(ShardReads, IterableDataset):
         self._disk = (disk.resolved(), scope_identity(version)) if disk is not None else None
         if self._memory:
             # This process is a user of the shared cache from now on, so it is removed only
-            # after this process and every DataLoader worker have left (see featstore.cache).
+            # after this process and every DataLoader worker have left (see featstore.read).
             self._shared_cache()
         if self._disk is not None:
             self._disk_objects()  # this process reads the version: its entries are in use

@@ -1,5 +1,5 @@
 """Objects of remote stores kept on a node's local disk, shared by every process on the node.
-Reader side only (used through :mod:`featstore.diskreading`).
+Reader side only (used through :mod:`featstore.read`).
 
 Everything lives under ``<cache_dir>/featstore-disk/``:
 

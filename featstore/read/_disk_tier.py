@@ -1,5 +1,5 @@
 """The reader's disk tier: a remote version's shard objects through the node's disk cache
-(:mod:`featstore.diskcache`), ``cache="disk"`` or ``"memory+disk"``.
+(:mod:`featstore.read`), ``cache="disk"`` or ``"memory+disk"``.
 
 Objects are cached whole (a piece that needs a few chunks of a shard still fetches the shard
 once: the consumer next to it reads the rest, and the next epoch all of it). Only a whole object

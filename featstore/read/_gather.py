@@ -3,7 +3,7 @@
 A window's arrays are either buffers (decoded rows, in window order), :class:`RaggedWindow`
 (per-token rows), or rows left where they lie: :class:`InPlace` (per-shard arrays on mapped
 objects or in the shared cache, gathered shard by shard with numpy) and :class:`ArenaRows`
-(every shard of the window mapped into one :class:`~featstore.arena.Arena`, so a batch of an
+(every shard of the window mapped into one :class:`~featstore.read.Arena`, so a batch of an
 array is one ``torch.index_select``: docs/benchmarks.md measures a shuffled read-only epoch
 1.85x faster than with the numpy gather). Batches are always copies: nothing a caller keeps points into a mapping.
 """

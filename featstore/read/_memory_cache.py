@@ -1,5 +1,5 @@
 """Shard bytes held in place: mapped local files and a cache of decoded shards shared by every
-process on the machine. Reader side only (used by :mod:`featstore.dataset`).
+process on the machine. Reader side only (used by :mod:`featstore.read`).
 
 - :class:`MappedFiles`: read-only memory maps of local shard objects, kept open (least recently
   used first out, up to a byte bound) because faulting a mapping's pages in again costs about

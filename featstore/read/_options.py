@@ -40,8 +40,8 @@ class ReaderOptions:
             read no storage and decode nothing. Uncompressed arrays of a local store are not
             copied into it: they are read in place from the page cache (already one shared copy).
             Either way a batch of an array is one ``index_select`` over its window's shards
-            mapped back to back (:mod:`featstore.arena`). ``"disk"`` keeps a remote store's shard
-            objects on the node's disk (:mod:`featstore.diskcache`): one download per object
+            mapped back to back (:mod:`featstore.read`). ``"disk"`` keeps a remote store's shard
+            objects on the node's disk (:mod:`featstore.read`): one download per object
             per node, shared by every worker and rank. ``"memory+disk"``: both, the disk below
             the memory (a memory miss decodes from the disk). A local store has no disk tier: its
             files are read in place.

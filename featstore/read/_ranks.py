@@ -5,7 +5,7 @@ A :class:`~featstore.FeatureDataset` may be built long before the process group 
 ``init_process_group`` in a plain script), so it does not fix its rank when it is built. The
 training process resolves it (:func:`resolve`) whenever an epoch's iteration starts in it and
 whenever it starts DataLoader workers; the workers plan with what it resolved
-(:mod:`featstore.progress` carries it to them). In order:
+(:mod:`featstore.read` carries it to them). In order:
 
 1. ``rank=`` / ``world_size=`` given to the dataset;
 2. ``torch.distributed``, once its process group is initialised;

@@ -182,7 +182,7 @@ class ShardReads:
 
     def _arena_rows(self, window: tuple[Piece, ...], field: str, held: list[str] | None = None) -> ArenaRows | InPlace:
         """A window's pieces of an array held in this process's arena (one ``index_select`` per
-        batch, :mod:`featstore.arena`): the stored objects of an uncompressed array (a local
+        batch, :mod:`featstore.read`): the stored objects of an uncompressed array (a local
         store's files, or the disk tier's entries), else the decoded shards of the shared cache.
         Shard by shard (:meth:`_source`) when a shard does not fit a slot, is not laid out back
         to back, or cannot be cached."""

@@ -1,9 +1,9 @@
 """The reader's part of augmented views: the view each epoch reads, and the source join.
 
-:class:`ViewReading` is what :class:`~featstore.dataset.FeatureDataset` adds for a version with
+:class:`ViewReading` is what :class:`~featstore.read.FeatureDataset` adds for a version with
 views (one view per epoch, batches carrying ``"view"``) and for ``source=`` (the student's own
 input beside A's stored outputs, checked against the version's dataset first). The arithmetic
-is in :mod:`featstore.views` (pure); this module binds it to a :class:`Version`.
+is in :mod:`featstore.versions` (pure); this module binds it to a :class:`Version`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The reader's windows in flight: shuffle windows read ahead on a thread pool, each yielded once
 all its reads are done (a window is permuted as a whole, so it is only usable once complete).
 
-:class:`WindowReader` drives the reads a :class:`~featstore.dataset.FeatureDataset` defines
+:class:`WindowReader` drives the reads a :class:`~featstore.read.FeatureDataset` defines
 (``_read_field``, ``_source``, ``_arena_rows``, ``_read_tokens``): which arrays are gathered in
 place, through the arena, or decoded into window buffers, and how many pieces stay in flight.
 """

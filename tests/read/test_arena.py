@@ -1,4 +1,4 @@
-"""The arena (:mod:`featstore.arena`): files mapped back to back in one address range, rows
+"""The arena (:mod:`featstore.read`): files mapped back to back in one address range, rows
 gathered from any of them with one ``index_select``. Real files, real mappings."""
 
 from __future__ import annotations
