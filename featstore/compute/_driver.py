@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,144 +27,25 @@ from featstore.monitor._events import TOPIC, is_event, run_ended, run_started
 from featstore.codecs._chunking import MIN_SHARE, dividing_chunk, nearest_multiples
 from featstore.compute._cluster import Cluster, connect, task_resources, workers
 from featstore.codecs._dense import keep_codec, output_codec
-from featstore.errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
-from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
-from featstore.format._arrays import choose_compression, chunk_label
-from featstore.format._keys import RESERVED_FIELDS
-from featstore.compute._extends import Growth, plan_growth
-from featstore.format._manifests import ArraySpec, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
+from featstore.errors import ComputeFailed, FeatstoreError, InvalidInput, OutputMismatch
+from featstore.format._arrays import choose_compression
+from featstore.format._manifests import ArraySpec, Layout, Manifest, ShardReceipt
 from featstore.monitor._run_state import RunState
-from featstore._allowed_names import check_field, check_name
-from featstore.codecs._parts import PartsCodec, check_output_codec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
-from featstore.codecs._statistics import summarize
-from featstore.compute._batches import collate_batch
+from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
 from featstore.compute._shard_task import PROBE_TOKENS, REUSED, TaskSpec, probe, release_models, run_shards
-from featstore._user_code import dataset_length, read_item
 from featstore.versions._catalog import Catalog, Claim
 from featstore.versions._committed import Version
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._receipts import ReceiptRuns
-from featstore.versions._views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
+from featstore.versions._views import SEED_FIELD
 
 from featstore.compute._options import (MIN_SHARDS, ComputeOptions, default_shard_bytes)
 
+from featstore.compute._decision import ComputePlan, decide
+
+
 log = logging.getLogger("featstore")
-
-# ---------------------------------------------------------------------------------------------
-# Pure helpers: selecting fields, normalising outputs, sizing the layout.
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure helpers: the validated call, its fingerprint, the layout.
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Request:
-    """A validated ``compute`` call (what the fingerprint and the tasks are built from)."""
-
-    name: str
-    n: int
-    input_key: Any
-    keep: dict[str, Any]
-    outputs: dict[str, str]
-    batch_size: int
-    samples_per_shard: int | None
-    views: int | None = None
-    augment: Any = None
-    augment_seed: int = 0
-    tokens: Tokens | None = None
-    ragged: tuple[str, ...] = ()  # the per-token outputs
-
-
-def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
-    """``["target"]`` -> ``{"target": "target"}``; ``{"label": 1}`` stays; ints get ``field<i>``."""
-    if isinstance(keep, str):
-        keep = [keep]
-    pairs = keep.items() if isinstance(keep, Mapping) else ((k if isinstance(k, str) else f"field{k}", k) for k in keep)
-    return {check_field(name): key for name, key in pairs}
-
-
-def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Mapping[str, Any],
-              outputs: Mapping[str, str] | None, batch_size: int, samples_per_shard: int | None,
-              options: "ComputeOptions", views: int | None = None, augment: Any = None,
-              augment_seed: int = 0, tokens: Tokens | None = None) -> _Request:
-    """Check every argument before anything runs; bad input raises with what to change."""
-    check_name(name)
-    if outputs is None:
-        outputs = {"features": "float32"}
-    if not isinstance(outputs, Mapping) or not outputs:
-        raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
-    outputs = {check_field(k): check_output_codec(v) for k, v in outputs.items()}
-    keep_map = normalize_keep(keep)
-    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
-    if tokens is not None and not isinstance(tokens, Tokens):
-        raise InvalidInput("tokens= takes featstore.Tokens(mask=fn, max_tokens=N), e.g. "
-                           "Tokens(mask=lambda x: x['attention_mask'], max_tokens=512).")
-    ragged = tokens.ragged_outputs(list(outputs)) if tokens is not None else ()
-    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & reserved)
-    if clash:
-        raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidInput(f"batch_size must be a positive int, got {batch_size!r}.")
-    if options.autocast not in (None, "float16", "bfloat16"):
-        raise InvalidInput("ComputeOptions.autocast must be None, 'float16' or 'bfloat16'.")
-    n = dataset_length(dataset)
-    if n == 0:
-        raise EmptyDataset("the dataset is empty; there is nothing to compute. Check its path or filter.")
-    first = _first_seen(dataset, n, views, augment, augment_seed)
-    # What a task would do with the first item, here, before anything runs: a missing field, or
-    # items that cannot be batched (PIL images, strings), fail now, naming the field and the fix.
-    collate_batch([first], input_key, keep_map, options.collate, 0)
-    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
-                    views, augment, augment_seed, tokens, ragged)
-
-
-def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_seed: int) -> Any:
-    """The first item as Model A will see it, after checking the views arguments; with views,
-    ``augment`` is replayed twice on two items and must give the same bytes both times."""
-    if views is None:
-        if augment is not None:
-            raise InvalidInput("augment= needs views=K (K augmented views per sample are computed and "
-                               "stored); for one augmented view pass views=1.")
-        return read_item(dataset, 0)
-    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
-        raise InvalidInput(f"views must be a positive int (augmented views per sample), got {views!r}.")
-    if not callable(augment):
-        raise InvalidInput("views=K needs augment=fn, where fn(item, generator) -> item draws all its "
-                           "randomness from the torch.Generator it is given.")
-    if isinstance(augment_seed, bool) or not isinstance(augment_seed, int):
-        raise InvalidInput(f"augment_seed must be an int, got {augment_seed!r}.")
-    check_replayable(dataset, augment, augment_seed, sorted({0, n // 2}))
-    return replay(augment, read_item(dataset, 0), view_seed(augment_seed, 0, 0))
-
-
-def views_spec(req: _Request) -> ViewsSpec | None:
-    """The views part of the fingerprint and the manifest (None without views)."""
-    if req.views is None:
-        return None
-    return ViewsSpec(req.views, req.augment_seed, SEED_POLICY, describe_key(req.augment))
-
-
-def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
-    """Everything that decides the stored bytes (see the README section on fingerprints)."""
-    return {
-        **model_digest(model, options.model_id),  # "model" (weights) and "model_code"
-        "dataset": dataset_digest(dataset, options.dataset_id),
-        "input_key": describe_key(req.input_key),
-        "keep": {k: describe_key(v) for k, v in req.keep.items()},
-        "outputs": req.outputs,
-        # Compression never changes the values, but it changes the stored bytes (and digests).
-        "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
-        "autocast": options.autocast,
-        # only when set, so every fingerprint computed before collate existed stays the same
-        **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
-        # Only with views, so versions without them keep their ids.
-        **({} if req.views is None else {"views": asdict(views_spec(req))}),
-        **({} if req.tokens is None else {"tokens": {"mask": describe_key(req.tokens.mask), "outputs": list(req.ragged),
-                                                     "max_tokens": req.tokens.max_tokens}}),
-    }
-
 
 def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | None,
                   chunk_rows: int | None, target_shard_bytes: int) -> Layout:
@@ -339,84 +220,29 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     """
     options = options or ComputeOptions()
     t0 = time.perf_counter()
-    parent = catalog.open(extends) if extends is not None else None
-    _check_views_extends(parent, views)
-    if parent is not None:
-        spp = parent.manifest.layout.samples_per_shard
-        if samples_per_shard not in (None, spp):
-            raise InvalidInput(f"extends={parent.ref!r} keeps the parent's {spp} samples per shard; "
-                               f"leave samples_per_shard out (got {samples_per_shard}).")
-        samples_per_shard = spp
-        _check_parent_spread(parent, options)
-    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
-                    views, augment, augment_seed, tokens)
-    parts = _fingerprint_parts(req, model, dataset, options)
-    growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
-    if growth is not None:
-        parts = {**parts, "extends": parent.fingerprint}
-    fp = fingerprint(parts)
-    vid = fp[:16]
-    existing = catalog.committed(name, vid)
+    plan = decide(catalog, name, model=model, dataset=dataset, input_key=input_key, keep=keep, outputs=outputs,
+                  batch_size=batch_size, samples_per_shard=samples_per_shard, options=options, extends=extends,
+                  views=views, augment=augment, augment_seed=augment_seed, tokens=tokens)
+    existing = catalog.committed(name, plan.vid)
     if existing is not None:
-        log.info("version %s@%s already committed; nothing to compute", name, vid)
+        log.info("version %s@%s already committed; nothing to compute", name, plan.vid)
         return existing
-    run = _run(catalog, req, vid, model, dataset, client, options, growth)
-    inherited = growth.inherited_receipts() if growth is not None else ()
-    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, inherited, req.views)
-    own = receipts[growth.first_own:] if growth is not None else receipts
+    run = _run(catalog, plan, model, dataset, client, options)
+    receipts = catalog.collect_receipts(name, plan.vid, run.claim.layout, run.receipts, plan.inherited,
+                                        plan.req.views)
     manifest = Manifest(
-        id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=run.claim.layout,
-        arrays=run.claim.arrays, stats=_stats(growth, inherited, own, run.claim.arrays),
-        records=catalog.write_records(name, vid, receipts, list(run.claim.arrays)),
-        bases=growth.bases if growth is not None else (),
-        dataset_sample=_dataset_sample(parts, dataset),
+        id=plan.vid, name=name, fingerprint=plan.fingerprint, fingerprint_parts=plan.parts, layout=run.claim.layout,
+        arrays=run.claim.arrays, stats=plan.stats(receipts, run.claim.arrays),
+        records=catalog.write_records(name, plan.vid, receipts, list(run.claim.arrays)),
+        bases=plan.bases, dataset_sample=plan.dataset_sample,
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
                  "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
         libraries=_libraries(),
-        views=views_spec(req),
+        views=plan.views,
     )
     return catalog.commit(manifest)
 
-
-def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
-    """A child reads its parent's shards where the parent's spread put them, with its own
-    spread: so it keeps the parent's (leave ``spread_prefixes`` out, or give the same)."""
-    spread = parent.manifest.layout.spread
-    if options.spread_prefixes not in (None, spread):
-        raise InvalidInput(f"extends={parent.ref!r} keeps the parent's spread over {spread} prefixes; leave "
-                           f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
-
-
-def _check_views_extends(parent: Version | None, views: int | None) -> None:
-    """Views and ``extends`` do not combine yet: refuse before anything runs."""
-    if parent is None:
-        return
-    if views is not None:
-        raise InvalidInput(f"views= together with extends= is not supported yet; compute the version with "
-                           f"views without extends (a full compute), or extend {parent.ref} without views.")
-    if parent.views is not None:
-        raise InvalidInput(f"{parent.ref} has augmented views; extends= of a version with views is not "
-                           "supported yet. Compute the bigger dataset without extends.")
-
-
-def _dataset_sample(parts: Mapping[str, Any], dataset: Any) -> str | None:
-    """The sampled content digest (already in the fingerprint unless a dataset_id replaced it)."""
-    digest = parts["dataset"].get("digest")
-    if digest is not None:
-        return digest
-    try:
-        return sampled_digest(dataset)
-    except InvalidInput:  # items featstore cannot digest: such a version cannot be extended
-        return None
-
-
-def _stats(growth: Growth | None, inherited: Sequence[ShardReceipt], own: Sequence[ShardReceipt],
-           arrays: Mapping[str, ArraySpec]) -> dict[str, dict]:
-    """The manifest's statistics: the whole version's, inherited shards included."""
-    if growth is None:
-        return summarize((r.stats for r in own), arrays)
-    return growth.summarize(inherited, own, arrays)
 
 
 @dataclass(frozen=True)
@@ -427,9 +253,10 @@ class _RunResult:
     reused: int = 0  # receipts a rerun task found finished (its first worker died)
 
 
-def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, client: Any,
-         options: ComputeOptions, growth: Growth | None = None) -> _RunResult:
+def _run(catalog: Catalog, plan: ComputePlan, model: Any, dataset: Any, client: Any,
+         options: ComputeOptions) -> _RunResult:
     """Start (or join) a cluster, probe A, claim the version folder, run the missing shards."""
+    req, vid = plan.req, plan.vid
     t_setup = time.perf_counter()
     # One model per compute call and worker: same weights may come with different code.
     run_key = f"{vid}-{uuid.uuid4().hex[:8]}"
@@ -451,7 +278,7 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
                         augment=req.augment, augment_seed=req.augment_seed, tokens=req.tokens, ragged=req.ragged)
         probed = _result(dclient.submit(probe, base, model_f, data_f, req.n, key=f"featstore-probe-{run_key}",
                                         resources=resources, pure=False))
-        claim = _claim(catalog, req, vid, probed, options, growth)
+        claim = _claim(catalog, plan, probed, options)
         dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
         spec = TaskSpec(**{**base.__dict__, "arrays": claim.arrays, "layout": claim.layout, "dtypes": dtypes})
         todo, done = _units(claim, req.views)
@@ -468,10 +295,11 @@ def _run(catalog: Catalog, req: _Request, vid: str, model: Any, dataset: Any, cl
     return _RunResult(claim, receipts, timings, reused)
 
 
-def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
-           options: ComputeOptions, growth: Growth | None = None) -> Claim:
+def _claim(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
+           options: ComputeOptions) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
+    req = plan.req
     probed = dict(probed)
     per_sample = probed.pop(PROBE_TOKENS, ((), "", 0.0))[2]  # mean real tokens per sample
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression, catalog.storage.is_local)
@@ -482,20 +310,18 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
     if req.views is not None:  # replay seeds: random 63-bit integers, which zstd cannot shrink
         arrays[SEED_FIELD] = ArraySpec(keep_codec(torch.int64).name, keep_codec(torch.int64).stored, (), "seed",
                                        choose_compression(options.compression, 0.0, catalog.storage.is_local))
-    if growth is not None:
-        arrays = growth.adopt_arrays(arrays)
+    arrays = plan.arrays(arrays)
     ragged = {n for n, a in arrays.items() if (a.output or n) in req.ragged}
     row_bytes = {n: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for n, a in arrays.items()}
     # a per-token array's bytes per sample: its token row times the probe's mean tokens
     per_sample_bytes = [max(1, round(b * per_sample)) if n in ragged else b for n, b in row_bytes.items()]
     target = options.target_shard_bytes or default_shard_bytes(catalog.storage.is_local)
-    chunk_rows = growth.layout.chunk_rows if growth is not None else options.chunk_rows
-    spread = growth.layout.spread if growth is not None else check_spread(options.spread_prefixes)
-    layout = replace(choose_layout(req.n, per_sample_bytes, req.samples_per_shard, chunk_rows, target), spread=spread)
+    layout = replace(choose_layout(req.n, per_sample_bytes, req.samples_per_shard, plan.chunk_rows(options), target),
+                     spread=plan.spread(options))
     if req.tokens is not None:
         arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, req.tokens.max_tokens, row_bytes[n]))
                   if n in ragged else a for n, a in arrays.items()}
-    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else (), req.views)
+    return catalog.claim(req.name, plan.vid, layout, arrays, plan.bases, req.views)
 
 
 Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume

@@ -9,6 +9,7 @@ import torch
 from featstore import CorruptChunk, InvalidInput, NonFiniteOutput
 from featstore.codecs import _dense as C
 from featstore.format import _arrays as F
+from featstore.format import _shard_decoder as D
 from featstore.codecs import _statistics as S
 def _slow_stats(x: torch.Tensor) -> dict:
     x = x.to(torch.float64)
@@ -80,7 +81,7 @@ def _shard_bytes(root, shard, ndim):
                                          ((130, 4), "uint16")])
 def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype, compression):
     a, data, root = _sharded(tmp_path, shape, dtype, compression=compression)
-    fmt = F.shard_format(a)
+    fmt = D.shard_format(a)
     assert fmt is not None and fmt.chunks_per_shard == 3 and fmt.compressed == (compression == "zstd")
     rng = np.random.default_rng(1)
     for shard in range(3):
@@ -89,26 +90,26 @@ def test_decode_shard_rows_matches_zarr(tmp_path, shape, dtype, compression):
         for _ in range(10):
             lo = int(rng.integers(0, rows))
             hi = int(rng.integers(lo + 1, rows + 1))
-            got = F.decode_shard_rows(raw, fmt, lo, hi)
+            got = D.decode_shard_rows(raw, fmt, lo, hi)
             np.testing.assert_array_equal(got, data[48 * shard + lo:48 * shard + hi])
             assert got.flags.writeable
         out = np.empty((rows, *shape[1:]), dtype=dtype)
-        F.decode_shard_rows(raw, fmt, 0, rows, out)
+        D.decode_shard_rows(raw, fmt, 0, rows, out)
         np.testing.assert_array_equal(out, data[48 * shard:48 * shard + rows])
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_decode_shard_rows_detects_damage(tmp_path, compression):
     a, _, root = _sharded(tmp_path, (96, 5), "float32", compression=compression)
-    fmt = F.shard_format(a)
+    fmt = D.shard_format(a)
     raw = bytearray(_shard_bytes(root, 0, 2))
     for pos in (3, len(raw) // 2, len(raw) - 10):  # a chunk body, the middle, the index
         bad = bytearray(raw)
         bad[pos] ^= 0x40
         with pytest.raises(CorruptChunk):
-            F.decode_shard_rows(bytes(bad), fmt, 0, 48)
+            D.decode_shard_rows(bytes(bad), fmt, 0, 48)
     with pytest.raises(CorruptChunk):
-        F.decode_shard_rows(bytes(raw[:20]), fmt, 0, 48)
+        D.decode_shard_rows(bytes(raw[:20]), fmt, 0, 48)
 
 
 def test_shard_format_refuses_other_layouts(tmp_path):
@@ -116,7 +117,7 @@ def test_shard_format_refuses_other_layouts(tmp_path):
 
     g = zarr.open_group(str(tmp_path / "o"), mode="w")
     plain = g.create_array("p", shape=(10, 2), dtype="float32", chunks=(5, 2))
-    assert F.shard_format(plain) is None
+    assert D.shard_format(plain) is None
 
 
 def test_auto_compression_keeps_zstd_only_where_it_pays():
