@@ -30,7 +30,7 @@ import torch
 
 from featstore.distill._ensemble import Ensemble, Teacher, ensemble, most_confident
 from featstore.errors import InvalidInput
-from featstore.codecs._parts import sparse_weights
+from featstore.codecs._sparse import sparse_weights
 from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
                                          real_rows, row_mean, sparse_parts)
 

@@ -12,7 +12,8 @@ import zarr
 from featstore import ComputeOptions, InvalidInput, NonFiniteOutput, VersionNotFound
 from featstore import kd
 from featstore.format._manifests import Manifest
-from featstore.codecs._parts import PAD_ID, parts_codec
+from featstore.codecs._parts import parts_codec
+from featstore.codecs._sparse import PAD_ID
 
 from tests.models import VectorData
 
@@ -91,7 +92,8 @@ def test_topk_keeps_the_k_largest_log_probs_at_the_temperature():
 
 
 def test_kl_is_recorded_over_the_first_kl_rows_of_a_large_batch():
-    from featstore.codecs._parts import KL_ROWS, finalize_error
+    from featstore.codecs._parts import finalize_error
+    from featstore.codecs._sparse import KL_ROWS
 
     x = _logits(KL_ROWS + 300, 50)
     batch, _, error = _batch("topk:5", x)
