@@ -53,7 +53,7 @@ def measure(runs: int, store: str) -> dict[str, list[float]]:
     return out
 
 
-def section(res: dict[str, list[float]]) -> str:
+def section(res: dict[str, list[float]], load: float) -> str:
     """The docs section: median, min and max per command, and the median's ratio to import torch."""
     torch_s = statistics.median(res["python -c 'import torch'"])
     rows = [f"| `{name}` | {statistics.median(t):.2f} s | {min(t):.2f}-{max(t):.2f} s | "
@@ -61,7 +61,9 @@ def section(res: dict[str, list[float]]) -> str:
     runs = len(next(iter(res.values())))
     return "\n".join([
         BEGIN, "## Command-line start-up (issue 24)", "",
-        f"Whole-process wall time, {runs} runs of each, interleaved (`python -m benchmarks.cli_startup`). "
+        f"Whole-process wall time, {runs} runs of each, interleaved (`python -m benchmarks.cli_startup`), "
+        f"load average {load:.1f} at the start on {os.cpu_count()} cores (absolute times scale with it; the ratio "
+        "to `import torch`, measured side by side, holds). "
         "The quick commands (`--help`, `list`, `info`, `tag`, `delete`, `gc`, `verify`, `cache`) import "
         "neither torch nor Dask (tests/cli/test_cli.py checks that), so they cost a fraction of `import torch`.",
         "", "| command | median | min-max | median / import torch |", "|---|---|---|---|", *rows, "", END])
@@ -75,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         shutil.copytree(REPO / "tests" / "data" / "store-0.1.0", store)
+        load = os.getloadavg()[0]
         res = measure(args.runs, store)
-    text = section(res)
+    text = section(res, load)
     print(text)
     write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, text)
     return 0
