@@ -6,7 +6,8 @@ Layout under the store root and the lifecycle of a version are described in
 the compute and read sides build on it.
 """
 
-from featstore.versions._catalog import Catalog, Claim
+from featstore.versions._catalog import Catalog
+from featstore.versions._lifecycle import Claim
 from featstore.versions._committed import Version, verify_version
 from featstore.versions._export import Exported, export_version, verify_export
 from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, receipt_key, tag_key,
