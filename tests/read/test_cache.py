@@ -523,7 +523,8 @@ def test_local_reads_run_in_the_reading_thread_when_no_core_is_spare(versions, t
 def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, monkeypatch, windows):
     """An arena of 2 slots cannot hold the three one-shard windows in flight: some windows are
     gathered shard by shard, the others from the arena, and the batches are the same."""
-    from featstore import arena, dataset
+    from featstore.read import _arena as arena
+    from featstore.read import _shard_reads as dataset
 
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))

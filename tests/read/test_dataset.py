@@ -197,7 +197,7 @@ def _client_in_worker(_: int) -> None:
 
     ds = get_worker_info().dataset
     getter = ds._proc.storage._s3_getter()
-    from featstore import s3get
+    from featstore.storage import _s3_reads as s3get
 
     assert (getter is None) == (not s3get.usable()), "obstore used where its runtime cannot run"
 
@@ -207,7 +207,7 @@ def test_fork_workers_after_parent_used_obstore(versions):
     """The parent reads a shard object through obstore (its tokio runtime starts), then forks
     DataLoader workers: they must not touch the inherited runtime (it hangs), read through s3fs,
     and yield every sample once with the stored values, within the DataLoader timeout."""
-    from featstore import s3get
+    from featstore.storage import _s3_reads as s3get
 
     v = versions["s3"]
     ds = v.dataset(batch_size=40, seed=5)
