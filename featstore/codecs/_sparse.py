@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from featstore.errors import InvalidInput, NonFiniteOutput
 from featstore._lazy import lazy_module
 
-if TYPE_CHECKING:
-    from featstore.codecs._parts import PartsCodec
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
@@ -48,7 +46,7 @@ def ids_dtype(classes: int, output: str = "output") -> str:
 def store_ids(ids: torch.Tensor, dtype: str) -> np.ndarray:
     sentinel = np.iinfo(dtype).max
     out = ids.numpy()
-    if out.size and int(out.max()) >= sentinel:  # parts() chose the dtype: this is a bug guard
+    if out.size and int(out.max()) >= sentinel:  # the codec chose the dtype: this is a bug guard
         raise InvalidInput(f"class id {int(out.max())} does not fit {dtype}; report this as a bug.")
     return np.where(out < 0, sentinel, out).astype(dtype)
 
@@ -105,7 +103,7 @@ def encode_int8(x: torch.Tensor) -> tuple[dict[str, np.ndarray], dict[str, Any]]
     return {"": q.reshape(x.shape).numpy(), "scale": scale.numpy()}, stats
 
 
-def check_finite(codec: "PartsCodec", finite: torch.Tensor, first_sample: int, output: str) -> None:
+def check_finite(codec: Any, finite: torch.Tensor, first_sample: int, output: str) -> None:
     bad = ~finite
     if bool(bad.any()):
         rows = (torch.nonzero(bad).reshape(-1) + first_sample).tolist()

@@ -33,7 +33,8 @@ from featstore.format._manifests import ArraySpec, Layout, Manifest, ShardReceip
 from featstore.monitor._run_state import RunState
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
-from featstore.compute._shard_task import PROBE_TOKENS, REUSED, TaskSpec, probe, release_models, run_shards
+from featstore.compute._shard_task import PROBE_TOKENS, REUSED, probe, release_models, run_shards
+from featstore.compute._task_spec import TaskSpec
 from featstore.versions._catalog import Catalog
 from featstore.versions._lifecycle import Claim
 from featstore.versions._committed import Version

@@ -23,7 +23,6 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,20 +36,20 @@ from featstore.compute._devices import task_device
 from featstore.errors import (FeatstoreError, InvalidInput)
 from featstore.format._arrays import zstd_saving
 from featstore.format._keys import chunk_key
-from featstore.format._manifests import ArraySpec, Layout, ShardReceipt
+from featstore.format._manifests import ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, batch_mask, pack
+from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, batch_mask, pack
 from featstore.codecs._statistics import merge_stats
-from featstore.storage import Storage
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore._user_code import build_model, describe, read_items, user_error
-from featstore.versions._keys import object_key, version_key, view_key
+from featstore.versions._keys import object_key
 from featstore.versions._receipts import read_receipts
 from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
 
 from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
 from featstore.compute._shard_writing import (check_batch, encode_batch, open_arrays, shard_buffers, tokens_per_shard,
                                               unstage, write_shard, device_stage, encodes_on_device)
+from featstore.compute._task_spec import TaskSpec
 
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
@@ -69,45 +68,6 @@ _MODELS_KEPT = 2
 #: two shard tasks at once so that one's fetch and write fill the other's gaps, but two forwards
 #: at once would only fight over the cores torch already uses.
 _FORWARD_TURN = threading.Lock()
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """Everything a shard task needs, small and picklable (no tensors, no secrets in logs)."""
-
-    storage: Storage
-    name: str
-    vid: str
-    model_key: str
-    input_key: Any
-    keep: dict[str, Any]
-    outputs: dict[str, str]
-    arrays: dict[str, ArraySpec]
-    layout: Layout
-    batch_size: int
-    allow_nonfinite: bool
-    autocast: str | None
-    threads: int
-    topic: str
-    dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
-    tune_allocator: bool = True
-    serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
-    collate: Any = None  # the user's collate for A's input batch (None: default_collate)
-    view: int | None = None  # the augmented view these shards belong to (None: no views)
-    augment: Any = None  # fn(item, generator) -> item, with views
-    augment_seed: int = 0
-    tokens: Tokens | None = None  # per-token outputs: which, and the real-token mask
-    ragged: tuple[str, ...] = ()  # the per-token outputs
-
-    @property
-    def key(self) -> str:
-        """The group the shards are written to: the version's, or its view's."""
-        return view_key(version_key(self.name, self.vid), self.view)
-
-    def unit(self, index: int) -> int:
-        """Shard ``index`` as the progress events number it: with views, view-major over every
-        view's shards (so the dashboard counts each (view, shard) once)."""
-        return index if self.view is None else self.view * self.layout.n_shards + index
 
 
 def _as_seen(spec: TaskSpec, dataset: Any) -> Any:

@@ -6,7 +6,7 @@ receipt and digests) into the version.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,9 +23,8 @@ from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, offsets, pack
 from featstore.codecs._statistics import NONFINITE_KEPT, max_abs_error, value_stats
 from featstore.versions._keys import group_store
 from featstore.versions._receipts import write_receipt
+from featstore.compute._task_spec import TaskSpec
 
-if TYPE_CHECKING:  # the task's spec is built where the task runs; here it is only read
-    from featstore.compute._shard_task import TaskSpec
 
 
 def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
