@@ -8,7 +8,7 @@ float32 logits and an int64 target per sample) written to S3 (moto, in its own p
 ``compression='auto'``; the *local store* is a copy of that store's objects into a folder (the
 same bytes: the same decoding). Every read is a read-only shuffled epoch, 0 DataLoader workers,
 batch 256. The data GETs are counted (calls and bytes) at featstore's S3 client
-(:class:`featstore.s3get.S3Getter`), which every data read of the reader goes through.
+(:class:`featstore.storage.S3Getter`), which every data read of the reader goes through.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import featstore
-from featstore import s3get
+from featstore.storage import S3Getter
 
 from .reader import BATCH, FIELDS, light_outputs, torch_threads, train_light, write_light
 from .sections import write_marked
@@ -46,7 +46,7 @@ class GetCounter:
     def __init__(self) -> None:
         self.calls = 0
         self.bytes = 0
-        self._get = s3get.S3Getter.get
+        self._get = S3Getter.get
 
     def __enter__(self) -> "GetCounter":
         counter, original = self, self._get
@@ -57,11 +57,11 @@ class GetCounter:
             counter.bytes += len(data or b"")
             return data
 
-        s3get.S3Getter.get = get  # type: ignore[method-assign]
+        S3Getter.get = get  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        s3get.S3Getter.get = self._get  # type: ignore[method-assign]
+        S3Getter.get = self._get  # type: ignore[method-assign]
 
     def take(self) -> tuple[int, int]:
         """(GETs, bytes) since the last call."""

@@ -330,8 +330,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 def measure(args: Args, device: torch.device) -> dict[str, Any]:
     """Every figure of the check, as one JSON-able dict."""
     from featstore import open_store
-    from featstore.cluster import connect
-    from featstore.devices import worker_devices
+    from featstore.compute import connect
+    from featstore.compute import worker_devices
 
     res: dict[str, Any] = {"env": environment(device), "n": args.n, "batch": args.batch, "size": args.size,
                            "model": "tiny ResNet (tests only)" if args.tiny else "ResNet-50 shape",

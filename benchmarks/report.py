@@ -95,7 +95,7 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, Stat | None, str, bool 
     add("compute: featstore writer throughput / A pure in one process, same malloc settings", "≥ 0.90",
         _paired(res, lambda r: r["fs_local_a_ref_tuned_s"], lambda r: r["fs_local_compute"]["writer_s"]),
         "writer phase from the manifest (`timings.compute_s`), local store, vs a pass of A in one "
-        "process measured right before it with `featstore.allocator.tuned()`, as the writer runs A",
+        "process measured right before it with `featstore.compute.tuned()`, as the writer runs A",
         lambda x: x >= 0.90)
     add("compute vs a user's loop: featstore writer throughput / A pure with glibc's defaults", "(info)",
         _paired(res, lambda r: r["fs_local_a_ref_s"], lambda r: r["fs_local_compute"]["writer_s"]),
@@ -255,7 +255,7 @@ def write_report(res: dict[str, Any], out_dir: str) -> None:
         "|---|---|",
         f"| Model A pure inference, one process, `inference_mode`, same data and threads | "
         f"{_f(_stat([r['a_pure_sps'] for r in reps]), 0)} samples/s |",
-        f"| the same with `featstore.allocator.tuned()` (freed activations kept for reuse) | "
+        f"| the same with `featstore.compute.tuned()` (freed activations kept for reuse) | "
         f"{_f(_stat([prof['n'] / r['fs_local_a_ref_tuned_s'] for r in reps if r.get('fs_local_a_ref_tuned_s')]), 0)} samples/s |",
         f"| Model B pure training steps on in-memory batches | {_f(_stat([r['b_pure_sps'] for r in reps]), 0)} samples/s |",
         f"| 3 epochs of B from the in-memory tensor through 2 DataLoader workers | {_f(_stat([r.get('in_memory_w2_s') for r in reps]), 2)} s |",

@@ -118,10 +118,9 @@ def a_in_dask_over_main(ctx: Ctx, n: int = 5000) -> float:
     the same loop's in this thread: what running under Dask costs before any writing."""
     from distributed import Client, LocalCluster
 
-    from featstore import allocator
-
+    from featstore.compute import tuned
     def loop() -> float:
-        with allocator.tuned():
+        with tuned():
             return a_pure_only(ctx, n)
 
     main = loop()

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from featstore import allocator
-
+from featstore.compute import tuned
 from . import diskcache, memory, reader, rows
 from .measure import memcopy_gbps
 from .peers import run_peers
@@ -107,7 +106,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                 # The machine is shared: each featstore figure gets its own reference measured
                 # right before it, so a ratio compares seconds apart, not minutes.
                 r[f"fs_{where}_a_ref_s"] = rows.a_pure_only(ctx)
-                with allocator.tuned():  # like for like: the malloc settings featstore's compute uses
+                with tuned():  # like for like: the malloc settings featstore's compute uses
                     r[f"fs_{where}_a_ref_tuned_s"] = rows.a_pure_only(ctx)
                 v, c = rows.fs_compute(ctx, store)
                 r[f"fs_{where}_compute"] = c

@@ -28,12 +28,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from featstore.manifest import Layout, ReceiptRun, ShardReceipt
-from featstore.plan import UniformShards, consumer_plan
-from featstore.store import FeatureStore, open_store
-from featstore.versions import (Catalog, compact_receipts, finished_shards, read_receipts, receipt_key,
-                                run_key, version_key, write_receipt)
-from featstore.writer import OBJECT_STORE_SHARD_BYTES, choose_layout
+from featstore.format import Layout, ReceiptRun, ShardReceipt
+from featstore.read import UniformShards, consumer_plan
+from featstore import FeatureStore, open_store
+from featstore.versions import Catalog
+from featstore.versions import receipt_key, version_key
+from featstore.versions import compact_receipts, finished_shards, read_receipts, run_key, write_receipt
+from featstore.compute import choose_layout
+from featstore.compute import OBJECT_STORE_SHARD_BYTES
 
 from .procfs import rss
 from .synthetic import ARRAYS, synthetic_receipts, synthetic_version

@@ -4,7 +4,7 @@
     python -m benchmarks.servers --n 4000 --repeats 1 --out /tmp/b   # a smoke run
 
 moto is a Python server on the same 2 cores as the client, which bounds every S3 figure measured
-against it; SeaweedFS (``weed server -s3``, Go; :mod:`featstore.testservers`) is a real one. For
+against it; SeaweedFS (``weed server -s3``, Go; :mod:`featstore.testing`) is a real one. For
 each server, on the reader rows' light workload (:mod:`benchmarks.reader`: 512 fp16 features +
 1000 fp32 logits + an int64 target per sample):
 
@@ -143,7 +143,7 @@ def server_repeat(endpoint: str, pid: int, m: dict, local: featstore.Version, cl
 
 def run_servers(n: int, repeats: int, workdir: str, servers: tuple[str, ...] = SERVERS) -> dict[str, Any]:
     """Every row ``repeats`` times on each server, the servers interleaved within a repeat."""
-    from featstore.testservers import SeaweedFS
+    from featstore.testing import SeaweedFS
 
     from .run import _moto
 

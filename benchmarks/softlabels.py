@@ -149,7 +149,7 @@ class Row:
 def _encode_ms(codec: str, logits: torch.Tensor) -> float:
     """Milliseconds per 1,000 samples to encode (the codec alone, in this process)."""
     from featstore.codecs import output_codec
-    from featstore.partcodecs import is_parts_codec, parts_codec
+    from featstore.codecs import is_parts_codec, parts_codec
 
     t0 = time.perf_counter()
     if is_parts_codec(codec):

@@ -11,8 +11,9 @@ import hashlib
 import struct
 
 from featstore.format import create_arrays
-from featstore.manifest import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.versions import Catalog, version_key
+from featstore.format import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
+from featstore.versions import Catalog
+from featstore.versions import version_key
 
 ARRAYS = {"features": ArraySpec("float16", "float16", (512,), "output"),
           "logits": ArraySpec("float32", "float32", (1000,), "output"),

@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import featstore  # noqa: E402
-from featstore.views import epoch_seeds, replay  # noqa: E402
+from featstore.versions import epoch_seeds, replay  # noqa: E402
 
 from .sections import write_marked
 
@@ -238,7 +238,7 @@ def store_row(label: str, store: featstore.FeatureStore, teacher: nn.Module, tra
     ``keep_input``: the augmented input is stored with each view (``keep=["image"]``) and read
     back, instead of replaying ``augment`` in the reader every epoch (bytes for CPU)."""
     t0 = time.perf_counter()
-    kw = {} if views is None else {"views": views, "augment": augment, "augment_seed": setup.seed}
+    kw = {} if views is None else {"views": featstore.Views(k=views, augment=augment, seed=setup.seed)}
     version = store.compute(f"digits/teacher-{views or 'clean'}{'-input' if keep_input else ''}", model=teacher,
                             dataset=train, input_key="image", keep=["image"] if keep_input else (),
                             outputs={"logits": "float32"}, batch_size=256,

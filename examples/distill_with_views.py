@@ -59,8 +59,8 @@ def main(root: str = "./example-views-store") -> None:
 
     # 1. K = 8 augmented views per sample, the teacher run once on each (Dask, dashboard printed).
     version = store.compute("example/digits-teacher", model=teacher, dataset=data, input_key="image",
-                            keep=["target", "flip"], outputs={"logits": "float32"}, views=8,
-                            augment=augment, augment_seed=0)
+                            keep=["target", "flip"], outputs={"logits": "float32"},
+                            views=featstore.Views(k=8, augment=augment, seed=0))
     print(f"stored {version}: {version.views} views per sample")
     # Any view replays exactly: the input the teacher saw for sample 10, view 3.
     seen = augment(data[10], torch.Generator().manual_seed(version.view_seed(10, 3)))

@@ -8,17 +8,50 @@ stream them into Model B's training loop.
 >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
 """
 
-from ._version import __version__
-from .dataset import FeatureDataset, ReaderOptions
-from .diskcache import clear_disk_cache, list_disk_cache
-from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk, DatasetMismatch,
-                     DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning,
-                     FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
-                     NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
-                     StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound)
-from .ragged import Tokens
-from .store import FeatureStore, Version, open_store
-from .writer import ComputeOptions
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from featstore._version import __version__
+from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk,
+                              DatasetMismatch, DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError,
+                              FeatstoreWarning, FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName,
+                              MissingInputKey, NondeterministicAugment, NonFiniteOutput, OutputMismatch,
+                              SourceMismatch, StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied,
+                              StoreUnavailable, VersionNotFound)
+
+#: The public names that live in modules importing torch or Dask, by module: imported on first
+#: use (PEP 562), so ``import featstore`` (and the quick commands of ``featstore``) stay fast.
+_LAZY = {
+    "FeatureDataset": "featstore.read", "ReaderOptions": "featstore.read",
+    "clear_disk_cache": "featstore.read", "list_disk_cache": "featstore.read",
+    "Tokens": "featstore.codecs", "Views": "featstore.versions",
+    "FeatureStore": "featstore.store", "Version": "featstore.store", "open_store": "featstore.store",
+    "ComputeOptions": "featstore.compute",
+}
+
+if TYPE_CHECKING:
+    from featstore.codecs import Tokens
+    from featstore.compute import ComputeOptions
+    from featstore.read import FeatureDataset, ReaderOptions, clear_disk_cache, list_disk_cache
+    from featstore.store import FeatureStore, Version, open_store
+    from featstore.versions import Views
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'featstore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
@@ -26,5 +59,5 @@ __all__ = [
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
     "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
     "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
-    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "__version__",
+    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views", "__version__",
 ]

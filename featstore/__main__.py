@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from featstore.cli._main import main
 
 sys.exit(main())

@@ -104,7 +104,7 @@ class ClusterUnavailable(FeatstoreError, ConnectionError):
 
 class DeviceSetupError(FeatstoreError, RuntimeError):
     """A compute worker sees several GPUs and cannot tell which is its own, or was told to use
-    one it does not have (see :mod:`featstore.devices` for the rules and the fixes), or Model A
+    one it does not have (see :mod:`featstore.compute` for the rules and the fixes), or Model A
     asks for CUDA where there is none."""
 
 

@@ -13,7 +13,7 @@ Dense stored logits are divided by ``temperature`` like the student's (classic K
 output read with ``ragged="padded"`` (``[B, L, ...]`` plus ``"<name>.lengths"``) has padding
 rows: the loss is averaged over the real tokens only.
 
-Several teachers (:func:`ensemble`, from :mod:`featstore.ensemble`): their outputs for the same
+Several teachers (:func:`ensemble`, from :mod:`featstore.distill`): their outputs for the same
 rows, as a mean or weighted mean of probabilities or a per-row selection; ``kd_loss`` and
 ``densify`` take the ensemble in place of a batch, and sparse teachers stay sparse (the union of
 their supports plus one uniform tail, exactly).
@@ -28,11 +28,11 @@ from collections.abc import Mapping
 
 import torch
 
-from .ensemble import Ensemble, Teacher, ensemble, most_confident
-from .errors import InvalidInput
-from .partcodecs import sparse_weights
-from .teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows, real_rows,
-                       row_mean, sparse_parts)
+from featstore.distill._ensemble import Ensemble, Teacher, ensemble, most_confident
+from featstore.errors import InvalidInput
+from featstore.codecs._sparse import sparse_weights
+from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
+                                         real_rows, row_mean, sparse_parts)
 
 __all__ = ["Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident"]
 

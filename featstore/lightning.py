@@ -12,14 +12,14 @@ What it handles, so the training script does not:
   checkpoint (:meth:`FeatureDataModule.state_dict`), so ``fit(ckpt_path=...)`` reads the same
   versions even if the refs moved since.
 - **Ranks.** The datasets find their rank when each epoch's iteration starts (any strategy:
-  ``ddp``, ``ddp_spawn``; see :mod:`featstore.ranks`), and every rank yields the same number of
+  ``ddp``, ``ddp_spawn``; see :mod:`featstore.read`), and every rank yields the same number of
   batches.
 - **Epochs.** Each training epoch reads the next epoch's order (and view); the first one
   ``train_dataloader()`` serves is the Trainer's current epoch, so a run resumed at an epoch
   boundary continues the sequence.
 - **Mid-epoch checkpoints.** The loaders are torchdata ``StatefulDataLoader``\\ s, which Lightning
   checkpoints; featstore's per-worker state resumes each worker where it stopped (see
-  :mod:`featstore.resume`). Lightning fetches one batch ahead of the training step, so the state
+  :mod:`featstore.read`). Lightning fetches one batch ahead of the training step, so the state
   a checkpoint takes is the loader's as it was before that batch (:class:`StatefulLoader`): the
   resumed run starts with the batch the interrupted one had fetched but not trained on.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
+from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
 try:
     from lightning.pytorch import LightningDataModule

@@ -1,22 +1,28 @@
 """The public face: :class:`FeatureStore` (compute, read, list, tag) and :func:`open_store`.
 
-It sits on top of both sides: the versions core (:mod:`featstore.versions`), the writer
-(:mod:`featstore.writer`) and the reader (:mod:`featstore.dataset`). Nothing below imports it.
+It sits on top of both sides: the versions core (:mod:`featstore.versions`), the compute side
+(:mod:`featstore.compute`) and the read side (:mod:`featstore.read`), the last two imported when
+first used (torch and Dask are not needed to list, verify or tag). Nothing below imports it.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .dataset import FeatureDataset
-from .export import Exported, export_version
-from .ragged import Tokens
-from .storage import Storage
-from .versions import Catalog
-from .versions import Version as CoreVersion
-from .writer import ComputeOptions, compute
+from featstore.errors import InvalidInput
+from featstore.storage import Storage
+from featstore.versions._catalog import Catalog
+from featstore.versions._committed import Version as CoreVersion
+from featstore.versions._views import Views
+
+if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
+    from featstore.codecs._ragged import Tokens
+    from featstore.compute._options import ComputeOptions
+    from featstore.read._dataset import FeatureDataset
+    from featstore.versions._export import Exported
 
 
 class Version(CoreVersion):
@@ -35,17 +41,21 @@ class Version(CoreVersion):
 
         >>> ds = store.open("cnn-a/train@best").dataset(batch_size=256, seed=0)
         """
+        from featstore.read._dataset import FeatureDataset
+
         return FeatureDataset(self, **options)
 
     def export(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
                verify: bool = True, progress: bool = False) -> Exported:
         """Write this version to ``url`` (a new folder, any fsspec URL) as a self-contained
         standard Zarr v3 group that zarr, xarray and TensorStore read as it is: the route for
-        versions made with ``extends=`` or spread over prefixes (see :mod:`featstore.export`).
+        versions made with ``extends=`` or spread over prefixes (see :mod:`featstore.versions`).
 
         >>> store.open("cnn-a/train-grown").export("/data/grown.zarr")
         Exported(url='/data/grown.zarr', objects=48, bytes=50331648, shards_checked=48)
         """
+        from featstore.versions._export import export_version
+
         if not progress:
             return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify)
         from tqdm.auto import tqdm
@@ -72,11 +82,13 @@ class FeatureStore(Catalog):
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
                 options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
-                views: int | None = None, augment: Any = None, augment_seed: int = 0,
+                views: Views | int | None = None, augment: Any = None, augment_seed: int | None = None,
                 tokens: Tokens | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
-        See :func:`featstore.writer.compute` for every argument.
+        See :func:`featstore.compute.compute` for every argument. Augmented views are one
+        option: ``views=featstore.Views(k=8, augment=fn, seed=0)`` (the keywords ``views=8,
+        augment=fn, augment_seed=0`` still work for one release, with a ``DeprecationWarning``).
 
         >>> v = store.compute("cnn-a/train", model=model_a, dataset=train_set,
         ...                   input_key="input", keep=["target"],
@@ -85,9 +97,12 @@ class FeatureStore(Catalog):
         ...                       input_key="input", keep=["target"], extends=v.ref,
         ...                       outputs={"features": "float16", "logits": "float32"})
         """
+        from featstore.compute._driver import compute
+
+        k, augment, augment_seed = _views_arguments(views, augment, augment_seed)
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
-                       client=client, options=options, extends=extends, views=views, augment=augment,
+                       client=client, options=options, extends=extends, views=k, augment=augment,
                        augment_seed=augment_seed, tokens=tokens)
 
     def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
@@ -95,13 +110,29 @@ class FeatureStore(Catalog):
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
-        :class:`~featstore.viewreading.ViewReading`.
+        :class:`~featstore.read.ViewReading`.
 
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
         """
+        from featstore.read._dataset import FeatureDataset
+
         return FeatureDataset(self.open(ref), **options)
+
+
+def _views_arguments(views: Views | int | None, augment: Any, augment_seed: int | None) -> tuple[Any, Any, int]:
+    """``views=Views(k, augment, seed)`` as the driver's three values; the old keywords
+    (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning."""
+    if isinstance(views, Views):
+        if augment is not None or augment_seed is not None:
+            raise InvalidInput("give augment and its seed inside views=featstore.Views(k=..., augment=fn, seed=...), "
+                               "not beside it.")
+        return views.k, views.augment, views.seed
+    if views is not None or augment is not None or augment_seed is not None:
+        warnings.warn("compute(views=K, augment=fn, augment_seed=S) is deprecated and goes in the next release: "
+                      "pass views=featstore.Views(k=K, augment=fn, seed=S).", DeprecationWarning, stacklevel=3)
+    return views, augment, 0 if augment_seed is None else augment_seed
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,

@@ -48,13 +48,10 @@ if "torch" in sys.modules:  # imported before this file (a plugin): pin its thre
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A real S3 HTTP endpoint on 127.0.0.1 and a free port, for the whole session."""
-    from moto.server import ThreadedMotoServer
+    from featstore.testing import moto_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +60,7 @@ def seaweedfs_endpoint(tmp_path_factory):
 
     Its one identity has the pinned AWS keys, so clients use the same credential chain as on
     moto. A server that cannot start fails the tests that need it (never a skip)."""
-    from featstore.testservers import SeaweedFS
+    from featstore.testing._servers import SeaweedFS
 
     with SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), PINNED["AWS_ACCESS_KEY_ID"],
                    PINNED["AWS_SECRET_ACCESS_KEY"]) as server:

@@ -33,4 +33,4 @@ def run(rank: int, world: int, init_file: str, version, workers: int, out_dir: s
 
 
 if __name__ == "__main__":
-    sys.exit("run through torch.multiprocessing.spawn from tests/test_ddp.py")
+    sys.exit("run through torch.multiprocessing.spawn from tests/read/test_ddp.py")

@@ -1,4 +1,4 @@
-"""Processes for tests/test_diskcache.py: a DDP-like rank on the node reading through the disk
+"""Processes for tests/read/test_diskcache.py: a DDP-like rank on the node reading through the disk
 cache with 2 DataLoader workers, and a reader that is SIGKILLed while it fetches.
 
     python -m tests.diskcache_child rank URL ENDPOINT REF CACHE_DIR R WORLD SYNC_DIR

@@ -1,4 +1,4 @@
-"""Models, datasets and factories that make the mistakes a new user makes (tests/test_mistakes.py).
+"""Models, datasets and factories that make the mistakes a new user makes (tests/cli/test_mistakes.py).
 
 Importable by path (``tests.mistakes:broken_model``), so the command line and Dask worker
 processes build them as an operator's workers would build ``mypkg.models:teacher``.

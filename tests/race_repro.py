@@ -51,9 +51,9 @@ def main() -> None:
     args = p.parse_args()
     from distributed import Client, LocalCluster
 
-    from featstore.testservers import SeaweedFS
+    from featstore.testing._servers import SeaweedFS
 
-    from .faultproxy import FaultProxy, Rule
+    from featstore.testing import FaultProxy, Rule
 
     tmp = Path(tempfile.mkdtemp(prefix="race-repro-"))
     if args.server == "moto":

@@ -7,9 +7,9 @@ compute round trip, commit races, resume after SIGKILL, gc, extends, the CLI and
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
+
+from featstore.testing import new_bucket  # noqa: F401 - the suite's fresh buckets
 
 #: The S3 servers of the suite, by the name of their endpoint fixture (``<name>_endpoint``).
 S3_SERVERS = ("moto", "seaweedfs")
@@ -17,12 +17,3 @@ S3_SERVERS = ("moto", "seaweedfs")
 both_servers = pytest.mark.parametrize("s3_server", S3_SERVERS)
 #: ``store`` on local disk and on every S3 server: ``@pytest.mark.parametrize("store", ALL_STORES, indirect=True)``.
 ALL_STORES = ("local", *S3_SERVERS)
-
-
-def new_bucket(endpoint: str, prefix: str = "fs") -> str:
-    """Create a bucket with a fresh name on ``endpoint`` (credentials from the environment)."""
-    import boto3
-
-    bucket = f"{prefix}-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    return bucket

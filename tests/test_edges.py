@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore import (ComputeFailed, ComputeOptions, InvalidInput, OutputMismatch, StoreFull,
                        StorePermissionDenied, VersionNotFound)
-from featstore.fingerprint import class_code, code_digest
+from featstore.versions._fingerprints import class_code, code_digest
 
 from . import tmpfs
 from .models import DoubleLin, ReluLin, SlowData, TinyA, VectorData
@@ -232,7 +232,7 @@ def test_gc_during_a_live_compute_never_commits_missing_data(tmp_path, dask_clie
 def test_commit_and_gc_handshake(local_store, dask_client):
     """The interleavings a thread test cannot force: gc marks a folder before the commit's
     manifest (the commit withdraws), and a commit before gc looks (gc leaves it alone)."""
-    from featstore.versions import GC_MARK
+    from featstore.versions._keys import GC_MARK
 
     kw = dict(model=TinyA(), outputs=OUT, batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
     v = local_store.compute("edge/hs", dataset=VectorData(64), **kw)
@@ -325,7 +325,7 @@ def read_only_root(request, tmp_path, monkeypatch):
     root = tmp_path / "ro"
     root.mkdir()
     if request.param == "simulated-EROFS":  # featstore's local writes (folders, temp files) refused
-        import featstore.storage
+        import featstore.storage._local
 
         real_makedirs = os.makedirs
 
@@ -340,7 +340,7 @@ def read_only_root(request, tmp_path, monkeypatch):
             return open(path, mode, *args, **kw)
 
         monkeypatch.setattr(os, "makedirs", refuse)
-        monkeypatch.setattr(featstore.storage, "open", refuse_open, raising=False)
+        monkeypatch.setattr(featstore.storage._local, "open", refuse_open, raising=False)
         yield root
         return
     root.chmod(0o555)
@@ -371,7 +371,7 @@ def two_versions(local_store, dask_client):
 
 def test_tag_racing_delete_never_dangles(two_versions, monkeypatch):
     store, v1, v2 = two_versions
-    from featstore import versions
+    from featstore.versions import _catalog as versions
 
     # Interleaving 1: delete runs between tag's check of the version and its write of the tag.
     real_open = versions.Catalog.open

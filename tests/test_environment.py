@@ -18,7 +18,7 @@ WATCHED = (*CLEARED, *PINNED)
 def environment() -> dict[str, str | None]:
     """The watched variables as this process sees them (MALLOC_* under one key)."""
     env = {k: os.environ.get(k) for k in WATCHED}
-    # Dask sets MALLOC_TRIM_THRESHOLD_ in its workers itself (featstore.allocator keeps it).
+    # Dask sets MALLOC_TRIM_THRESHOLD_ in its workers itself (featstore.compute keeps it).
     env["MALLOC_*"] = ",".join(sorted(k for k in os.environ
                                       if k.startswith("MALLOC_") and k != "MALLOC_TRIM_THRESHOLD_"))
     return env

@@ -12,7 +12,7 @@ import torch
 import featstore
 from featstore import (ComputeOptions, EmptyDataset, FeatstoreError, InvalidName, MissingInputKey,
                        NonFiniteOutput, OutputMismatch, StoreUnavailable, VersionNotFound)
-from featstore.names import check_name, check_tag
+from featstore._allowed_names import check_name, check_tag
 
 from .models import IdData, NaNAt, Raises, ShapeShift, TinyA, VectorData
 

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from featstore import ComputeOptions, InvalidInput, Tokens, kd
-from featstore.partcodecs import parts_codec
+from featstore.codecs._parts import parts_codec
 from featstore.ragged import attention_mask, pad_sequences
 
 from .models import TinyLM, TokenSeqs

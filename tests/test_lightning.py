@@ -21,7 +21,7 @@ from featstore import ComputeOptions
 
 from .lightning_child import CASES
 from .models import TinyA, VectorData
-from .test_clients import figures
+from tests.read.test_clients import figures
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 400  # 4 consumers (2 ranks x 2 workers) of 100 samples: no padding, so ranks are disjoint

@@ -8,7 +8,7 @@ import pytest
 
 import featstore
 from featstore import InvalidName
-from featstore.names import check_name, check_tag
+from featstore._allowed_names import check_name, check_tag
 
 from .models import VectorData
 

@@ -1,0 +1,51 @@
+"""A module imported when first used: what keeps ``featstore --help``, ``list``, ``info``, ``verify``
+and friends from importing torch (seconds) for commands that never touch a tensor.
+
+>>> np = lazy_module("numpy")     # nothing imported yet
+>>> np.zeros(2).tolist()          # imported here, once; the attribute is kept
+[0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class LazyModule:
+    """Stands for the module ``name``: the first attribute asked for imports it."""
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "_lazy_name", name)
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(importlib.import_module(self._lazy_name), attr)
+        object.__setattr__(self, attr, value)  # later uses skip this method
+        return value
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._lazy_name!r}>"
+
+
+def lazy_module(name: str) -> Any:
+    """A stand-in for ``import name`` that imports it on first attribute use."""
+    return LazyModule(name)
+
+
+def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:
+    """``__getattr__`` and ``__dir__`` for a package whose public names live in modules that
+    import torch or Dask: each is imported when first asked for (PEP 562).
+
+    >>> __getattr__, __dir__ = lazy_exports("featstore.read", {"FeatureDataset": "_dataset"})  # doctest: +SKIP
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{module}"), name)
+
+    def __dir__() -> list[str]:
+        return sorted(names)
+
+    return __getattr__, __dir__

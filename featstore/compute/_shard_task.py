@@ -1,0 +1,454 @@
+"""What runs inside a Dask task: Model A once per worker, and the shard pipeline.
+
+A task owns whole Zarr shards (no two tasks ever write the same object). Three stages overlap,
+so Model A's forward is the only work on the task's own thread: a fetch thread reads and
+collates batch i+1 from the dataset, the task runs A on batch i, and a write thread checks and
+encodes batch i-1 and compresses and writes finished shards, in order. On a GPU the input goes
+host->device from pinned memory and the outputs come back on a side stream into pinned buffers
+(:mod:`featstore.compute`), so the copies overlap the next forward too; each task runs on the
+device :mod:`featstore.compute` picks for its worker. A task returns only small receipts (as
+JSON dicts) and reports progress as it goes: :mod:`featstore.monitor` per shard and per batch
+(what the terminal bar and the dashboard page show), and its time split into ``forward``,
+``fetch``, ``encode`` and ``write`` through ``distributed.metrics.context_meter`` (Dask's Fine
+Performance Metrics). Nothing here knows about the driver, the cluster, the commit or what
+displays the events: it builds on :mod:`featstore.format` and :mod:`featstore.versions` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from featstore.monitor._events import batch_done, shard_started, shard_written
+from featstore.compute._malloc import tuned as tuned_allocator
+from featstore.codecs._dense import (keep_codec, output_codec)
+from featstore.compute._devices import task_device
+from featstore.errors import (FeatstoreError, InvalidInput)
+from featstore.format._arrays import zstd_saving
+from featstore.format._keys import chunk_key
+from featstore.format._manifests import ShardReceipt
+from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, batch_mask, pack
+from featstore.codecs._statistics import merge_stats
+from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
+from featstore._user_code import build_model, describe, read_items, user_error
+from featstore.versions._keys import object_key
+from featstore.versions._receipts import read_receipts
+from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
+
+from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
+from featstore.compute._shard_writing import (check_batch, encode_batch, open_arrays, shard_buffers, tokens_per_shard,
+                                              unstage, write_shard, device_stage, encodes_on_device)
+from featstore.compute._task_spec import TaskSpec
+
+
+_AHEAD = 4  # batches a task may run ahead of its write thread
+#: The probe's mean real tokens per sample (sizes the shards of per-token outputs).
+PROBE_TOKENS = "_tokens_per_sample"
+#: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
+PROBE_ROWS = 64
+
+# ---------------------------------------------------------------------------------------------
+# One Model A per worker process.
+# ---------------------------------------------------------------------------------------------
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}  # insertion-ordered: oldest first
+_MODELS_LOCK = threading.Lock()
+_MODELS_KEPT = 2
+#: Taken around Model A's forward when ``TaskSpec.serial_forward``: the embedded CPU worker runs
+#: two shard tasks at once so that one's fetch and write fill the other's gaps, but two forwards
+#: at once would only fight over the cores torch already uses.
+_FORWARD_TURN = threading.Lock()
+
+
+def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
+    """The dataset as Model A sees it: with views, each item augmented with its view seed."""
+    if spec.view is None:
+        return dataset
+    return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
+
+
+def _seed_field(spec: TaskSpec, b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """With views, each row's replay seed, stored beside the outputs (plain Zarr readers and
+    other tools can replay a view without featstore)."""
+    if spec.view is None:
+        return {}
+    return {SEED_FIELD: torch.from_numpy(view_seeds(spec.augment_seed, spec.view, np.arange(b0, b1)))}
+
+
+def worker_model(model: Any, key: str, threads: int, device: torch.device) -> torch.nn.Module:
+    """Model A for this process on ``device``: built (or unpickled) once, moved there once."""
+    if threads > 0 and device.type == "cpu":
+        # Dask pins OMP_NUM_THREADS=1 in its workers, and OpenMP's setting is per thread: set
+        # it in every task, on the thread that runs it. Always: torch.get_num_threads() can
+        # report the process-wide value while this executor thread's OpenMP pool has one
+        # thread (measured: the forward ran ~1.6x slower in a Dask worker process).
+        torch.set_num_threads(threads)
+    with _MODELS_LOCK:
+        cached = _MODELS.get((key, str(device)))
+        if cached is None:
+            # A copy of a module: an in-process worker receives the caller's own object, and
+            # .eval()/.requires_grad_(False)/.to() must not change the caller's model.
+            built = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else build_model(model)
+            cached = built.to(device).eval().requires_grad_(False)
+            _MODELS[(key, str(device))] = cached
+            while len(_MODELS) > _MODELS_KEPT:  # free the device memory of older runs' models
+                _MODELS.pop(next(iter(_MODELS)))
+        return cached
+
+
+def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The input batch for A (in pinned memory if ``pinned``) and the kept fields."""
+    x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
+    if spec.tokens is not None:
+        try:
+            kept[TOKEN_MASK] = batch_mask(spec.tokens, x, len(items), start)
+        except FeatstoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's mask function raises anything
+            raise user_error(exc, f"Tokens(mask={describe(spec.tokens.mask)}) on samples [{start}, "
+                             f"{start + len(items)})", "fix it, then rerun.") from exc
+        kept[TOKEN_LENGTH] = kept[TOKEN_MASK].sum(1).to(torch.int32)
+    return (pin(x) if pinned else x), kept
+
+
+def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: int,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    x = to_device(x, device)
+    try:
+        with torch.inference_mode():
+            if spec.autocast:
+                with torch.autocast(device.type, dtype=getattr(torch, spec.autocast)):
+                    out = model(x)
+            else:
+                out = model(x)
+    except Exception as exc:  # noqa: BLE001
+        raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
+                         f"on samples [{start}, {start + rows})") from exc
+    return as_outputs(out, list(spec.outputs))
+
+
+class _Reporter:
+    """A task's progress events (see :mod:`featstore.monitor`); silent outside a Dask worker.
+
+    Made on the task's thread, where Dask knows the worker; ``send`` works from any thread.
+    """
+
+    def __init__(self, spec: TaskSpec) -> None:
+        try:
+            from distributed import get_worker
+
+            self.worker: Any = get_worker()
+        except (ImportError, ValueError):
+            self.worker = None
+        self.address = getattr(self.worker, "address", "local")
+        self.run, self.topic = spec.model_key, spec.topic
+        self.unit = spec.unit
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.worker is not None:
+            try:
+                self.worker.log_event(self.topic, msg)
+            except RuntimeError:  # the worker's loop is closing: progress is best effort
+                pass
+
+
+def device_info() -> dict[str, Any]:
+    """What this worker computes on, for the dashboard: CPU, or the GPU's name and memory
+    (and utilisation where NVML is installed)."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu", "device_name": f"CPU, {torch.get_num_threads()} torch threads"}
+    i = torch.cuda.current_device()
+    info: dict[str, Any] = {"device": "cuda", "device_name": torch.cuda.get_device_name(i),
+                            "gpu_mem": int(torch.cuda.memory_allocated(i)),
+                            "gpu_mem_total": int(torch.cuda.get_device_properties(i).total_memory)}
+    try:
+        info["gpu_util"] = int(torch.cuda.utilization(i))
+    except (ImportError, ModuleNotFoundError, RuntimeError):  # no pynvml / NVML
+        pass
+    return info
+
+
+def _meter(label: str) -> Any:
+    """Dask's Fine Performance Metrics: time under ``label`` for the running task (a no-op
+    outside Dask)."""
+    try:
+        from distributed.metrics import context_meter
+    except ImportError:
+        return contextlib.nullcontext()
+    return context_meter.meter(label)
+
+
+def _metered(label: str, fn: Any, *args: Any) -> Any:
+    with _meter(label):
+        return fn(*args)
+
+
+def _in_task_context(pool: ThreadPoolExecutor, label: str, fn: Any, *args: Any) -> Future:
+    """Run ``fn`` on ``pool`` metered as ``label``, in a copy of the task thread's context, so
+    Dask books its time to this task (context variables do not cross threads by themselves)."""
+    return pool.submit(contextvars.copy_context().run, _metered, label, fn, *args)
+
+
+def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
+    stats = receipt.stats or {}
+    return shard_written(
+        report.run, report.address, report.unit(receipt.index), sum(b.nbytes for b in buffers.values()),
+        sum(int(s.get("nan", 0)) + int(s.get("inf", 0)) for s in stats.values()),
+        max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
+
+
+def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -> tuple[Any, dict]:
+    """Read and collate one batch (runs on the fetch thread)."""
+    return _collate(spec, read_items(dataset, range(b0, b1)), b0, pinned)
+
+
+def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int, token0: int,
+                 buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
+    """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
+    once its device->host copies have landed; ``token0``: its first token row (per-token outputs)."""
+    values = batch.wait()
+    mask = values.pop(TOKEN_MASK, None)
+    staged = unstage(values)
+    for name in spec.ragged:
+        if name in values:
+            values[name] = pack(values[name], mask, name)[0]
+    check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
+    enc, st = encode_batch(spec, {**values, **staged}, b0, token0)
+    for n, arr in enc.items():
+        if isinstance(buffers[n], list):
+            buffers[n].append(arr)
+        else:
+            buffers[n][b0 - start:b1 - start] = arr
+        stats[n] = merge_stats(stats.get(n), st[n])
+
+
+#: Joins an output's name and a part in the keys of what :func:`device_stage` hands the host.
+def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
+                         buffers: dict[str, np.ndarray], stats: dict[str, dict], report: _Reporter) -> ShardReceipt:
+    """Write a shard only if every one of its batches was checked and stored: the write thread
+    keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
+    holds uninitialised rows that must never get a receipt."""
+    for job in batch_jobs:
+        job.result()  # already done (same thread, earlier in order): re-raises a failure
+    receipt = write_shard(spec, arrays, index, buffers, stats)
+    report.send(_shard_event(report, receipt, buffers))
+    return receipt
+
+
+def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) -> list[dict]:
+    """The Dask task: compute and store whole shards, return their receipts as JSON dicts.
+
+    Three stages overlap, so Model A's forward is the only work on the task's own thread: a
+    fetch thread reads batch i+1 from the dataset, the task runs A on batch i, and a write
+    thread checks and encodes batch i-1 and compresses and writes finished shards, in order.
+    At most ``_AHEAD`` batches wait for the write thread, which bounds memory to a few shards.
+    """
+    # Dask reruns a task whose worker died (a killed process, a lost node): the shards that
+    # worker finished have receipts already, and only the others are computed again.
+    reused = finished_shards(spec, shards)
+    todo = [i for i in shards if i not in reused]
+    if not todo:
+        return [{**r.to_json(), REUSED: True} for r in reused.values()]
+    with task_device() as device:
+        net = worker_model(model, spec.model_key, spec.threads, device)
+        tune = spec.tune_allocator and device.type == "cpu"
+        _WARM.hold(tune)
+        try:
+            with tuned_allocator(tune):
+                computed = _run_shards(spec, net, _as_seen(spec, dataset), todo, device)
+        finally:
+            _WARM.linger()
+    return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
+
+
+#: Marks a receipt a task found on storage instead of computing it (never stored).
+REUSED = "reused"
+
+
+def finished_shards(spec: TaskSpec, shards: Sequence[int]) -> dict[int, ShardReceipt]:
+    """The receipts already on storage for ``shards`` that match this run's layout and arrays,
+    and whose shard objects are all stored.
+
+    A receipt alone is not enough: a task of an earlier run that outlived its driver can write
+    a receipt after ``gc`` deleted that shard's objects.
+    """
+    found = read_receipts(spec.storage, spec.key, shards)
+    return {i: r for i, r in found.items()
+            if (r.start, r.stop) == spec.layout.shard_range(i) and set(r.digests) == set(spec.arrays)
+            and all(spec.storage.exists(object_key(spec.key, chunk_key(a, i, len(s.shape)), spec.layout.spread))
+                    for a, s in spec.arrays.items())}
+
+
+class _WarmHeap:
+    """Keeps :func:`featstore.compute.tuned` on between the shard tasks of this process.
+
+    A compute is one task per shard: without this, every task's end would return the warm heap
+    to the OS (``malloc_trim``) and the next task would map and zero its activations afresh.
+    The hold ends ``LINGER_S`` after the last task, or at once by :func:`release_models`.
+    """
+
+    LINGER_S = 5.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stack: contextlib.ExitStack | None = None
+        self.gen = 0  # which linger timer may still release
+
+    def hold(self, enabled: bool) -> None:
+        with self.lock:
+            self.gen += 1
+            if enabled and self.stack is None:
+                self.stack = contextlib.ExitStack()
+                self.stack.enter_context(tuned_allocator(True))
+
+    def linger(self) -> None:
+        with self.lock:
+            if self.stack is None:
+                return
+            gen = self.gen
+        timer = threading.Timer(self.LINGER_S, self.release, args=(gen,))
+        timer.daemon = True
+        timer.start()
+
+    def release(self, gen: int | None = None) -> None:
+        with self.lock:
+            if self.stack is None or (gen is not None and gen != self.gen):
+                return  # a task started since: it keeps the heap warm
+            stack, self.stack = self.stack, None
+        stack.close()
+
+
+_WARM = _WarmHeap()
+
+
+def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, int, bool]]:
+    """(shard index, batch start, batch stop, last batch of the shard) for every batch."""
+    plan = []
+    for index in shards:
+        start, stop = spec.layout.shard_range(index)
+        for b0 in range(start, stop, spec.batch_size):
+            b1 = min(b0 + spec.batch_size, stop)
+            plan.append((index, b0, b1, b1 == stop))
+    return plan
+
+
+def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int],
+                device: torch.device) -> list[dict]:
+    arrays = open_arrays(spec)
+    plan = _batch_plan(spec, shards)
+    cuda = device.type == "cuda"
+    offload = Offloader(device)
+    receipts: list[dict] = []
+    report = _Reporter(spec)
+    on_device, per_shard, shard_tokens = encodes_on_device(device), tokens_per_shard(spec), 0
+    dev_info = device_info()
+    with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
+        waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
+        writes: deque[Future] = deque()
+        buffers: dict[str, np.ndarray] = {}
+        stats: dict[str, dict] = {}
+        nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda) \
+            if plan else None
+        try:
+            for k, (index, b0, b1, last) in enumerate(plan):
+                x, kept = nxt.result()
+                if k + 1 < len(plan):
+                    nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[k + 1][1],
+                                           plan[k + 1][2], cuda)
+                start, stop = spec.layout.shard_range(index)
+                if b0 == start:
+                    buffers = shard_buffers(spec, index)
+                    stats = {}
+                    shard_tokens = 0  # real tokens of the shard's earlier batches (per-token outputs)
+                    batch_jobs: list[Future] = []
+                    report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
+                token0 = index * per_shard + shard_tokens  # the batch's first token row
+                with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
+                    outs = _forward(spec, net, x, b0, b1 - b0, device)
+                    if on_device:
+                        outs = device_stage(spec, outs, kept.get(TOKEN_MASK), b0, token0)
+                if TOKEN_MASK in kept:
+                    shard_tokens += int(kept[TOKEN_MASK].sum())
+                report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
+                # on CUDA: starts the copies, returns at once
+                host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
+                job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, token0, buffers,
+                                       stats)
+                waiting.append(job)
+                batch_jobs.append(job)
+                if last:
+                    fut = _in_task_context(pool, "write", _write_checked_shard, batch_jobs, spec, arrays, index,
+                                           buffers, stats, report)
+                    waiting.append(fut)
+                    writes.append(fut)
+                while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
+                    waiting.popleft().result()  # raises the first failure, in batch order
+                while writes and writes[0].done():
+                    receipts.append(writes.popleft().result().to_json())
+            while waiting:
+                waiting.popleft().result()
+            receipts.extend(f.result().to_json() for f in writes)
+        except BaseException:
+            for f in waiting:
+                f.cancel()
+            raise
+    return receipts
+
+
+def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """Run A on the first samples (one small batch) on a worker.
+
+    Returns, per array, the per-sample shape and dtype every batch must keep and the share of
+    bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
+    """
+    rows = min(n, spec.batch_size, PROBE_ROWS)
+    with task_device() as device:
+        net = worker_model(model, spec.model_key, spec.threads, device)
+        x, kept = _collate(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
+        outs = _forward(spec, net, x, 0, rows, device)
+    out: dict[str, tuple[tuple[int, ...], str, float]] = {}
+    if spec.tokens is not None:
+        mask = kept.pop(TOKEN_MASK)
+        outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
+        out[PROBE_TOKENS] = ((), "float64", float(mask.sum()) / max(rows, 1))
+        kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
+    for name, t in {**outs, **kept}.items():
+        if name in outs and is_parts_codec(spec.outputs[name]):
+            out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))
+        try:
+            codec = output_codec(spec.outputs[name]) if name in outs else keep_codec(t.dtype)
+            saving = zstd_saving(codec.cast(t))
+        except InvalidInput:  # an unstorable dtype: the driver reports it with the array's name
+            saving = 1.0
+        out[name] = (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
+    return out
+
+
+def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """zstd's saving on each part of an output stored in parts (none where the codec cannot
+    encode the probe batch: the driver raises that error with the whole story)."""
+    try:
+        parts, _ = codec.encode(t, 0, name)
+    except InvalidInput:
+        return {}
+    return {part_array(name, p): (tuple(a.shape[1:]), str(a.dtype), zstd_saving(a)) for p, a in parts.items()}
+
+
+def release_models(run_key: str) -> None:
+    """Drop this process's cached Model A of one compute run (an in-process worker cached it
+    in the caller's process; its memory is the caller's again), and its warm heap."""
+    _WARM.release()
+    with _MODELS_LOCK:
+        for k in [k for k in _MODELS if k[0] == run_key]:
+            del _MODELS[k]

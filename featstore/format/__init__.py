@@ -1,0 +1,15 @@
+"""What featstore writes into Zarr v3 and accepts from it: arrays (per sample or per token),
+compression, chunk keys (spread over prefixes), the mark of versions whose shards lie elsewhere,
+the shard digest and the fast shard decoder; and the stored objects' schemas (manifests,
+receipts, shard records, tags, claims).
+"""
+
+from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, ArraySpec, Base, Layout, Manifest,
+                                         Pending, ReceiptRun, ShardReceipt, ShardRecords, ViewsSpec)
+from featstore.format._arrays import SpreadStore, create_arrays, open_array
+from featstore.format._keys import chunk_key, shard_digest
+from featstore.format._shard_decoder import decode_shard_rows, shard_format, shard_index
+
+__all__ = ["RECORDS_PER_OBJECT", "SCHEMA", "SCHEMA_VERSION", "ArraySpec", "Base", "Layout", "Manifest", "Pending",
+           "ReceiptRun", "ShardReceipt", "ShardRecords", "SpreadStore", "ViewsSpec", "chunk_key", "create_arrays",
+           "decode_shard_rows", "open_array", "shard_digest", "shard_format", "shard_index"]

@@ -1,0 +1,18 @@
+"""The read side: :class:`FeatureDataset` (a torch ``IterableDataset`` over one version), who
+reads what (:func:`consumer_plan`, pure), shuffle windows, gathering rows, the arena, and the
+caches (mapped shards and ``/dev/shm`` in memory, remote objects on the node's disk).
+
+The names are imported when first used: this package's modules import torch.
+"""
+
+from featstore._lazy import lazy_exports
+
+_NAMES = {
+    "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",
+    "DiskCacheOptions": "_disk_cache", "clear_disk_cache": "_disk_cache", "list_disk_cache": "_disk_cache",
+    "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
+    "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
+    "ShardPermutation": "_shuffle",
+}
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

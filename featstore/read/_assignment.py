@@ -1,0 +1,216 @@
+"""Who reads what: the worker/rank/shuffle arithmetic, as pure functions.
+
+A *consumer* is one (rank, DataLoader worker) pair; there are ``world_size * max(workers, 1)``
+of them. Each epoch:
+
+1. the shards are permuted with a seed made of (seed, epoch) - every consumer computes the same
+   permutation without talking to the others, and only at the positions of its own span
+   (:class:`featstore.read.ShardPermutation`), so a plan's cost does not grow with the number
+   of shards when they are given as :class:`UniformShards` (a version's layout);
+2. the shards, in that order, form one sequence of N sample positions, which is cut into one
+   contiguous span per consumer (``partition``: ``"even"`` spans differ by at most one sample and
+   cover every sample exactly once; ``"pad"`` gives each ``ceil(N/C)`` by wrapping around to the
+   start; ``"drop"`` gives each ``floor(N/C)`` and leaves out the last ``N mod C``);
+3. a span is split at shard boundaries into :class:`Piece` reads, grouped into shuffle windows
+   of at least ``window`` samples, and each window's rows are permuted with a seed made of
+   (seed, epoch, consumer, window).
+
+Nothing here does IO, so it is tested exhaustively over ranks x workers x shard layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from featstore.read._shuffle import ShardPermutation
+
+Partition = Literal["even", "pad", "drop"]
+PARTITIONS = ("even", "pad", "drop")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[lo, hi)`` of shard ``shard`` (shard-local offsets)."""
+
+    shard: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class ConsumerPlan:
+    """One consumer's reads for one epoch, grouped into shuffle windows."""
+
+    windows: tuple[tuple[Piece, ...], ...]
+    n_samples: int
+
+    def n_batches(self, batch_size: int, drop_last: bool) -> int:
+        full, rest = divmod(self.n_samples, batch_size)
+        return full + (1 if rest and not drop_last else 0)
+
+
+@dataclass(frozen=True)
+class UniformShards:
+    """``n_samples`` cut into shards of ``per_shard`` rows, the last possibly shorter: a
+    version's layout, described without listing every shard's size."""
+
+    n_samples: int
+    per_shard: int
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.n_samples // self.per_shard)
+
+    def sizes(self) -> list[int]:
+        """Every shard's size (O(shards): for tests and small versions)."""
+        n = self.n_shards
+        return [self.per_shard] * (n - 1) + [self.n_samples - (n - 1) * self.per_shard] if n else []
+
+
+def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The epoch's whole shard order (identity when not shuffling); O(shards), for tests and
+    tools: a plan evaluates only its own positions."""
+    return ShardPermutation(n_shards, seed, epoch, shuffle).shards(np.arange(n_shards)).tolist()
+
+
+def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tuple[int, int]:
+    """Positions ``[start, stop)`` of consumer ``cid`` in the epoch's sequence of ``n`` samples.
+
+    With ``"pad"`` ``stop`` may exceed ``n``: positions wrap around (``pos % n``).
+    """
+    if not 0 <= cid < consumers:
+        raise ValueError(f"consumer {cid} out of range for {consumers} consumers")
+    if partition == "pad":
+        per = -(-n // consumers)
+        return cid * per, (cid + 1) * per
+    if partition == "drop":
+        per = n // consumers
+        return cid * per, (cid + 1) * per
+    if partition == "even":
+        base, extra = divmod(n, consumers)
+        start = cid * base + min(cid, extra)
+        return start, start + base + (1 if cid < extra else 0)
+    raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+
+
+def span_pieces(order: Sequence[int], shard_sizes: Sequence[int], start: int, stop: int) -> list[Piece]:
+    """Split positions ``[start, stop)`` of the ordered shard sequence into per-shard pieces.
+
+    Vectorised (numpy over the shards, Python only over this span's pieces): at a billion
+    samples every consumer plans over ~74,000 shards.
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    n = int(sizes.sum())
+    if n == 0 or stop <= start:
+        return []
+    order = np.asarray(order, dtype=np.int64)
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(sizes[order], out=offsets[1:])
+    pieces: list[Piece] = []
+    pos = start
+    while pos < stop:
+        p = pos % n
+        k = int(np.searchsorted(offsets, p, side="right")) - 1
+        take = min(stop - pos, int(offsets[k + 1]) - p)
+        lo = p - int(offsets[k])
+        pieces.append(Piece(int(order[k]), lo, lo + take))
+        pos += take
+    return pieces
+
+
+def group_windows(pieces: Sequence[Piece], window: int) -> tuple[tuple[Piece, ...], ...]:
+    """Group consecutive pieces into windows of at least ``window`` samples (the last may be less)."""
+    windows: list[tuple[Piece, ...]] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        current.append(piece)
+        size += piece.size
+        if size >= window:
+            windows.append(tuple(current))
+            current, size = [], 0
+    if current:
+        windows.append(tuple(current))
+    return tuple(windows)
+
+
+def uniform_span_pieces(shards: UniformShards, perm: ShardPermutation, start: int, stop: int) -> list[Piece]:
+    """:func:`span_pieces` for a uniform layout, touching only the span's own positions: the
+    one short shard (the last) stands at ``perm.positions([last])``, and every offset follows."""
+    n, spp = shards.n_samples, shards.per_shard
+    if n == 0 or stop <= start:
+        return []
+    short = n - (shards.n_shards - 1) * spp  # rows of the last shard
+    q = int(perm.positions(np.array([shards.n_shards - 1]))[0])  # its position in the order
+
+    def locate(p: int) -> int:  # the position whose rows hold sample position p
+        if p < q * spp:
+            return p // spp
+        return q if p < q * spp + short else q + 1 + (p - q * spp - short) // spp
+
+    pieces: list[Piece] = []
+    pos = start
+    while pos < stop:  # at most two segments: a pad span wraps around once
+        a = pos % n
+        b = min(n, a + stop - pos)
+        ks = np.arange(locate(a), locate(b - 1) + 1, dtype=np.int64)
+        offsets = ks * spp - np.where(ks > q, spp - short, 0)
+        ends = offsets + np.where(ks == q, short, spp)
+        los, his = np.maximum(a - offsets, 0), np.minimum(b, ends) - offsets
+        pieces += [Piece(int(s), int(lo), int(hi))
+                   for s, lo, hi in zip(perm.shards(ks).tolist(), los.tolist(), his.tolist(), strict=True)]
+        pos += b - a
+    return pieces
+
+
+def consumer_plan(
+    shard_sizes: Sequence[int] | UniformShards, *, seed: int, epoch: int, shuffle: bool, consumers: int,
+    cid: int, partition: Partition, window: int,
+) -> ConsumerPlan:
+    """The whole plan of consumer ``cid`` for one epoch (see the module docstring).
+
+    ``shard_sizes`` as :class:`UniformShards` costs O(the consumer's pieces); as a list of sizes
+    (any layout) O(shards). Both give the same plan for the same shards.
+    """
+    if isinstance(shard_sizes, UniformShards):
+        n = shard_sizes.n_samples
+        perm = ShardPermutation(shard_sizes.n_shards, seed, epoch, shuffle)
+        start, stop = consumer_span(n, consumers, cid, partition)
+        pieces = uniform_span_pieces(shard_sizes, perm, start, stop)
+    else:
+        n = int(np.sum(shard_sizes, dtype=np.int64))
+        order = ShardPermutation(len(shard_sizes), seed, epoch, shuffle).shards(np.arange(len(shard_sizes)))
+        start, stop = consumer_span(n, consumers, cid, partition)
+        pieces = span_pieces(order, shard_sizes, start, stop)
+    return ConsumerPlan(group_windows(pieces, max(1, window)), max(0, stop - start) if n else 0)
+
+
+def window_permutation(seed: int, epoch: int, cid: int, window_index: int, size: int) -> np.ndarray:
+    """The row permutation applied inside one shuffle window."""
+    return np.random.default_rng([seed, epoch, 1 + cid, window_index]).permutation(size)
+
+
+def round_robin_consumed(batches_seen: int, per_worker: Sequence[int]) -> list[int]:
+    """How many batches each DataLoader worker had delivered after ``batches_seen`` in total.
+
+    DataLoader returns batches from its workers in turn, skipping a worker once it is exhausted;
+    this replays that order, so a mid-epoch resume knows where each worker stopped.
+    """
+    if batches_seen > sum(per_worker):
+        raise ValueError(f"{batches_seen} batches seen, but the epoch has only {sum(per_worker)}")
+    done = [0] * len(per_worker)
+    left = batches_seen
+    while left:
+        for w, total in enumerate(per_worker):
+            if left and done[w] < total:
+                done[w] += 1
+                left -= 1
+    return done

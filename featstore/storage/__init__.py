@@ -1,0 +1,20 @@
+"""A store URL as a small storage surface: the :class:`Storage` interface and one backend per module.
+
+>>> from featstore.storage import Storage
+>>> type(Storage("/tmp/feats")).__name__, type(Storage("memory://feats")).__name__
+('LocalStorage', 'FsspecStorage')
+
+Backends: :class:`LocalStorage` (local files), :class:`FsspecStorage` (any fsspec filesystem),
+:class:`S3Storage` (s3fs writes and listings, obstore reads). A new backend subclasses
+:class:`Storage` and its tests subclass :class:`featstore.testing.StorageTests`.
+"""
+
+from featstore.storage._base import SECRET_OPTIONS, Storage, backend_for, redact
+from featstore.storage._errors import BackendErrorStore, backend_errors
+from featstore.storage._fsspec import FsspecStorage
+from featstore.storage._local import LocalStorage
+from featstore.storage._s3 import S3_MAX_ATTEMPTS, S3Storage, s3_options
+from featstore.storage._s3_reads import S3Getter
+
+__all__ = ["SECRET_OPTIONS", "S3_MAX_ATTEMPTS", "BackendErrorStore", "FsspecStorage", "LocalStorage", "S3Getter",
+           "S3Storage", "Storage", "backend_errors", "backend_for", "redact", "s3_options"]

@@ -1,0 +1,158 @@
+"""A version as a self-contained standard Zarr v3 group: the route for plain readers.
+
+A version computed with ``extends=`` reads its first shards from its parent's folder, and one
+with ``spread_prefixes`` keeps its shard objects under top-level prefixes; their arrays declare
+the chunk key encoding ``featstore.mapped``, which no Zarr reader knows, so zarr, xarray and
+TensorStore refuse them loudly rather than read the shards they cannot find as zeros.
+:func:`export_version` writes such a version (or any other) to a new folder as plain Zarr v3:
+the group, each view's group, every array's metadata with the default chunk key encoding, and
+every shard object copied byte for byte (its crc32c and compression unchanged) to its default
+key, then consolidated metadata, so ``zarr.open_group``/``xarray.open_zarr``/TensorStore read it
+as it is. The copy is then read back with plain zarr and each shard compared with the digest
+recorded when the version was computed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
+from featstore.format._arrays import consolidate, consolidated_groups
+from featstore.format._keys import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
+from featstore.codecs._ragged import TOKEN_LENGTH
+from featstore.storage import Storage
+from featstore.versions._committed import Version
+from featstore.versions._keys import IO_THREADS
+
+GROUP_META = {"zarr_format": 3, "node_type": "group"}
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What :func:`export_version` wrote: where, how many objects and bytes, and the shards it
+    checked against their compute-time digests."""
+
+    url: str
+    objects: int
+    bytes: int
+    shards_checked: int
+
+
+def export_version(version: Version, url: str, storage_options: dict[str, Any] | None = None, *,
+                   verify: bool = True, progress: Callable[[int, int], None] | None = None) -> Exported:
+    """Write ``version`` to ``url`` (a new or empty folder, any fsspec URL) as a standard,
+    self-contained Zarr v3 group.
+
+    >>> out = export_version(store.open("cnn-a/train"), "/data/cnn-a-train.zarr")
+    >>> zarr.open_group(out.url, mode="r")["features"][:10].shape
+    (10, 512)
+
+    ``progress(done, total)`` is called as shard objects are copied.
+    """
+    dest = Storage(url, storage_options)
+    if dest.find(""):
+        raise StoreConflict(f"{dest.url} is not empty: export into a new folder.")
+    groups = [None] if version.views is None else list(range(version.views))
+    attributes = {"featstore": {"exported_from": version.ref, "fingerprint": version.fingerprint,
+                                "samples": len(version), "views": version.views}}
+    dest.write_bytes("zarr.json", _json({**GROUP_META, "attributes": attributes}))
+    if version.views is not None:
+        dest.write_bytes(f"{VIEWS_GROUP}/zarr.json", _json({**GROUP_META, "attributes": {}}))
+    copies: list[tuple[Version, str, str]] = []
+    for view in groups:
+        source = version if view is None else version.view(view)
+        prefix = "" if view is None else f"{view_path(view)}/"
+        if view is not None:
+            dest.write_bytes(f"{prefix}zarr.json", _json({**GROUP_META, "attributes": {"featstore": {"view": view}}}))
+        for field in version.manifest.arrays:
+            meta = _array_metadata(version, source, field)
+            dest.write_bytes(f"{prefix}{field}/zarr.json", _json(meta))
+            n_shards = -(-meta["shape"][0] // _shard_rows(meta))
+            ndim = len(version.manifest.arrays[field].shape)
+            copies += [(source, field, f"{prefix}{chunk_key(field, s, ndim)}") for s in range(n_shards)]
+    written = _copy_objects(version, dest, copies, progress)
+    consolidate(dest.zarr_store("", read_only=False), consolidated_groups(version.views))
+    checked = verify_export(version, dest) if verify else 0
+    return Exported(dest.url, len(copies), written, checked)
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=True).encode()
+
+
+def _array_metadata(version: Version, source: Version, field: str) -> dict[str, Any]:
+    """The array's ``zarr.json`` with the default chunk key encoding, as Zarr must see it."""
+    key = f"{source.data_key}/{field}/zarr.json"
+    raw = version.storage.read_bytes(key, metadata=True)
+    if raw is None:
+        raise CorruptChunk(f"{field}/zarr.json of {version.ref} is missing; the version is damaged.",
+                           version=version.ref, array=field, chunk=f"{field}/zarr.json")
+    return json.loads(mark_metadata(raw, None))
+
+
+def _shard_rows(meta: dict[str, Any]) -> int:
+    """Rows of axis 0 per shard object, from an array's metadata (sharding codec's chunk shape)."""
+    return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+
+
+def _copy_objects(version: Version, dest: Storage, copies: list[tuple[Version, str, str]],
+                  progress: Callable[[int, int], None] | None) -> int:
+    """Copy every shard object from wherever it lies (its folder, a parent's, a spread prefix)
+    to its default key in ``dest``, concurrently; the bytes copied."""
+    storage = version.storage.reopen()
+
+    def copy(item: tuple[Version, str, str]) -> int:
+        source, field, key = item
+        shard = int(key.split("/c/", 1)[1].split("/", 1)[0])
+        data = storage.read_bytes(source.object_key(field, shard))
+        if not data:
+            raise CorruptChunk.damaged(version.ref, field, source.chunk_key(field, shard),
+                                       "is missing" if data is None else "is empty")
+        dest.write_bytes(key, data)
+        return len(data)
+
+    total = 0
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="featstore-export") as pool:
+        for i, n in enumerate(pool.map(copy, copies), 1):
+            total += n
+            if progress is not None:
+                progress(i, len(copies))
+    return total
+
+
+def verify_export(version: Version, dest: Storage) -> int:
+    """Read an export back with plain zarr and compare every shard of every array with the
+    digest recorded at compute time; return the number of shards checked, or raise
+    :class:`CorruptChunk` naming the first that differs."""
+    root = zarr.open_group(dest.zarr_store("", read_only=True), mode="r")
+    spec = version.manifest.arrays
+    checked = 0
+    for r in version.shard_receipts():
+        group = root if r.view is None else root[f"{VIEWS_GROUP}/{r.view}"]
+        span = None
+        for field, digest in r.digests.items():
+            arr = group[field]
+            if spec[field].ragged:
+                if span is None:
+                    lengths = np.asarray(group[TOKEN_LENGTH][r.start:r.stop])
+                    first = r.index * spec[field].tokens[0]
+                    span = (first, first + int(lengths.sum(dtype=np.int64)))
+                values = arr[span[0]:span[1]]
+            else:
+                values = arr[r.start:r.stop]
+            if shard_digest(np.asarray(values)) != digest:
+                raise CorruptChunk(f"the export of {version.ref} at {dest.url} differs from the version in "
+                                   f"{field}, shard {r.index}: delete the export and run it again.",
+                                   version=version.ref, array=field,
+                                   chunk=chunk_key(field, r.index, len(spec[field].shape)))
+            checked += 1
+    if checked == 0 and len(version):
+        raise InvalidInput(f"{version.ref} has no shard digests to check the export against.")
+    return checked
