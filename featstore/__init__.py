@@ -15,7 +15,7 @@ from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsuppo
                      DeviceSetupError, DistributedSetupError, EmptyDataset, FeatstoreError, FeatstoreWarning,
                      FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
                      NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
-                     StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound)
+                     StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound, VersionsMisaligned)
 from .ragged import Tokens
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
@@ -26,5 +26,6 @@ __all__ = [
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
     "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
     "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
-    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "__version__",
+    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "VersionsMisaligned",
+    "__version__",
 ]

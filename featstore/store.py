@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .alignment import views_of
 from .dataset import FeatureDataset
 from .export import Exported, export_version
 from .ragged import Tokens
@@ -29,6 +30,11 @@ class Version(CoreVersion):
     >>> v[10:20]["features"].shape
     torch.Size([10, 512])
     """
+
+    @property
+    def views_of(self) -> str | None:
+        """``"name@id"`` of the version whose views this one was computed on (``views_of=``), or None."""
+        return views_of(self)
 
     def dataset(self, **options: Any) -> FeatureDataset:
         """A :class:`~featstore.FeatureDataset` over this version (see :class:`ReaderOptions`).
@@ -72,8 +78,8 @@ class FeatureStore(Catalog):
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
                 options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
-                views: int | None = None, augment: Any = None, augment_seed: int = 0,
-                tokens: Tokens | None = None) -> Version:
+                views: int | None = None, augment: Any = None, augment_seed: int | None = None,
+                tokens: Tokens | None = None, views_of: str | CoreVersion | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.writer.compute` for every argument.
@@ -84,11 +90,13 @@ class FeatureStore(Catalog):
         >>> grown = store.compute("cnn-a/train", model=model_a, dataset=bigger_train_set,
         ...                       input_key="input", keep=["target"], extends=v.ref,
         ...                       outputs={"features": "float16", "logits": "float32"})
+        >>> b = store.compute("cnn-b/train", model=model_b, dataset=train_set, augment=augment,
+        ...                   views_of="cnn-a/train@3f2a9c0e1b7d4a55")   # on exactly A's views
         """
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
                        client=client, options=options, extends=extends, views=views, augment=augment,
-                       augment_seed=augment_seed, tokens=tokens)
+                       augment_seed=augment_seed, tokens=tokens, views_of=views_of)
 
     def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).

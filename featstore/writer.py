@@ -27,7 +27,8 @@ from .events import TOPIC, is_event, run_ended, run_started
 from .chunking import MIN_SHARE, dividing_chunk, nearest_multiples
 from .cluster import Cluster, connect, task_resources, workers
 from .codecs import keep_codec, output_codec
-from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch
+from .alignment import LINK, Alignment, adopt_views, check_views_of, link
+from .errors import ComputeFailed, EmptyDataset, FeatstoreError, InvalidInput, OutputMismatch, VersionsMisaligned
 from .fingerprint import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from .format import RESERVED_FIELDS, check_compression, choose_compression, chunk_label
 from .incremental import Growth, plan_growth
@@ -378,8 +379,8 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
             options: ComputeOptions | None = None, extends: str | Version | None = None,
-            views: int | None = None, augment: Any = None, augment_seed: int = 0,
-            tokens: Tokens | None = None) -> Version:
+            views: int | None = None, augment: Any = None, augment_seed: int | None = None,
+            tokens: Tokens | None = None, views_of: str | Version | None = None) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -414,12 +415,20 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             ``keep`` fields, which may name extra fields ``augment`` returns) is stored per view.
         augment: ``fn(item, generator) -> item``; all its randomness must come from
             ``generator`` (checked: two replays must agree, else :class:`NondeterministicAugment`).
-        augment_seed: the version's seed, from which every (sample, view) seed derives.
+        augment_seed: the version's seed, from which every (sample, view) seed derives (None: 0,
+            or with ``views_of`` that version's).
         tokens: :class:`~featstore.ragged.Tokens` for per-token outputs of token sequences (a
             language model's logits, ``[B, L, ...]``): only each sample's real tokens (the
             mask's) are stored, as flat token rows plus the per-sample ``token_start`` and
             ``token_length`` arrays, with the output's codec applied per token; batches carry
             them flat with ``"<name>.offsets"`` (see :mod:`featstore.ragged`).
+        views_of: ``"name@id"`` (or a :class:`Version`) of a version whose views this Model A
+            runs on: the same K, seeds and augment (``views``/``augment_seed`` are taken from it;
+            ``augment`` must be the same function) on the same dataset, in the same shards, so
+            the two versions can be read together on the same rows (``store.dataset({"a": ...,
+            "b": ...})``). A version without views: the same samples in the same order. A
+            different dataset, augment, count or seed is :class:`VersionsMisaligned`, naming what
+            differs. The link is part of the fingerprint (``fingerprint_parts["views_of"]``).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -431,7 +440,12 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     options = options or ComputeOptions()
     t0 = time.perf_counter()
     parent = catalog.open(extends) if extends is not None else None
+    base = None if views_of is None else catalog.open(views_of)
+    if base is not None:
+        views, augment_seed, samples_per_shard = _adopt_base(base, parent, views, augment, augment_seed,
+                                                             samples_per_shard)
     _check_views_extends(parent, views)
+    augment_seed = 0 if augment_seed is None else augment_seed
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):
@@ -442,6 +456,9 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
                     views, augment, augment_seed, tokens)
     parts = _fingerprint_parts(req, model, dataset, options)
+    if base is not None:
+        check_views_of(base, Alignment.of_parts(parts["dataset"], _dataset_sample(parts, dataset), views_spec(req)))
+        parts = {**parts, LINK: link(base)}
     growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
     if growth is not None:
         parts = {**parts, "extends": parent.fingerprint}
@@ -477,6 +494,21 @@ def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
     if options.spread_prefixes not in (None, spread):
         raise InvalidInput(f"extends={parent.ref!r} keeps the parent's spread over {spread} prefixes; leave "
                            f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
+
+
+def _adopt_base(base: Version, parent: Version | None, views: int | None, augment: Any, augment_seed: int | None,
+                samples_per_shard: int | None) -> tuple[int | None, int, int]:
+    """``views_of``: the base's views, seed and shard size (what is given must agree)."""
+    if parent is not None:
+        raise InvalidInput("views_of= and extends= do not combine: compute the version on the whole dataset "
+                           "with views_of alone.")
+    views, augment_seed = adopt_views(base, views, augment, augment_seed)
+    spp = base.manifest.layout.samples_per_shard
+    if samples_per_shard not in (None, spp):
+        raise VersionsMisaligned(f"views_of={base.ref!r} keeps that version's {spp} samples per shard (so both are "
+                                 f"read with one plan); leave samples_per_shard out (got {samples_per_shard}).",
+                                 ("samples per shard",))
+    return views, augment_seed, spp
 
 
 def _check_views_extends(parent: Version | None, views: int | None) -> None:
