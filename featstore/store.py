@@ -13,6 +13,7 @@ from typing import Any
 from .alignment import views_of
 from .dataset import FeatureDataset
 from .export import Exported, export_version
+from .multiread import MultiTeacherDataset
 from .ragged import Tokens
 from .storage import Storage
 from .versions import Catalog
@@ -98,8 +99,12 @@ class FeatureStore(Catalog):
                        client=client, options=options, extends=extends, views=views, augment=augment,
                        augment_seed=augment_seed, tokens=tokens, views_of=views_of)
 
-    def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
-        """A torch ``IterableDataset`` over one committed version (pinned at this call).
+    def dataset(self, ref: str | CoreVersion | Mapping[str, str | CoreVersion] | Sequence[str | CoreVersion],
+                **options: Any) -> FeatureDataset | MultiTeacherDataset:
+        """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
+        several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
+        ``t0``, ``t1``, ...) gives a :class:`~featstore.multiread.MultiTeacherDataset`, whose
+        batches hold each teacher's arrays as ``"<label>/<array>"``.
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
@@ -108,7 +113,12 @@ class FeatureStore(Catalog):
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
+        >>> ds = store.dataset({"a": "teacher-a/train", "b": "teacher-b/train"})  # "a/logits", "b/logits"
         """
+        if isinstance(ref, Mapping):
+            return MultiTeacherDataset({label: self.open(r) for label, r in ref.items()}, **options)
+        if isinstance(ref, (list, tuple)):
+            return MultiTeacherDataset([self.open(r) for r in ref], **options)
         return FeatureDataset(self.open(ref), **options)
 
 

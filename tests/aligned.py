@@ -3,6 +3,7 @@ with K views, teacher "b" (another model, other outputs) computed with ``views_o
 
 from __future__ import annotations
 
+import featstore
 from featstore import ComputeOptions
 
 from .augments import noisy_flip
@@ -20,6 +21,18 @@ def teacher_a(store, client, views=K, name="teacher-a/train", data=None, **kw):
     return store.compute(name, model=TinyA(), dataset=data or VectorData(N),
                          keep={"target": "target", "seen": "input"}, outputs=OUT_A, samples_per_shard=SPP,
                          batch_size=16, client=client, options=QUIET, **aug, **kw)
+
+
+def copy_to_s3(store, endpoint):
+    """The local ``store``'s objects put as they are into a fresh bucket: the same versions on S3
+    (reading them there is what the S3 tests exercise; computing on S3 is test_views' business)."""
+    import s3fs
+
+    from .servers import new_bucket
+
+    bucket = new_bucket(endpoint)
+    s3fs.S3FileSystem(endpoint_url=endpoint).put(f"{store.storage.root}/", f"{bucket}/feats", recursive=True)
+    return featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": endpoint})
 
 
 def teacher_b(store, client, base, augment=noisy_flip, name="teacher-b/train", data=None, **kw):
