@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "teachers":  # its own knobs: python -m benchmarks.teachers --help
         from . import teachers
 
-        return teachers.main(["--out", args.out])
+        return teachers.main(["--out", args.out], "python -m benchmarks " + " ".join(
+            argv if argv is not None else sys.argv[1:]))
     prof = PROFILES[args.profile]
     prof = replace(prof, n=args.n or prof.n, repeats=args.repeats or prof.repeats,
                    mem_n=args.mem_n or prof.mem_n,

@@ -225,11 +225,14 @@ def markdown(result: dict, command: str) -> str:
              "", "One seed per row: ± is 1.96 standard errors of the accuracy difference, paired over the same "
              "held-out images. Compute is featstore's (embedded Dask start-up included), once per version; "
              "B's compute runs A's K views again through B, the control's its own K. Bytes per sample count "
-             "every version a row reads (all K views; an epoch reads one view of each).", MARK_END]
+             "every version a row reads (all K views; an epoch reads one view of each). Every row's training "
+             "runs the same loop over the same batches; its seconds follow the machine's load while that row "
+             "ran (other jobs share the 2 cores), so compare accuracies across rows, not seconds.", MARK_END]
     return "\n".join(head + body + notes) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, command: str | None = None) -> int:
+    """Run with ``argv``'s knobs; ``command`` is what the section names as its command."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=vb.Setup.epochs)
     p.add_argument("--teacher-epochs", type=int, default=vb.Setup.teacher_epochs)
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     base = replace(vb.Setup(), epochs=args.epochs, teacher_epochs=args.teacher_epochs)
     result = run(Setup(base=base, views=args.views))
-    command = "python -m benchmarks.teachers " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command or "python -m benchmarks.teachers " + " ".join(argv if argv is not None else sys.argv[1:])
     section = markdown(result, command.strip())
     print(section)
     os.makedirs(args.out, exist_ok=True)
