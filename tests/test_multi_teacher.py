@@ -91,6 +91,19 @@ def test_two_workers_on_s3_read_the_rows_each_teacher_holds(teams):
             assert row.keys() == alone[i].keys() and all(torch.equal(row[k], alone[i][k]) for k in row), (label, i)
 
 
+@pytest.mark.parametrize("s3_server", ["seaweedfs"])  # moto: the other S3 tests here
+def test_on_seaweedfs_through_the_disk_cache_an_epoch_equals_each_teacher_alone(teams, s3_endpoint, tmp_path):
+    """The same objects put on SeaweedFS (a real S3-compatible server), read through the disk
+    cache (each teacher's objects in its own scope)."""
+    local, a, b = teams["local"]
+    store = copy_to_s3(local, s3_endpoint)
+    a, b = store.open(a.ref), store.open(b.ref)
+    opts = dict(batch_size=BS, seed=6)
+    (multi,) = read(store.dataset({"a": a, "b": b}, cache="disk", cache_dir=str(tmp_path), **opts), 0, [2])
+    for label, v in (("a", a), ("b", b)):
+        assert_same_rows(multi, read(v.dataset(**opts), 0, [2])[0], label)
+
+
 def test_a_list_of_teachers_and_fields_per_teacher(teams):
     store, a, b = teams["local"]
     ds = store.dataset([a.ref, b], batch_size=N, shuffle=False, fields={"t0": ["logits"]})
