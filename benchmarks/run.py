@@ -4,6 +4,7 @@
     python -m benchmarks --profile full       # N=100,000
     python -m benchmarks --only reader        # only the reader rows (issue 12), N=40,000
     python -m benchmarks --only diskcache     # only the disk cache rows (issue 20), N=20,000
+    python -m benchmarks --only teachers      # only several teachers on the same views (issue 26)
 """
 
 from __future__ import annotations
@@ -194,9 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) rows")
     p.add_argument("--out", default="docs", help="folder for benchmarks.md/.png/.json (default docs)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed)")
-    p.add_argument("--only", choices=["all", "reader", "diskcache"], default="all",
-                   help="'reader' / 'diskcache': only those rows, written into their section of benchmarks.md")
+    p.add_argument("--only", choices=["all", "reader", "diskcache", "teachers"], default="all",
+                   help="'reader' / 'diskcache' / 'teachers': only those rows, written into their section of "
+                        "benchmarks.md ('teachers': python -m benchmarks.teachers with its defaults)")
     args = p.parse_args(argv)
+    if args.only == "teachers":  # its own knobs: python -m benchmarks.teachers --help
+        from . import teachers
+
+        return teachers.main(["--out", args.out], "python -m benchmarks " + " ".join(
+            argv if argv is not None else sys.argv[1:]))
     prof = PROFILES[args.profile]
     prof = replace(prof, n=args.n or prof.n, repeats=args.repeats or prof.repeats,
                    mem_n=args.mem_n or prof.mem_n,

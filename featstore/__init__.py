@@ -18,7 +18,7 @@ from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWrit
                               FeatstoreWarning, FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName,
                               MissingInputKey, NondeterministicAugment, NonFiniteOutput, OutputMismatch,
                               SourceMismatch, StoreConflict, StoreFull, StoreNotFound, StorePermissionDenied,
-                              StoreUnavailable, VersionNotFound)
+                              StoreUnavailable, VersionNotFound, VersionsMisaligned)
 
 #: The public names that live in modules importing torch or Dask, by module: imported on first
 #: use (PEP 562), so ``import featstore`` (and the quick commands of ``featstore``) stay fast.
@@ -59,5 +59,6 @@ __all__ = [
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
     "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
     "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
-    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views", "__version__",
+    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views", "VersionsMisaligned",
+    "__version__",
 ]

@@ -57,6 +57,20 @@ class SourceMismatch(InvalidInput):
     (or the ``augment`` is not the one it was computed with): rows would silently misalign."""
 
 
+class VersionsMisaligned(InvalidInput):
+    """Versions meant to hold outputs for the same rows do not: a compute with ``views_of=``
+    whose dataset, views or augment are not the base version's, or teachers read together
+    (``store.dataset({"a": ..., "b": ...})``) that differ in dataset, length, views or layout.
+    ``differs`` names what differs (``"dataset length"``, ``"view seed"``, ...)."""
+
+    def __init__(self, message: str, differs: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.differs = tuple(differs)
+
+    def __reduce__(self):  # keep ``differs`` across process boundaries (DataLoader workers, Dask)
+        return (type(self), (self.args[0], self.differs))
+
+
 # -- the caller must pick another version / name ---------------------------------------------
 class VersionNotFound(FeatstoreError, KeyError):
     """No committed version, tag or feature set by that name."""

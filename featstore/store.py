@@ -36,6 +36,13 @@ class Version(CoreVersion):
     torch.Size([10, 512])
     """
 
+    @property
+    def views_of(self) -> str | None:
+        """``"name@id"`` of the version whose views this one was computed on (``views_of=``), or None."""
+        from featstore.versions._alignment import views_of
+
+        return views_of(self)
+
     def dataset(self, **options: Any) -> FeatureDataset:
         """A :class:`~featstore.FeatureDataset` over this version (see :class:`ReaderOptions`).
 
@@ -83,7 +90,7 @@ class FeatureStore(Catalog):
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
                 options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
                 views: Views | int | None = None, augment: Any = None, augment_seed: int | None = None,
-                tokens: Tokens | None = None) -> Version:
+                tokens: Tokens | None = None, views_of: str | CoreVersion | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.compute.compute` for every argument. Augmented views are one
@@ -96,17 +103,26 @@ class FeatureStore(Catalog):
         >>> grown = store.compute("cnn-a/train", model=model_a, dataset=bigger_train_set,
         ...                       input_key="input", keep=["target"], extends=v.ref,
         ...                       outputs={"features": "float16", "logits": "float32"})
+        >>> b = store.compute("cnn-b/train", model=model_b, dataset=train_set, augment=augment,
+        ...                   views_of="cnn-a/train@3f2a9c0e1b7d4a55")   # on exactly A's views
+
+        ``views_of=`` takes K and the seed from that version; ``augment=`` (a function cannot be
+        read back from a store) must be the same function, and is given alone, without a warning.
         """
         from featstore.compute._driver import compute
 
-        k, augment, augment_seed = _views_arguments(views, augment, augment_seed)
+        k, augment, augment_seed = _views_arguments(views, augment, augment_seed, views_of is not None)
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
                        client=client, options=options, extends=extends, views=k, augment=augment,
-                       augment_seed=augment_seed, tokens=tokens)
+                       augment_seed=augment_seed, tokens=tokens, views_of=views_of)
 
-    def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
-        """A torch ``IterableDataset`` over one committed version (pinned at this call).
+    def dataset(self, ref: str | CoreVersion | Mapping[str, str | CoreVersion] | Sequence[str | CoreVersion],
+                **options: Any) -> Any:
+        """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
+        several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
+        ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
+        batches hold each teacher's arrays as ``"<label>/<array>"``.
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
@@ -115,15 +131,27 @@ class FeatureStore(Catalog):
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
+        >>> ds = store.dataset({"a": "teacher-a/train", "b": "teacher-b/train"})  # "a/logits", "b/logits"
         """
         from featstore.read._dataset import FeatureDataset
 
+        if isinstance(ref, Mapping) or isinstance(ref, (list, tuple)):
+            from featstore.read._multiread import MultiTeacherDataset
+
+            if isinstance(ref, Mapping):
+                return MultiTeacherDataset({label: self.open(r) for label, r in ref.items()}, **options)
+            return MultiTeacherDataset([self.open(r) for r in ref], **options)
         return FeatureDataset(self.open(ref), **options)
 
 
-def _views_arguments(views: Views | int | None, augment: Any, augment_seed: int | None) -> tuple[Any, Any, int]:
+def _views_arguments(views: Views | int | None, augment: Any, augment_seed: int | None,
+                     linked: bool = False) -> tuple[Any, Any, int | None]:
     """``views=Views(k, augment, seed)`` as the driver's three values; the old keywords
-    (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning."""
+    (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning.
+    ``linked`` (``views_of=``): ``augment=fn`` alone is the way to name the base's augment, and
+    the seed left out is the base's (None)."""
+    if linked and views is None and augment_seed is None:
+        return None, augment, None
     if isinstance(views, Views):
         if augment is not None or augment_seed is not None:
             raise InvalidInput("give augment and its seed inside views=featstore.Views(k=..., augment=fn, seed=...), "

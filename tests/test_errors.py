@@ -172,7 +172,7 @@ BUILTIN_BASES = {
     "IncompatibleFormat": ValueError, "CorruptChunk": OSError, "ComputeFailed": RuntimeError,
     "DeviceSetupError": RuntimeError, "DatasetMismatch": ValueError, "NondeterministicAugment": ValueError,
     "SourceMismatch": ValueError, "StoreNotFound": FileNotFoundError, "ClusterUnavailable": ConnectionError,
-    "DistributedSetupError": RuntimeError,
+    "DistributedSetupError": RuntimeError, "VersionsMisaligned": ValueError,
 }
 
 

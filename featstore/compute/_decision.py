@@ -13,7 +13,8 @@ from functools import cached_property
 from typing import Any
 
 
-from featstore.errors import EmptyDataset, InvalidInput
+from featstore.errors import EmptyDataset, InvalidInput, VersionsMisaligned
+from featstore.versions._alignment import LINK, Alignment, adopt_views, check_views_of, link
 from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from featstore.format._arrays import chunk_label
 from featstore.format._keys import RESERVED_FIELDS
@@ -148,6 +149,21 @@ def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
                            f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
 
 
+def _adopt_base(base: Version, parent: Version | None, views: int | None, augment: Any, augment_seed: int | None,
+                samples_per_shard: int | None) -> tuple[int | None, int, int]:
+    """``views_of``: the base's views, seed and shard size (what is given must agree)."""
+    if parent is not None:
+        raise InvalidInput("views_of= and extends= do not combine: compute the version on the whole dataset "
+                           "with views_of alone.")
+    views, augment_seed = adopt_views(base, views, augment, augment_seed)
+    spp = base.manifest.layout.samples_per_shard
+    if samples_per_shard not in (None, spp):
+        raise VersionsMisaligned(f"views_of={base.ref!r} keeps that version's {spp} samples per shard (so both are "
+                                 f"read with one plan); leave samples_per_shard out (got {samples_per_shard}).",
+                                 ("samples per shard",))
+    return views, augment_seed, spp
+
+
 def _check_views_extends(parent: Version | None, views: int | None) -> None:
     """Views and ``extends`` do not combine yet: refuse before anything runs."""
     if parent is None:
@@ -220,10 +236,16 @@ class ComputePlan:
 
 def decide(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any, keep: Any, outputs: Any,
            batch_size: int, samples_per_shard: int | None, options: ComputeOptions, extends: Any,
-           views: int | None, augment: Any, augment_seed: int, tokens: Tokens | None) -> ComputePlan:
+           views: int | None, augment: Any, augment_seed: int | None, tokens: Tokens | None,
+           views_of: Any = None) -> ComputePlan:
     """Validate a compute call and decide what it does (see :class:`ComputePlan`)."""
     parent = catalog.open(extends) if extends is not None else None
+    base = None if views_of is None else catalog.open(views_of)
+    if base is not None:
+        views, augment_seed, samples_per_shard = _adopt_base(base, parent, views, augment, augment_seed,
+                                                             samples_per_shard)
     _check_views_extends(parent, views)
+    augment_seed = 0 if augment_seed is None else augment_seed
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):
@@ -234,6 +256,9 @@ def decide(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: 
     req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
                     views, augment, augment_seed, tokens)
     parts = _fingerprint_parts(req, model, dataset, options)
+    if base is not None:
+        check_views_of(base, Alignment.of_parts(parts["dataset"], _dataset_sample(parts, dataset), views_spec(req)))
+        parts = {**parts, LINK: link(base)}
     growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
     if growth is not None:
         parts = {**parts, "extends": parent.fingerprint}

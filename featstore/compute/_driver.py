@@ -170,8 +170,8 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
             options: ComputeOptions | None = None, extends: str | Version | None = None,
-            views: int | None = None, augment: Any = None, augment_seed: int = 0,
-            tokens: Tokens | None = None) -> Version:
+            views: int | None = None, augment: Any = None, augment_seed: int | None = 0,
+            tokens: Tokens | None = None, views_of: str | Version | None = None) -> Version:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
@@ -206,12 +206,20 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
             ``keep`` fields, which may name extra fields ``augment`` returns) is stored per view.
         augment: ``fn(item, generator) -> item``; all its randomness must come from
             ``generator`` (checked: two replays must agree, else :class:`NondeterministicAugment`).
-        augment_seed: the version's seed, from which every (sample, view) seed derives.
+        augment_seed: the version's seed, from which every (sample, view) seed derives (None: 0,
+            or with ``views_of`` that version's).
         tokens: :class:`~featstore.ragged.Tokens` for per-token outputs of token sequences (a
             language model's logits, ``[B, L, ...]``): only each sample's real tokens (the
             mask's) are stored, as flat token rows plus the per-sample ``token_start`` and
             ``token_length`` arrays, with the output's codec applied per token; batches carry
             them flat with ``"<name>.offsets"`` (see :mod:`featstore.ragged`).
+        views_of: ``"name@id"`` (or a :class:`Version`) of a version whose views this Model A
+            runs on: the same K, seeds and augment (``views``/``augment_seed`` are taken from it;
+            ``augment`` must be the same function) on the same dataset, in the same shards, so
+            the two versions can be read together on the same rows (``store.dataset({"a": ...,
+            "b": ...})``). A version without views: the same samples in the same order. A
+            different dataset, augment, count or seed is :class:`VersionsMisaligned`, naming what
+            differs. The link is part of the fingerprint (``fingerprint_parts["views_of"]``).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
     committed it is returned at once, without running A. If the run dies, calling ``compute``
@@ -224,7 +232,7 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
     t0 = time.perf_counter()
     plan = decide(catalog, name, model=model, dataset=dataset, input_key=input_key, keep=keep, outputs=outputs,
                   batch_size=batch_size, samples_per_shard=samples_per_shard, options=options, extends=extends,
-                  views=views, augment=augment, augment_seed=augment_seed, tokens=tokens)
+                  views=views, augment=augment, augment_seed=augment_seed, tokens=tokens, views_of=views_of)
     existing = catalog.committed(name, plan.vid)
     if existing is not None:
         log.info("version %s@%s already committed; nothing to compute", name, plan.vid)

@@ -12,7 +12,7 @@ _NAMES = {
     "DiskCacheOptions": "_disk_cache", "clear_disk_cache": "_disk_cache", "list_disk_cache": "_disk_cache",
     "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
     "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
-    "ShardPermutation": "_shuffle",
+    "ShardPermutation": "_shuffle", "MultiTeacherDataset": "_multiread",
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

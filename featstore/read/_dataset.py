@@ -178,6 +178,13 @@ class FeatureDataset(ShardReads, IterableDataset):
     def epoch(self, value: int) -> None:
         self.set_epoch(value)
 
+    @property
+    def reading_epoch(self) -> int | None:
+        """The epoch this process's current iteration reads (None before one): what a reader
+        built on this one joins its rows with (:class:`~featstore.read.MultiTeacherDataset`)."""
+        it = self._local.current
+        return None if it is None else it.epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration read ``epoch`` (later ones count on from it). Optional: each
         new iteration reads the next epoch by itself.
