@@ -160,7 +160,7 @@ def _views_arguments(views: Views | int | None, augment: Any, augment_seed: int 
     if views is not None or augment is not None or augment_seed is not None:
         warnings.warn("compute(views=K, augment=fn, augment_seed=S) is deprecated and goes in the next release: "
                       "pass views=featstore.Views(k=K, augment=fn, seed=S).", DeprecationWarning, stacklevel=3)
-    return views, augment, 0 if augment_seed is None else augment_seed
+    return views, augment, None if linked and augment_seed is None else (augment_seed or 0)
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,

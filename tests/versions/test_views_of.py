@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import featstore
 from featstore import InvalidInput, VersionsMisaligned
 from featstore.versions._alignment import Alignment, check_aligned
 
@@ -51,7 +52,7 @@ def test_the_link_is_part_of_the_fingerprint(pair, dask_client):
     # the same Model A' on the same views, but computed on its own (no link): another version
     alone = store.compute("teacher-b/alone", model=TinyA(seed=1), dataset=VectorData(N), keep={"seen": "input"},
                           outputs={"logits": "topk:3"}, batch_size=16, client=dask_client,
-                          options=QUIET, views=K, augment=noisy_flip, augment_seed=SEED,
+                          options=QUIET, views=featstore.Views(k=K, augment=noisy_flip, seed=SEED),
                           samples_per_shard=SPP)
     assert alone.views_of is None and "views_of" not in alone.manifest.fingerprint_parts
     assert alone.id != b.id and alone.manifest.views == b.manifest.views
