@@ -13,7 +13,7 @@ import pytest
 import featstore
 from benchmarks.synthetic import synthetic_version
 from featstore.format._manifests import Layout, ShardReceipt
-from featstore.storage import Storage
+from featstore.storage import Storage, backend_for
 from featstore.store import FeatureStore
 from featstore.format._manifests import RECORDS_PER_OBJECT
 from featstore.versions._keys import version_key
@@ -24,8 +24,9 @@ from featstore.compute._options import LOCAL_SHARD_BYTES, OBJECT_STORE_SHARD_BYT
 from tests.models import TinyA, VectorData
 
 
-class CountingStorage(Storage):
-    """The real storage, counting the requests featstore makes through it."""
+class Counting:
+    """The real storage, counting the requests featstore makes through it (mixed into the
+    backend of the store's URL: see :func:`CountingStorage`)."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
@@ -40,6 +41,12 @@ class CountingStorage(Storage):
     def list_dirs(self, key):
         self.lists.append(key)
         return super().list_dirs(key)
+
+
+def CountingStorage(url: str, options) -> Storage:  # noqa: N802 - reads like the class it makes
+    """The backend :class:`Storage` picks for ``url``, counting its reads and listings."""
+    backend = backend_for(url)
+    return type(f"Counting{backend.__name__}", (Counting, backend), {})(url, options)
 
 
 def counted(storage: Storage) -> FeatureStore:
