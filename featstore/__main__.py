@@ -4,4 +4,5 @@ import sys
 
 from featstore.cli._main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported (the docs build reads every module): not run
+    sys.exit(main())

@@ -98,8 +98,8 @@ class StorePermissionDenied(StoreUnavailable, PermissionError):
 class ConditionalWritesUnsupported(FeatstoreError, NotImplementedError):
     """The store's S3 server ignores ``If-None-Match: *`` on PUT (found by featstore's probe
     before the first create): commits could not tell two writers apart, so none is made. Use a
-    server (or a path to it) that honours conditional creates; see the README section
-    "S3-compatible servers"."""
+    server (or a path to it) that honours conditional creates; see docs/s3.md,
+    section "S3-compatible servers"."""
 
 
 class StoreFull(FeatstoreError, OSError):

@@ -65,7 +65,7 @@ EXIT_CODES_HELP = """exit codes:
   1    verify found damaged data (or a read hit a corrupt chunk)
   2    usage: bad arguments or bad input (import path, outputs, name, items, ...)
   3    the store cannot be reached or used: no valid credentials, permission denied, disk full,
-       or its S3 server ignores conditional creates (see the README section 'S3-compatible servers')
+       or its S3 server ignores conditional creates (see docs/s3.md, 'S3-compatible servers')
   4    no such store, feature set, version or tag
   5    compute failed: Model A, its factory or the dataset raised (fix it and rerun: finished
        shards are kept)

@@ -122,7 +122,7 @@ def views_spec(req: _Request) -> ViewsSpec | None:
 
 
 def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
-    """Everything that decides the stored bytes (see the README section on fingerprints)."""
+    """Everything that decides the stored bytes (see docs/how-it-works.md on fingerprints)."""
     return {
         **model_digest(model, options.model_id),  # "model" (weights) and "model_code"
         "dataset": dataset_digest(dataset, options.dataset_id),

@@ -11,7 +11,7 @@ every backend keeps is :class:`featstore.testing.StorageTests`.
 ``Storage(url, storage_options)`` picks the backend for the URL (:func:`backend_for`).
 Credentials given in ``storage_options`` are kept in memory only: never logged, never shown in
 a repr, never written to the store (they do travel, pickled, to the worker processes that need
-them: see the README section "Credentials").
+them: see docs/s3.md, section "Credentials").
 """
 
 from __future__ import annotations

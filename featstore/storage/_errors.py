@@ -68,7 +68,7 @@ def _mapped(exc: Exception, url: str, where: str | None) -> FeatstoreError | Non
         return StoreUnavailable(
             f"cannot reach the store at {url} ({name}: {exc}). Check the URL, the endpoint "
             "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
-            "see the README section 'Credentials'.")
+            "see docs/s3.md, section 'Credentials'.")
     return None
 
 

@@ -154,7 +154,7 @@ def credentials(session: Any) -> Callable[[], dict[str, Any]]:
         creds = session.get_credentials()
         if creds is None:
             raise StoreUnavailable("no S3 credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                                   "AWS_PROFILE or a role (see the README section 'Credentials').")
+                                   "AWS_PROFILE or a role (see docs/s3.md, section 'Credentials').")
         frozen = creds.get_frozen_credentials()
         expiry: datetime | None = getattr(creds, "_expiry_time", None)  # refreshable ones expire
         return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,

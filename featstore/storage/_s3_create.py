@@ -100,7 +100,7 @@ def check_honoured(fs: Any, root: str, url: str) -> None:
             "'If-None-Match: *' overwrote an object that existed (featstore's probe). featstore commits a "
             "version by creating objects only if absent; on this server two computes of one version could "
             "both commit and leave it unreadable, so nothing was written. Use a server that honours "
-            "If-None-Match on PUT (AWS S3 and SeaweedFS do; see the README section 'S3-compatible "
+            "If-None-Match on PUT (AWS S3 and SeaweedFS do; see docs/s3.md, section 'S3-compatible "
             "servers'), check that no proxy or gateway between here and the server drops that header, "
             "or compute into a local store.")
     _HONOURED.add(key)

@@ -142,5 +142,5 @@ class S3Getter:
                                          "credentials (environment, profile or role) and the bucket policy.")
         return StoreUnavailable(f"cannot reach the store at {self._url} reading {path} ({name}: {detail}). "
                                 "Check the URL, the endpoint and that credentials are available "
-                                "(AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); see the README section "
+                                "(AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); see docs/s3.md, section "
                                 "'Credentials'. FEATSTORE_S3_CLIENT=s3fs reads through s3fs instead.")
