@@ -130,7 +130,7 @@ def test_two_workers_starting_at_once_take_one_epoch(monkeypatch):
     read one epoch (they read different epochs otherwise: one shard twice, another never), and
     the next iteration the epoch after it. The interleaving is forced (a real one is a
     microsecond race: 2 in 300 epochs of test_bit_flips_through_dataloader_workers_local)."""
-    from featstore.progress import SharedProgress, _pack, iteration_key
+    from featstore.read._worker_share import SharedProgress, _pack, iteration_key
 
     p = SharedProgress()
     keys = [iteration_key(99, i) for i in range(2)]
