@@ -16,6 +16,7 @@ from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsuppo
                      FingerprintWarning, IncompatibleFormat, InvalidInput, InvalidName, MissingInputKey,
                      NonFiniteOutput, NondeterministicAugment, OutputMismatch, SourceMismatch, StoreConflict, StoreFull,
                      StoreNotFound, StorePermissionDenied, StoreUnavailable, VersionNotFound)
+from .online import Teacher
 from .ragged import Tokens
 from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
@@ -26,5 +27,5 @@ __all__ = [
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
     "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
     "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
-    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "__version__",
+    "StorePermissionDenied", "StoreUnavailable", "Teacher", "Tokens", "Version", "VersionNotFound", "__version__",
 ]

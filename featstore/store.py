@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .dataset import FeatureDataset
+from .errors import InvalidInput
 from .export import Exported, export_version
+from .online import Teacher, online_dataset
 from .ragged import Tokens
 from .storage import Storage
 from .versions import Catalog
@@ -90,8 +92,13 @@ class FeatureStore(Catalog):
                        client=client, options=options, extends=extends, views=views, augment=augment,
                        augment_seed=augment_seed, tokens=tokens)
 
-    def dataset(self, ref: str | CoreVersion, **options: Any) -> FeatureDataset:
+    def dataset(self, ref: str | CoreVersion, *, teacher: Teacher | None = None, **options: Any) -> FeatureDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call).
+
+        ``teacher=featstore.Teacher(model=A, dataset=ds, ...)`` with a feature set's name: the
+        same batches with Model A run in the consuming process (online), and with
+        ``Teacher(fill=True)`` written into the version as they are computed (see
+        :mod:`featstore.online`, :mod:`featstore.fill`).
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
@@ -100,7 +107,12 @@ class FeatureStore(Catalog):
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
+        >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
         """
+        if teacher is not None:
+            if not isinstance(ref, str):
+                raise InvalidInput("with teacher=, name the feature set (a str): the teacher decides the version.")
+            return online_dataset(self, ref, teacher, **options)
         return FeatureDataset(self.open(ref), **options)
 
 

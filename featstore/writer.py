@@ -452,18 +452,29 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         log.info("version %s@%s already committed; nothing to compute", name, vid)
         return existing
     run = _run(catalog, req, vid, model, dataset, client, options, growth)
+    return commit_run(catalog, req, parts, fp, run.claim, run.receipts, dataset,
+                      {**run.timings, "total_s": round(time.perf_counter() - t0, 3),
+                       "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused}, growth)
+
+
+def commit_run(catalog: Catalog, req: _Request, parts: Mapping[str, Any], fp: str, claim: Claim,
+               fresh: Sequence[ShardReceipt], dataset: Any, timings: Mapping[str, Any],
+               growth: Growth | None = None) -> Version:
+    """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
+    others are read from the store), its records, statistics and manifest. What ``compute``
+    and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""
+    name, vid = req.name, fp[:16]
     inherited = growth.inherited_receipts() if growth is not None else ()
-    receipts = catalog.collect_receipts(name, vid, run.claim.layout, run.receipts, inherited, req.views)
+    receipts = catalog.collect_receipts(name, vid, claim.layout, fresh, inherited, req.views)
     own = receipts[growth.first_own:] if growth is not None else receipts
     manifest = Manifest(
-        id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=run.claim.layout,
-        arrays=run.claim.arrays, stats=_stats(growth, inherited, own, run.claim.arrays),
-        records=catalog.write_records(name, vid, receipts, list(run.claim.arrays)),
+        id=vid, name=name, fingerprint=fp, fingerprint_parts=dict(parts), layout=claim.layout,
+        arrays=claim.arrays, stats=_stats(growth, inherited, own, claim.arrays),
+        records=catalog.write_records(name, vid, receipts, list(claim.arrays)),
         bases=growth.bases if growth is not None else (),
         dataset_sample=_dataset_sample(parts, dataset),
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
-        timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
-                 "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
+        timings=dict(timings),
         libraries=_libraries(),
         views=views_spec(req),
     )
@@ -563,6 +574,14 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
            options: ComputeOptions, growth: Growth | None = None) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
+    layout, arrays = planned_arrays(catalog, req, probed, options, growth)
+    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else (), req.views)
+
+
+def planned_arrays(catalog: Catalog, req: _Request, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
+                   options: ComputeOptions, growth: Growth | None = None) -> tuple[Layout, dict[str, ArraySpec]]:
+    """The layout and arrays a run claims for what the probe found (before any claim adopts
+    another run's): ``compute`` and the :mod:`featstore.online` reader plan the same version."""
     probed = dict(probed)
     per_sample = probed.pop(PROBE_TOKENS, ((), "", 0.0))[2]  # mean real tokens per sample
     arrays = _spec_arrays(probed, req.outputs, req.keep, options.compression, catalog.storage.is_local)
@@ -586,7 +605,7 @@ def _claim(catalog: Catalog, req: _Request, vid: str, probed: Mapping[str, tuple
     if req.tokens is not None:
         arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, req.tokens.max_tokens, row_bytes[n]))
                   if n in ragged else a for n, a in arrays.items()}
-    return catalog.claim(req.name, vid, layout, arrays, growth.bases if growth is not None else (), req.views)
+    return layout, arrays
 
 
 Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume
