@@ -27,6 +27,7 @@ from typing import Any
 
 from .errors import ComputeFailed
 from .plan import Piece
+from .storage import Storage
 from .versions import Catalog, Version, finished_shards, version_key, view_key
 
 log = logging.getLogger("featstore")
@@ -59,10 +60,11 @@ class FillState:
     done: dict[int | None, set[int]] = field(default_factory=dict)  # view (None: no views) -> shards
     committed: bool = False
 
-    def refresh(self, version: Version, views: Sequence[int | None]) -> None:
-        """List the receipts of each of ``views``' groups (one LIST page per 1,000 shards)."""
+    def refresh(self, storage: Storage, version: Version, views: Sequence[int | None]) -> None:
+        """List the receipts of each of ``views``' groups (one LIST page per 1,000 shards) with
+        this process's ``storage``."""
         for v in views:
-            self.done[v] = finished_shards(version.storage, view_key(version_key(version.name, version.id), v))
+            self.done[v] = finished_shards(storage, view_key(version_key(version.name, version.id), v))
 
     def holds(self, view: int | None, shard: int) -> bool:
         return shard in self.done.get(view, set())
@@ -83,7 +85,7 @@ def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence
 
     if state.committed:
         return True
-    state.refresh(planned.version, views)
+    state.refresh(catalog.storage, planned.version, views)
     if not state.complete(planned.version.manifest.layout.n_shards, views):
         return False
     if catalog.committed(planned.req.name, planned.vid) is not None:

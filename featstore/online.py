@@ -265,9 +265,10 @@ class OnlineDataset(FeatureDataset):
         """This epoch's windows: read where the fill already stored them (all of them: the
         stored reader's own path), else computed by A."""
         it, st = self._local.current, self._online()
-        spec = replace(self._planned.spec, view=self._viewing.view)
+        # this process's storage: a filesystem object is neither fork- nor loop-safe
+        spec = replace(self._planned.spec, view=self._viewing.view, storage=self._proc.storage)
         if self.filling:
-            st.fill.refresh(self.version, [spec.view])
+            st.fill.refresh(self._proc.storage, self.version, [spec.view])
             if st.fill.complete(self.version.manifest.layout.n_shards, [spec.view]):
                 yield from super()._windows(plan, skip)
                 try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
@@ -307,7 +308,7 @@ class OnlineDataset(FeatureDataset):
             out = {f: arrays[f][off:off + piece.size] for f in self.fields}
             off += piece.size
             if self.filling and own and not st.fill.holds(spec.view, piece.shard):
-                st.fill.refresh(self.version, [spec.view])  # another run may have written it since
+                st.fill.refresh(self._proc.storage, self.version, [spec.view])  # another run may have written it since
             if self.filling and st.fill.holds(spec.view, piece.shard):
                 for f in self.fields:
                     self._read_field(piece, f, out[f])

@@ -115,7 +115,7 @@ def test_fresh_augmentation_is_what_the_student_sees_and_never_stored(stored, tm
             # the joined input is the augmented input A saw: A on it gives the batch's features
             want = torch.relu(a.f(b["input"])).to(torch.float16)
             torch.testing.assert_close(b["features"], want, rtol=1e-3, atol=1e-3)
-            rows.update(zip(b["index"].tolist(), b["features"]))
+            rows.update(zip(b["index"].tolist(), b["features"], strict=True))
         by_epoch.append(rows)
     assert sorted(by_epoch[0]) == list(range(N))
     assert any(not torch.equal(by_epoch[0][i], by_epoch[1][i]) for i in range(N))  # a fresh draw each epoch
