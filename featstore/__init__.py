@@ -9,6 +9,7 @@ stream them into Model B's training loop.
 """
 
 from ._version import __version__
+from .advise import Advice, Costs, Workload, advise
 from .dataset import FeatureDataset, ReaderOptions
 from .diskcache import clear_disk_cache, list_disk_cache
 from .errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk, DatasetMismatch,
@@ -22,7 +23,8 @@ from .store import FeatureStore, Version, open_store
 from .writer import ComputeOptions
 
 __all__ = [
-    "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
+    "Advice", "advise", "clear_disk_cache", "Costs", "Workload",
+    "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
     "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError", "EmptyDataset", "FeatstoreError",
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
     "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",

@@ -65,7 +65,8 @@ def assert_is_reference(version, reference):
 
 
 def receipt_files(store, name):
-    return {k: (Path(store.storage.root) / k).stat().st_mtime_ns for k in store.storage.find(name) if "/_receipts/" in k}
+    root = Path(store.storage.root)
+    return {k: (root / k).stat().st_mtime_ns for k in store.storage.find(name) if "/_receipts/" in k}
 
 
 @pytest.mark.parametrize(("kind", "workers"), [("local", 0), ("local", 2), ("moto", 2)])
