@@ -39,6 +39,8 @@ class Costs:
     read_s: float
     student_s: float = 0.0
     bytes_per_sample: float = 0.0
+    plan_s: float = 0.0  # once per run: fingerprint digests and the probe batch
+    cluster_s: float = 0.0  # once per compute: the embedded Dask cluster's start and close
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -66,16 +68,17 @@ class Workload:
 
 def terms(c: Costs, w: Workload) -> dict[str, dict[str, float]]:
     """Each mode's predicted seconds split by what pays them: ``teacher`` (A and its input),
-    ``write``, ``read`` and ``student``.
+    ``write``, ``read``, ``student`` and the fixed ``setup`` (planning; compute's cluster).
 
     >>> terms(Costs(1e-3, 1e-4, 1e-5), Workload(1000, epochs=2))["online"]["teacher"]
     2.0
     """
     n, e, k, s = w.samples, w.epochs, w.views, w.students
-    online = {"teacher": s * e * n * c.teacher_s, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s}
+    online = {"teacher": s * e * n * c.teacher_s, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s,
+              "setup": s * c.plan_s}
     compute = {"teacher": k * n * c.teacher_s, "write": k * n * c.write_s, "read": s * e * n * c.read_s,
-               "student": s * e * n * c.student_s}
-    fill = {"teacher": 0.0, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s}
+               "student": s * e * n * c.student_s, "setup": c.plan_s + c.cluster_s}
+    fill = {"teacher": 0.0, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s, "setup": s * c.plan_s}
     missing = k
     for _ in range(s):
         filled = min(missing, e)
@@ -96,7 +99,8 @@ def predict(c: Costs, w: Workload) -> dict[str, float]:
 
 
 def bound(parts: dict[str, float]) -> str:
-    """What a mode's time is mostly spent on: ``compute`` (A), ``write``, ``read`` or ``student``.
+    """What a mode's time is mostly spent on: ``compute`` (A), ``write``, ``read``, ``student`` or
+    ``setup``.
 
     >>> bound({"teacher": 3.0, "write": 5.0, "read": 1.0, "student": 0.0})
     'write'
@@ -141,13 +145,13 @@ class Advice:
     def table(self) -> str:
         """The prediction as a Markdown table (mode, predicted seconds, what bounds it)."""
         t = terms(self.costs, self.workload)
-        rows = ["| mode | predicted s | teacher s | write s | read s | student s | bound |",
-                "|---|---:|---:|---:|---:|---:|---|"]
+        rows = ["| mode | predicted s | teacher s | write s | read s | student s | setup s | bound |",
+                "|---|---:|---:|---:|---:|---:|---:|---|"]
         for m in MODES:
             p = t[m]
             mark = " (recommended)" if m == self.mode else ""
             rows.append(f"| {m}{mark} | {self.predicted[m]:.3g} | {p['teacher']:.3g} | {p['write']:.3g} | "
-                        f"{p['read']:.3g} | {p['student']:.3g} | {bound(p)} |")
+                        f"{p['read']:.3g} | {p['student']:.3g} | {p['setup']:.3g} | {bound(p)} |")
         return "\n".join(rows)
 
     def to_json(self) -> dict[str, Any]:
@@ -157,27 +161,56 @@ class Advice:
 
 def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 256,
             student: Callable[[dict[str, Any]], Any] | None = None) -> Costs:
-    """Measure :class:`Costs` on this machine and ``store``: a scratch version of the teacher's
-    first ``samples`` items is computed shard by shard (timed: A and its input, then the write),
-    committed, read back once with the stored reader (``student(batch)`` timed on each batch, if
-    given), and deleted."""
+    """Measure :class:`Costs` on this machine and ``store``: the teacher is planned as training
+    would plan it (timed: ``plan_s``; it gives the real shard layout), the embedded Dask cluster
+    started and closed (``cluster_s``), then a scratch version of the first ``samples`` items (at
+    least one real shard) is computed shard by shard in that layout (timed: A and its input, then
+    the write; one shard first, untimed, to warm A up), committed, read back with the stored
+    reader (``student(batch)`` timed on each batch, if given) and deleted."""
+    from .online import plan_teacher
+
+    if not isinstance(samples, int) or samples < 1:
+        raise InvalidInput(f"samples must be a positive int, got {samples!r}.")
+    plain = dataclasses.replace(teacher, fill=False, views=None, augment=None)
+    t0 = time.perf_counter()
+    real = plan_teacher(store, "advise/plan", plain)
+    plan_s = time.perf_counter() - t0
+    layout = real.version.manifest.layout
+    n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
+    teacher_s, write_s, read_s, student_s, stored = _scratch(store, plain, n, layout, batch_size, student)
+    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, _cluster_s(plain))
+
+
+def _cluster_s(teacher: Any) -> float:
+    """Seconds to start and close the cluster ``store.compute`` would start."""
+    from .cluster import connect
+
+    opts = teacher.options or _options()
+    t0 = time.perf_counter()
+    connect(None, opts.n_workers, opts.processes, opts.connect_timeout).close()
+    return time.perf_counter() - t0
+
+
+def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
+             student: Callable | None) -> tuple[float, float, float, float, float]:
+    """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
+    and its stored bytes per sample."""
     from .fill import FillState, try_commit
     from .incremental import _Prefix
     from .online import plan_teacher, shard_buffers
     from .tasks import _open_arrays, _write_shard, worker_model
 
-    if not isinstance(samples, int) or samples < 1:
-        raise InvalidInput(f"samples must be a positive int, got {samples!r}.")
-    n = min(samples, len(teacher.dataset))
     tag = uuid.uuid4().hex[:12]
+    # the real layout's shards (the write's cost per shard is part of its rate)
     opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
-                               model_id=f"advise-{tag}")
+                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
     scratch = dataclasses.replace(teacher, dataset=_Prefix(teacher.dataset, n), fill=True, options=opts,
-                                  views=None, augment=None)
+                                  samples_per_shard=layout.samples_per_shard)
     planned = plan_teacher(store, f"advise/scratch-{tag}", scratch)
     try:
         spec, device = planned.spec, scratch.torch_device()
         net = worker_model(scratch.model, spec.model_key, 0, device)
+        shard_buffers(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
         arrays = _open_arrays(spec)
         t_teacher = t_write = 0.0
         for shard in range(spec.layout.n_shards):
@@ -194,7 +227,7 @@ def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 
         t_read, t_student = _read_epoch(version, batch_size, student)
     finally:
         _drop(store, planned)
-    return Costs(t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n)
+    return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
 
 
 def _options() -> Any:

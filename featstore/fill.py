@@ -8,8 +8,8 @@ writer's own shard write (:mod:`featstore.tasks`: the same arrays, crc32c and re
 owns computes those rows for itself and writes nothing, so no two consumers of a run ever write
 the same object (and a shard is never written from two floating-point histories).
 
-The commit: after writing a shard, its owner lists the receipts (one LIST, no GET); whoever sees
-the last unit's receipt commits (:func:`featstore.writer.commit_run`, what ``compute`` ends
+The commit: after writing the last shard it owns in the epoch, a consumer lists the receipts (one
+LIST, no GET); whoever sees the last unit's receipt commits (:func:`featstore.writer.commit_run`, what ``compute`` ends
 with). Two consumers (or two runs) that both see it both commit: the manifest is created if
 absent, so one wins and the other adopts it (same fingerprint). Every consumer also tries at the
 end of each of its epochs, so a run killed between the last receipt and the commit commits on

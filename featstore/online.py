@@ -43,7 +43,7 @@ from .tasks import (_collate, _forward, _open_arrays, _seed_field, _shard_buffer
                     device_stage, encodes_on_device, probe, worker_model)
 from .transfer import Offloader
 from .usercode import read_items
-from .versions import Catalog, Claim, Version
+from .versions import Catalog, Claim, Version, receipt_key, view_key
 from .views import SEED_FIELD, ViewDataset, epoch_seeds, replay
 from .writer import ComputeOptions, _fingerprint_parts, _Request, _validate, planned_arrays, views_spec
 
@@ -215,6 +215,7 @@ class _Online:
     pid: int = field(default_factory=os.getpid)
     writers: dict[int | None, Any] = field(default_factory=dict)  # view -> the zarr arrays written
     fill: FillState = field(default_factory=FillState)
+    owned_left: set[int] = field(default_factory=set)  # this iteration's shards to write, not yet written
 
 
 class OnlineDataset(FeatureDataset):
@@ -226,8 +227,10 @@ class OnlineDataset(FeatureDataset):
     True
     """
 
-    def __init__(self, planned: Planned, **options: Any) -> None:
+    def __init__(self, planned: Planned, *, version_class: type[Version] = Version, **options: Any) -> None:
+        """``version_class``: what :meth:`committed` returns (the store's :class:`~featstore.Version`)."""
         self._planned = planned
+        self._version_class = version_class
         self._online_state: _Online | None = None
         super().__init__(planned.version, **options)
         if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
@@ -245,7 +248,8 @@ class OnlineDataset(FeatureDataset):
         """The filled version once committed (None before, and always without ``fill``)."""
         if not self.filling:
             return None
-        return Catalog(self._proc.storage).committed(self.version.name, self.version.id)
+        v = Catalog(self._proc.storage).committed(self.version.name, self.version.id)
+        return None if v is None else self._version_class(v.storage, v.manifest)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_online_state": None}
@@ -273,9 +277,16 @@ class OnlineDataset(FeatureDataset):
                 yield from super()._windows(plan, skip)
                 try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
                 return
+        st.owned_left = set()
         world = it.placement.world
         start, _ = consumer_span(len(self.version), world * max(1, it.workers), it.cid, self._partition(world))
         seen = self._seen(it.epoch)
+        # the shards this consumer writes this epoch: once all are, it tries the commit at once
+        pos, n = start, len(self.version)
+        for window in plan.windows:
+            st.owned_left |= {p.shard for p, own in zip(window, owned(window, pos, n), strict=True) if own}
+            pos += sum(p.size for p in window)
+        st.owned_left -= st.fill.done.get(spec.view, set())
         pos = start
         for wi, window in enumerate(plan.windows):
             size = sum(p.size for p in window)
@@ -307,8 +318,9 @@ class OnlineDataset(FeatureDataset):
         for piece, own in zip(window, mine, strict=True):
             out = {f: arrays[f][off:off + piece.size] for f in self.fields}
             off += piece.size
-            if self.filling and own and not st.fill.holds(spec.view, piece.shard):
-                st.fill.refresh(self._proc.storage, self.version, [spec.view])  # another run may have written it since
+            if self.filling and own and not st.fill.holds(spec.view, piece.shard) and self._proc.storage.exists(
+                    receipt_key(view_key(self.version.key, spec.view), piece.shard)):
+                st.fill.done.setdefault(spec.view, set()).add(piece.shard)  # another run wrote it since
             if self.filling and st.fill.holds(spec.view, piece.shard):
                 for f in self.fields:
                     self._read_field(piece, f, out[f])
@@ -327,7 +339,9 @@ class OnlineDataset(FeatureDataset):
                 st.writers[spec.view] = _open_arrays(spec)
             _write_shard(spec, st.writers[spec.view], shard, buffers, stats)
             st.fill.done.setdefault(spec.view, set()).add(shard)
-            try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+            st.owned_left.discard(shard)
+            if not st.owned_left:  # whoever writes the last receipt commits
+                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
         return buffers
 
     def __repr__(self) -> str:
@@ -346,4 +360,4 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, Version):
         return FeatureDataset(planned, **options)
-    return OnlineDataset(planned, **options)
+    return OnlineDataset(planned, version_class=catalog.version_class, **options)
