@@ -40,7 +40,7 @@ class Costs:
     student_s: float = 0.0
     bytes_per_sample: float = 0.0
     plan_s: float = 0.0  # once per run: fingerprint digests and the probe batch
-    cluster_s: float = 0.0  # once per compute: the embedded Dask cluster's start and close
+    compute_fixed_s: float = 0.0  # once per compute: its cluster, probe task, claim and commit
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -77,7 +77,7 @@ def terms(c: Costs, w: Workload) -> dict[str, dict[str, float]]:
     online = {"teacher": s * e * n * c.teacher_s, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s,
               "setup": s * c.plan_s}
     compute = {"teacher": k * n * c.teacher_s, "write": k * n * c.write_s, "read": s * e * n * c.read_s,
-               "student": s * e * n * c.student_s, "setup": c.plan_s + c.cluster_s}
+               "student": s * e * n * c.student_s, "setup": c.plan_s + c.compute_fixed_s}
     fill = {"teacher": 0.0, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s, "setup": s * c.plan_s}
     missing = k
     for _ in range(s):
@@ -162,11 +162,13 @@ class Advice:
 def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 256,
             student: Callable[[dict[str, Any]], Any] | None = None) -> Costs:
     """Measure :class:`Costs` on this machine and ``store``: the teacher is planned as training
-    would plan it (timed: ``plan_s``; it gives the real shard layout), the embedded Dask cluster
-    started and closed (``cluster_s``), then a scratch version of the first ``samples`` items (at
-    least one real shard) is computed shard by shard in that layout (timed: A and its input, then
-    the write; one shard first, untimed, to warm A up), committed, read back with the stored
-    reader (``student(batch)`` timed on each batch, if given) and deleted."""
+    would plan it (timed: ``plan_s``; it gives the real shard layout), then a scratch version of
+    the first ``samples`` items (at least one real shard) is computed shard by shard in that
+    layout (timed: A and its input, then the write; one shard first, untimed, to warm A up),
+    committed, read back with the stored reader (``student(batch)`` timed on each batch, if
+    given) and deleted; last the same items are computed by ``store.compute`` into another
+    scratch version (deleted): what it takes beyond those per-sample costs is
+    ``compute_fixed_s``."""
     from .online import plan_teacher
 
     if not isinstance(samples, int) or samples < 1:
@@ -178,17 +180,29 @@ def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 
     layout = real.version.manifest.layout
     n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
     teacher_s, write_s, read_s, student_s, stored = _scratch(store, plain, n, layout, batch_size, student)
-    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, _cluster_s(plain))
+    fixed = _compute_fixed_s(store, plain, n, layout, teacher_s + write_s)
+    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, fixed)
 
 
-def _cluster_s(teacher: Any) -> float:
-    """Seconds to start and close the cluster ``store.compute`` would start."""
-    from .cluster import connect
+def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s: float) -> float:
+    """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
+    the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
+    version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
+    from .incremental import _Prefix
 
-    opts = teacher.options or _options()
+    tag = uuid.uuid4().hex[:12]
+    opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
+                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
+    name = f"advise/compute-{tag}"
     t0 = time.perf_counter()
-    connect(None, opts.n_workers, opts.processes, opts.connect_timeout).close()
-    return time.perf_counter() - t0
+    try:
+        store.compute(name, model=teacher.model, dataset=_Prefix(teacher.dataset, n), input_key=teacher.input_key,
+                      keep=teacher.keep, outputs=teacher.outputs, batch_size=teacher.batch_size,
+                      samples_per_shard=layout.samples_per_shard, options=opts)
+        took = time.perf_counter() - t0
+    finally:
+        store.storage.delete(name, recursive=True)  # the scratch feature set, whatever the compute left
+    return max(0.0, took - n * per_sample_s)
 
 
 def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,

@@ -145,7 +145,7 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Ver
     from .tasks import TaskSpec
 
     options = teacher.options or ComputeOptions(progress=False)
-    teacher.torch_device()
+    device = teacher.torch_device()
     fresh = teacher.fresh
     req = _validate(name, teacher.dataset, teacher.input_key, teacher.keep, teacher.outputs, teacher.batch_size,
                     teacher.samples_per_shard, options, teacher.views, None if fresh else teacher.augment,
@@ -161,7 +161,7 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Ver
                     req.outputs, {}, Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
                     0, TOPIC, tune_allocator=False, collate=options.collate,
                     view=None if req.views is None else 0, augment=req.augment, augment_seed=req.augment_seed)
-    probed = probe(base, teacher.model, teacher.dataset, req.n)
+    probed = probe(base, teacher.model, teacher.dataset, req.n, device)
     layout, arrays = planned_arrays(catalog, req, probed, options)
     claim = None
     if teacher.fill:
