@@ -211,6 +211,7 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for name in SEED_ROWS + FS_ROWS:
         out[name] = min((r[name] for r in runs), key=lambda row: row["total_s"])
     out["repeats"] = len(runs)
+    out["paired"] = [checks(r) for r in runs]  # the ratios within each repeat (rows side by side)
     return out
 
 
@@ -265,8 +266,11 @@ def section(res: dict[str, Any], command: str) -> str:
                          f"{', '.join(f'{x:.2f}' for x in row['epochs_s'])} | "
                          f"{'' if pred is None else f'{pred:.2f}'} | {'' if err is None else f'{err:+.0%}'} |")
         eq = r["fill_equals_compute"]
-        lines += ["", f"- online / frozen submodule: **{c['online_vs_frozen']:.3f}** (target ≤ 1.05)",
+        paired = r.get("paired", [c])
+        lines += ["", f"- online / frozen submodule: **{c['online_vs_frozen']:.3f}** from the fastest rows; "
+                  f"within each repeat {_each(paired, 'online_vs_frozen')} (target ≤ 1.05)",
                   f"- fill / (online's first epoch + the other epochs read): **{c['fill_vs_online0_plus_reads']:.3f}**"
+                  f" from the fastest rows; within each repeat {_each(paired, 'fill_vs_online0_plus_reads')}"
                   " (target ≤ 1.10)",
                   f"- fill's version is compute's: ids {'equal' if eq['ids'] else 'DIFFER'} ({eq['id']}), values "
                   f"{'equal' if eq['values'] else 'DIFFER'}",
@@ -277,6 +281,10 @@ def section(res: dict[str, Any], command: str) -> str:
                   f"> {r['advisor']['reason']}", ""]
     lines.append(MARK_END)
     return "\n".join(lines)
+
+
+def _each(paired: list[dict[str, Any]], key: str) -> str:
+    return ", ".join(f"{p[key]:.3f}" for p in paired)
 
 
 def write_section(path: str, text: str) -> None:
