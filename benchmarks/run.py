@@ -5,6 +5,7 @@
     python -m benchmarks --only reader        # only the reader rows (issue 12), N=40,000
     python -m benchmarks --only diskcache     # only the disk cache rows (issue 20), N=20,000
     python -m benchmarks --only teachers      # only several teachers on the same views (issue 26)
+    python -m benchmarks --only modes         # only online / compute-then-read / fill (issue 25), N=2,048
 """
 
 from __future__ import annotations
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) rows")
     p.add_argument("--out", default="docs", help="folder for benchmarks.md/.png/.json (default docs)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed)")
-    p.add_argument("--only", choices=["all", "reader", "diskcache", "teachers"], default="all",
-                   help="'reader' / 'diskcache' / 'teachers': only those rows, written into their section of "
-                        "benchmarks.md ('teachers': python -m benchmarks.teachers with its defaults)")
+    p.add_argument("--only", choices=["all", "reader", "diskcache", "teachers", "modes"], default="all",
+                   help="'reader' / 'diskcache' / 'teachers' / 'modes': only those rows, written into their section "
+                        "of benchmarks.md ('teachers': python -m benchmarks.teachers with its defaults)")
     args = p.parse_args(argv)
     if args.only == "teachers":  # its own knobs: python -m benchmarks.teachers --help
         from . import teachers
@@ -215,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         return _reader_only(prof, args, work, command.strip())
     if args.only == "diskcache":
         return _diskcache_only(prof, args, work, command.strip())
+    if args.only == "modes":
+        from .modes import main as modes_main
+
+        res = modes_main(args.n or 2048, args.out, command.strip(), _say)
+        _say(f"wrote the modes rows into {args.out}/benchmarks.md in {res['elapsed_s']:.0f} s")
+        return 0
     try:
         res = run(prof, args.out, work)
     finally:

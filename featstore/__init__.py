@@ -28,6 +28,8 @@ _LAZY = {
     "Tokens": "featstore.codecs", "Views": "featstore.versions",
     "FeatureStore": "featstore.store", "Version": "featstore.store", "open_store": "featstore.store",
     "ComputeOptions": "featstore.compute",
+    "Teacher": "featstore.online", "advise": "featstore.online", "Advice": "featstore.online",
+    "Costs": "featstore.online", "Workload": "featstore.online",
 }
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from featstore.compute import ComputeOptions
     from featstore.read import FeatureDataset, ReaderOptions, clear_disk_cache, list_disk_cache
     from featstore.store import FeatureStore, Version, open_store
+    from featstore.online import Advice, Costs, Teacher, Workload, advise
     from featstore.versions import Views
 
 
@@ -54,6 +57,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Advice", "advise", "Costs", "Teacher", "Workload",
     "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
     "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError", "EmptyDataset", "FeatstoreError",
     "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",

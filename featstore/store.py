@@ -118,11 +118,16 @@ class FeatureStore(Catalog):
                        augment_seed=augment_seed, tokens=tokens, views_of=views_of)
 
     def dataset(self, ref: str | CoreVersion | Mapping[str, str | CoreVersion] | Sequence[str | CoreVersion],
-                **options: Any) -> Any:
+                *, teacher: Any = None, **options: Any) -> Any:
         """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
         several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
         ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
         batches hold each teacher's arrays as ``"<label>/<array>"``.
+
+        ``teacher=featstore.Teacher(model=A, dataset=ds, ...)`` with a feature set's name: the
+        same batches with Model A run in the consuming process (online), and with
+        ``Teacher(fill=True)`` written into the version as they are computed (see
+        :mod:`featstore.online`).
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
         own input to every batch, augmented exactly as Model A saw it; see
@@ -132,8 +137,16 @@ class FeatureStore(Catalog):
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         >>> ds = store.dataset("teacher/views", source=train_set, augment=augment)  # + "input", "view"
         >>> ds = store.dataset({"a": "teacher-a/train", "b": "teacher-b/train"})  # "a/logits", "b/logits"
+        >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
         """
         from featstore.read._dataset import FeatureDataset
+
+        if teacher is not None:
+            if not isinstance(ref, str):
+                raise InvalidInput("with teacher=, name the feature set (a str): the teacher decides the version.")
+            from featstore.online import online_dataset
+
+            return online_dataset(self, ref, teacher, **options)
 
         if isinstance(ref, Mapping) or isinstance(ref, (list, tuple)):
             from featstore.read._multiread import MultiTeacherDataset

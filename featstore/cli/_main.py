@@ -339,6 +339,48 @@ def _add_compute(sub: Any) -> None:
     c.set_defaults(fn=cmd_compute)
 
 
+def cmd_advise(args: argparse.Namespace) -> Result:
+    """Measure Model A, the store and (optionally) Model B here, and say which mode pays: online,
+    compute-then-read or fill, with each one's predicted time for the epochs, views and students."""
+    from featstore.cli._import_path import Factory, FactoryDataset, resolve
+    from featstore.online import Teacher, Workload, advise
+
+    store = _store(args, create=True)
+    dataset = FactoryDataset(args.dataset)
+    teacher = Teacher(model=Factory(args.model), dataset=dataset, input_key=_key(args.input_key),
+                      keep=[_key(k) for k in args.keep], outputs=parse_outputs(args.outputs), device=args.device,
+                      batch_size=args.batch_size)
+    student = resolve(args.student)() if args.student else None
+    work = Workload(args.samples_total or len(dataset), args.epochs, args.views, args.students)
+    advice = advise(store, teacher, work, samples=args.samples, batch_size=args.read_batch_size, student=student)
+    return Exit.OK, advice.to_json(), f"{advice.table()}\n\n{advice.reason}"
+
+
+def _add_advise(sub: Any) -> None:
+    a = sub.add_parser("advise", help=_first_line(cmd_advise), description=_describe(cmd_advise.__doc__),
+                       epilog="example:\n  featstore advise ./feats --model mypkg.models:teacher --dataset "
+                              "mypkg.data:train_set \\\n      --outputs features=float16 --epochs 10 --views 1\n\n"
+                              + EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(a)
+    a.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY", help="Model A's factory")
+    a.add_argument("--dataset", required=True, metavar="PKG.MODULE:FACTORY", help="the dataset's factory")
+    a.add_argument("--outputs", default="features=float32", metavar="NAME=CODEC,...", help="as for compute")
+    a.add_argument("--keep", action="append", default=[], metavar="FIELD", help="as for compute, repeatable")
+    a.add_argument("--input-key", default="input", metavar="KEY", help="as for compute (default input)")
+    a.add_argument("--device", default="cpu", metavar="DEVICE", help="where A runs: cpu, cuda, cuda:N (default cpu)")
+    a.add_argument("--batch-size", type=int, default=256, metavar="N", help="samples per forward of A (default 256)")
+    a.add_argument("--read-batch-size", type=int, default=256, metavar="N", help="Model B's batch (default 256)")
+    a.add_argument("--samples", type=int, default=1024, metavar="N",
+                   help="samples measured (a scratch version of the first N, deleted after; default 1024)")
+    a.add_argument("--samples-total", type=int, default=None, metavar="N", help="samples per epoch (default: all)")
+    a.add_argument("--epochs", type=int, default=1, metavar="E", help="epochs per student (default 1)")
+    a.add_argument("--views", type=int, default=1, metavar="K", help="augmented views stored (default 1)")
+    a.add_argument("--students", type=int, default=1, metavar="S", help="students trained on it (default 1)")
+    a.add_argument("--student", default=None, metavar="PKG.MODULE:FACTORY",
+                   help="a factory returning step(batch), Model B's training step, to time it too")
+    a.set_defaults(fn=cmd_advise)
+
+
 def _add_simple(sub: Any, name: str, fn: Callable[[argparse.Namespace], Result],
                 extra: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(name, help=_first_line(fn), description=_describe(fn.__doc__), epilog=EXIT_CODES_HELP,
@@ -354,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compute(sub)
+    _add_advise(sub)
     _add_simple(sub, "list", cmd_list, lambda s: s.add_argument(
         "name", nargs="?", metavar="NAME", help="only this feature set (default: all)"))
     _add_simple(sub, "info", cmd_info, lambda s: s.add_argument("ref", metavar="REF", help=REF_HELP))

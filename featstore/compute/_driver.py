@@ -155,11 +155,12 @@ def _part_specs(name: str, codec: PartsCodec, probed: Mapping[str, tuple[tuple[i
 
 
 def _libraries() -> dict[str, str]:
-    import dask
-    import fsspec
+    from importlib.metadata import version
 
+    # by metadata, not by import: a filling reader commits in a training process, where importing
+    # dask only for its version string cost 0.6 s
     return {"featstore": __version__, "torch": torch.__version__, "zarr": zarr.__version__,
-            "numpy": np.__version__, "dask": dask.__version__, "fsspec": fsspec.__version__,
+            "numpy": np.__version__, "dask": version("dask"), "fsspec": version("fsspec"),
             "python": sys.version.split()[0]}
 
 
@@ -238,16 +239,25 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
         log.info("version %s@%s already committed; nothing to compute", name, plan.vid)
         return existing
     run = _run(catalog, plan, model, dataset, client, options)
-    receipts = catalog.collect_receipts(name, plan.vid, run.claim.layout, run.receipts, plan.inherited,
-                                        plan.req.views)
+    return commit_run(catalog, plan, run.claim, run.receipts,
+                      {**run.timings, "total_s": round(time.perf_counter() - t0, 3),
+                       "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused})
+
+
+def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequence[ShardReceipt],
+               timings: Mapping[str, Any]) -> Version:
+    """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
+    others are read from the store), its records, statistics and manifest. What ``compute``
+    and a filling :mod:`featstore.read.online` reader both end with, so both commit the same version."""
+    name = plan.req.name
+    receipts = catalog.collect_receipts(name, plan.vid, claim.layout, fresh, plan.inherited, plan.req.views)
     manifest = Manifest(
-        id=plan.vid, name=name, fingerprint=plan.fingerprint, fingerprint_parts=plan.parts, layout=run.claim.layout,
-        arrays=run.claim.arrays, stats=plan.stats(receipts, run.claim.arrays),
-        records=catalog.write_records(name, plan.vid, receipts, list(run.claim.arrays)),
+        id=plan.vid, name=name, fingerprint=plan.fingerprint, fingerprint_parts=dict(plan.parts), layout=claim.layout,
+        arrays=claim.arrays, stats=plan.stats(receipts, claim.arrays),
+        records=catalog.write_records(name, plan.vid, receipts, list(claim.arrays)),
         bases=plan.bases, dataset_sample=plan.dataset_sample,
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
-        timings={**run.timings, "total_s": round(time.perf_counter() - t0, 3),
-                 "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused},
+        timings=dict(timings),
         libraries=_libraries(),
         views=plan.views,
     )
@@ -309,6 +319,15 @@ def _claim(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple
            options: ComputeOptions) -> Claim:
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
+    layout, arrays = planned_arrays(catalog, plan, probed, options)
+    return catalog.claim(plan.req.name, plan.vid, layout, arrays, plan.bases, plan.req.views)
+
+
+def planned_arrays(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
+                   options: ComputeOptions) -> tuple[Layout, dict[str, ArraySpec]]:
+    """The layout and arrays a run claims for what the probe found (before any claim adopts
+    another run's): ``compute`` and the online reader (:mod:`featstore.read.online`) plan the
+    same version."""
     req = plan.req
     probed = dict(probed)
     per_sample = probed.pop(PROBE_TOKENS, ((), "", 0.0))[2]  # mean real tokens per sample
@@ -331,7 +350,7 @@ def _claim(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple
     if req.tokens is not None:
         arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, req.tokens.max_tokens, row_bytes[n]))
                   if n in ragged else a for n, a in arrays.items()}
-    return catalog.claim(req.name, plan.vid, layout, arrays, plan.bases, req.views)
+    return layout, arrays
 
 
 Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume

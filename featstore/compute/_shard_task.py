@@ -406,14 +406,16 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
     return receipts
 
 
-def probe(spec: TaskSpec, model: Any, dataset: Any, n: int) -> dict[str, tuple[tuple[int, ...], str, float]]:
-    """Run A on the first samples (one small batch) on a worker.
+def probe(spec: TaskSpec, model: Any, dataset: Any, n: int,
+          on: torch.device | None = None) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """Run A on the first samples (one small batch) on a worker (or on device ``on``: the
+    online reader's, outside Dask).
 
     Returns, per array, the per-sample shape and dtype every batch must keep and the share of
     bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
     """
     rows = min(n, spec.batch_size, PROBE_ROWS)
-    with task_device() as device:
+    with task_device() if on is None else contextlib.nullcontext(on) as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
         x, kept = _collate(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
         outs = _forward(spec, net, x, 0, rows, device)

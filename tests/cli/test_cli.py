@@ -20,7 +20,8 @@ def _subparsers():
 
 def test_every_subcommand_and_option_has_help_and_the_common_options():
     subs = _subparsers()
-    assert set(subs) == {"compute", "list", "info", "verify", "export", "tag", "delete", "gc", "cache", "demo"}
+    assert set(subs) == {"compute", "advise", "list", "info", "verify", "export", "tag", "delete", "gc", "cache",
+                         "demo"}
     for name, sp in subs.items():
         opts = {o for a in sp._actions for o in a.option_strings}
         # "cache" works on this node's disk cache, not on a store: no storage options

@@ -1,0 +1,17 @@
+"""Model A in the training loop: the online reader (A run in the consuming process, the same
+batches as the stored reader), fill as you train (what it computes becomes the version
+``store.compute`` would commit), and the advisor (which of online, compute-then-read and fill
+pays here). Builds on the compute and read sides (the one package that uses both).
+
+The names are imported when first used: this package's modules import torch.
+"""
+
+from featstore._lazy import lazy_exports
+
+_NAMES = {
+    "Teacher": "_reading", "OnlineDataset": "_reading", "online_dataset": "_reading", "plan_teacher": "_reading",
+    "Advice": "_advise", "Costs": "_advise", "Workload": "_advise", "advise": "_advise", "MODES": "_advise",
+    "bound": "_advise", "predict": "_advise", "recommend": "_advise", "terms": "_advise",
+}
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

@@ -1,0 +1,290 @@
+"""Which mode pays: measure Model A, the store and Model B on this machine, predict each mode's
+wall time for E epochs, K views and S students, and recommend the fastest, saying why.
+
+The prediction is pure arithmetic on seconds per sample (:class:`Costs`), tested by grids:
+
+- **online**: every student runs A every epoch: ``S·E·N·(teacher + student)``;
+- **compute-then-read**: A once per view, written, then every student reads every epoch:
+  ``K·N·(teacher + write) + S·E·N·(read + student)``;
+- **fill**: the first students' first epochs run A and write (one view per epoch) while they
+  train, every later epoch reads: per student, ``F·N·(teacher + write + student) +
+  (E - F)·N·(read + student)`` with ``F`` the views still missing (at most ``E``).
+
+``teacher`` is what a consumer pays per sample to read and collate A's input, run A and encode
+its outputs (:func:`featstore.online.shard_buffers`); ``write`` storing the encoded shard with its
+receipt; ``read`` the stored reader's epoch; ``student`` Model B's step. :func:`measure` takes
+them from a scratch version of the first ``samples`` items, filled, read back and deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from featstore.errors import InvalidInput
+
+MODES = ("online", "compute-then-read", "fill")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds per sample (and the stored bytes per sample of one view)."""
+
+    teacher_s: float
+    write_s: float
+    read_s: float
+    student_s: float = 0.0
+    bytes_per_sample: float = 0.0
+    plan_s: float = 0.0  # once per run: fingerprint digests and the probe batch
+    compute_fixed_s: float = 0.0  # once per compute: its cluster, probe task, claim and commit
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(f"Costs.{f.name} must be a non-negative number of seconds, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the training runs: ``samples`` per epoch, ``epochs`` per student, ``views`` stored
+    views per sample, ``students`` trained one after another on the same teacher."""
+
+    samples: int
+    epochs: int = 1
+    views: int = 1
+    students: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInput(f"Workload.{f.name} must be a positive int, got {value!r}.")
+
+
+def terms(c: Costs, w: Workload) -> dict[str, dict[str, float]]:
+    """Each mode's predicted seconds split by what pays them: ``teacher`` (A and its input),
+    ``write``, ``read``, ``student`` and the fixed ``setup`` (planning; compute's cluster).
+
+    >>> terms(Costs(1e-3, 1e-4, 1e-5), Workload(1000, epochs=2))["online"]["teacher"]
+    2.0
+    """
+    n, e, k, s = w.samples, w.epochs, w.views, w.students
+    online = {"teacher": s * e * n * c.teacher_s, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s,
+              "setup": s * c.plan_s}
+    compute = {"teacher": k * n * c.teacher_s, "write": k * n * c.write_s, "read": s * e * n * c.read_s,
+               "student": s * e * n * c.student_s, "setup": c.plan_s + c.compute_fixed_s}
+    fill = {"teacher": 0.0, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s, "setup": s * c.plan_s}
+    missing = k
+    for _ in range(s):
+        filled = min(missing, e)
+        missing -= filled
+        fill["teacher"] += filled * n * c.teacher_s
+        fill["write"] += filled * n * c.write_s
+        fill["read"] += (e - filled) * n * c.read_s
+    return {"online": online, "compute-then-read": compute, "fill": fill}
+
+
+def predict(c: Costs, w: Workload) -> dict[str, float]:
+    """Each mode's predicted wall time in seconds.
+
+    >>> predict(Costs(teacher_s=2e-3, write_s=1e-4, read_s=1e-4), Workload(10_000, epochs=10))
+    {'online': 200.0, 'compute-then-read': 31.0, 'fill': 30.0}
+    """
+    return {mode: round(sum(parts.values()), 9) for mode, parts in terms(c, w).items()}
+
+
+def bound(parts: dict[str, float]) -> str:
+    """What a mode's time is mostly spent on: ``compute`` (A), ``write``, ``read``, ``student`` or
+    ``setup``.
+
+    >>> bound({"teacher": 3.0, "write": 5.0, "read": 1.0, "student": 0.0})
+    'write'
+    """
+    name = max(parts, key=lambda k: parts[k])
+    return "compute" if name == "teacher" else name
+
+
+def recommend(c: Costs, w: Workload) -> tuple[str, str]:
+    """The fastest mode and why (which cost bounds it, and what the next best would pay).
+
+    >>> recommend(Costs(1e-4, 5e-3, 1e-3), Workload(1000, epochs=2))[0]
+    'online'
+    """
+    t = terms(c, w)
+    times = predict(c, w)
+    best = min(MODES, key=lambda m: (times[m], MODES.index(m)))
+    runner = min((m for m in MODES if m != best), key=lambda m: times[m])
+    why = {
+        "online": (f"running A every epoch ({c.teacher_s * 1e3:.3g} ms/sample) costs less than writing its "
+                   f"outputs ({c.write_s * 1e3:.3g} ms/sample) and reading them back ({c.read_s * 1e3:.3g} "
+                   f"ms/sample)"),
+        "compute-then-read": (f"A ({c.teacher_s * 1e3:.3g} ms/sample) is paid once per view instead of "
+                              f"{w.epochs * w.students} times; the stored epochs cost {c.read_s * 1e3:.3g} ms/sample"),
+        "fill": (f"A ({c.teacher_s * 1e3:.3g} ms/sample) is paid once per view, during the first epochs' "
+                 f"training instead of before it; later epochs read at {c.read_s * 1e3:.3g} ms/sample"),
+    }[best]
+    return best, (f"{best} is {bound(t[best])}-bound, {runner} would be {bound(t[runner])}-bound: {why} "
+                  f"({times[best]:.3g} s against {times[runner]:.3g} s for {runner}).")
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What :func:`advise` measured and predicts."""
+
+    costs: Costs
+    workload: Workload
+    predicted: dict[str, float]
+    mode: str
+    reason: str
+
+    def table(self) -> str:
+        """The prediction as a Markdown table (mode, predicted seconds, what bounds it)."""
+        t = terms(self.costs, self.workload)
+        rows = ["| mode | predicted s | teacher s | write s | read s | student s | setup s | bound |",
+                "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for m in MODES:
+            p = t[m]
+            mark = " (recommended)" if m == self.mode else ""
+            rows.append(f"| {m}{mark} | {self.predicted[m]:.3g} | {p['teacher']:.3g} | {p['write']:.3g} | "
+                        f"{p['read']:.3g} | {p['student']:.3g} | {p['setup']:.3g} | {bound(p)} |")
+        return "\n".join(rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"costs": dataclasses.asdict(self.costs), "workload": dataclasses.asdict(self.workload),
+                "predicted_s": self.predicted, "recommended": self.mode, "reason": self.reason}
+
+
+def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 256,
+            student: Callable[[dict[str, Any]], Any] | None = None) -> Costs:
+    """Measure :class:`Costs` on this machine and ``store``: the teacher is planned as training
+    would plan it (timed: ``plan_s``; it gives the real shard layout), then a scratch version of
+    the first ``samples`` items (at least one real shard) is computed shard by shard in that
+    layout (timed: A and its input, then the write; one shard first, untimed, to warm A up),
+    committed, read back with the stored reader (``student(batch)`` timed on each batch, if
+    given) and deleted; last the same items are computed by ``store.compute`` into another
+    scratch version (deleted): what it takes beyond those per-sample costs is
+    ``compute_fixed_s``."""
+    from featstore.online._reading import plan_teacher
+
+    if not isinstance(samples, int) or samples < 1:
+        raise InvalidInput(f"samples must be a positive int, got {samples!r}.")
+    plain = dataclasses.replace(teacher, fill=False, views=None, augment=None)
+    t0 = time.perf_counter()
+    real = plan_teacher(store, "advise/plan", plain)
+    plan_s = time.perf_counter() - t0
+    layout = real.version.manifest.layout
+    n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
+    teacher_s, write_s, read_s, student_s, stored = _scratch(store, plain, n, layout, batch_size, student)
+    fixed = _compute_fixed_s(store, plain, n, layout, teacher_s + write_s)
+    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, fixed)
+
+
+def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s: float) -> float:
+    """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
+    the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
+    version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
+    from featstore.compute._extends import _Prefix
+
+    tag = uuid.uuid4().hex[:12]
+    opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
+                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
+    name = f"advise/compute-{tag}"
+    t0 = time.perf_counter()
+    try:
+        store.compute(name, model=teacher.model, dataset=_Prefix(teacher.dataset, n), input_key=teacher.input_key,
+                      keep=teacher.keep, outputs=teacher.outputs, batch_size=teacher.batch_size,
+                      samples_per_shard=layout.samples_per_shard, options=opts)
+        took = time.perf_counter() - t0
+    finally:
+        store.storage.delete(name, recursive=True)  # the scratch feature set, whatever the compute left
+    return max(0.0, took - n * per_sample_s)
+
+
+def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
+             student: Callable | None) -> tuple[float, float, float, float, float]:
+    """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
+    and its stored bytes per sample."""
+    from featstore.online._fill import FillState, try_commit
+    from featstore.compute._extends import _Prefix
+    from featstore.online._reading import plan_teacher, shard_buffers
+    from featstore.compute._shard_task import worker_model
+    from featstore.compute._shard_writing import open_arrays as _open_arrays
+    from featstore.compute._shard_writing import write_shard as _write_shard
+
+    tag = uuid.uuid4().hex[:12]
+    # the real layout's shards (the write's cost per shard is part of its rate)
+    opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
+                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
+    scratch = dataclasses.replace(teacher, dataset=_Prefix(teacher.dataset, n), fill=True, options=opts,
+                                  samples_per_shard=layout.samples_per_shard)
+    planned = plan_teacher(store, f"advise/scratch-{tag}", scratch)
+    try:
+        spec, device = planned.spec, scratch.torch_device()
+        net = worker_model(scratch.model, spec.model_key, 0, device)
+        shard_buffers(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
+        arrays = _open_arrays(spec)
+        t_teacher = t_write = 0.0
+        for shard in range(spec.layout.n_shards):
+            t0 = time.perf_counter()
+            buffers, stats = shard_buffers(spec, net, scratch.dataset, shard, device)
+            t1 = time.perf_counter()
+            _write_shard(spec, arrays, shard, buffers, stats)
+            t_teacher, t_write = t_teacher + t1 - t0, t_write + time.perf_counter() - t1
+        try_commit(store, planned, FillState(), [None])
+        version = store.open(planned.version.ref)
+        # the shard objects' bytes (``<array>/c/<shard>/...``), not the version's few metadata objects
+        stored = sum(size for key, size in store.storage.fs.du(store.storage.path(version.key), total=False).items()
+                     if "/c/" in key)
+        t_read, t_student = _read_epoch(version, batch_size, student)
+    finally:
+        _drop(store, planned)
+    return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
+
+
+def _options() -> Any:
+    from featstore.compute._options import ComputeOptions
+
+    return ComputeOptions(progress=False)
+
+
+def _read_epoch(version: Any, batch_size: int, student: Callable | None) -> tuple[float, float]:
+    """Seconds reading one shuffled epoch with the stored reader (B's step excluded), and B's:
+    the second of two epochs, as in training (the first pays this process's one-time set-up)."""
+    from featstore.read._dataset import FeatureDataset
+
+    ds = FeatureDataset(version, batch_size=batch_size, shuffle=True, seed=0)
+    for _ in range(2):
+        t_student = 0.0
+        t0 = time.perf_counter()
+        for batch in ds:
+            if student is not None:
+                s0 = time.perf_counter()
+                student(batch)
+                t_student += time.perf_counter() - s0
+        took = time.perf_counter() - t0
+    return took - t_student, t_student
+
+
+def _drop(store: Any, planned: Any) -> None:
+    """Delete the scratch version (committed or not): its folder and everything in it."""
+    from featstore.versions._keys import version_key
+
+    store.storage.delete(version_key(planned.req.name, planned.vid), recursive=True)
+
+
+def advise(store: Any, teacher: Any, workload: Workload, *, samples: int = 1024, batch_size: int = 256,
+           student: Callable[[dict[str, Any]], Any] | None = None, costs: Costs | None = None) -> Advice:
+    """Measure (unless ``costs`` are given), predict every mode for ``workload`` and recommend one.
+
+    >>> advice = featstore.advise(store, featstore.Teacher(model=a, dataset=train_set,
+    ...                           outputs={"features": "float16"}), featstore.Workload(len(train_set), epochs=10))
+    >>> print(advice.table()); print(advice.reason)
+    """
+    costs = costs or measure(store, teacher, samples=samples, batch_size=batch_size, student=student)
+    mode, reason = recommend(costs, workload)
+    return Advice(costs, workload, predict(costs, workload), mode, reason)

@@ -1,0 +1,105 @@
+"""Fill as you train: the shards an online reader computes become the version.
+
+Every (rank, DataLoader worker) consumer reads one contiguous span of the epoch's shard order
+(:mod:`featstore.plan`). A shard's first row lies in exactly one consumer's span: that consumer
+*owns* the shard for the epoch (:func:`owned`) and is the only one that writes it, with the
+writer's own shard write (:mod:`featstore.tasks`: the same arrays, crc32c and receipts as
+``store.compute``). A consumer that reads only the tail of a shard another one
+owns computes those rows for itself and writes nothing, so no two consumers of a run ever write
+the same object (and a shard is never written from two floating-point histories).
+
+The commit: after writing the last shard it owns in the epoch, a consumer lists the receipts (one
+LIST, no GET); whoever sees the last unit's receipt commits
+(:func:`featstore.compute._driver.commit_run`, what ``compute`` ends with). Two consumers (or two
+runs) that both see it both commit: the manifest is created if absent, so one wins and the other
+adopts it (same fingerprint). Every consumer also tries at the end of each of its epochs, so a run
+killed between the last receipt and the commit commits on the next epoch or run. A killed run
+leaves receipts: the next run reads those shards and computes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from featstore.errors import ComputeFailed
+from featstore.read._assignment import Piece
+from featstore.storage import Storage
+from featstore.versions._catalog import Catalog
+from featstore.versions._committed import Version
+from featstore.versions._keys import version_key, view_key
+from featstore.versions._receipts import finished_shards
+
+log = logging.getLogger("featstore")
+
+
+def owned(pieces: Iterable[Piece], start: int, n: int) -> list[bool]:
+    """Whether the consumer whose span starts at position ``start`` owns each of its
+    ``pieces`` (in plan order): it holds the shard's first row, at a position below ``n`` (a
+    ``"pad"`` span that wraps around reads some shards a second time; their owner is the
+    consumer that reads them first).
+
+    >>> owned([Piece(3, 5, 10), Piece(1, 0, 10), Piece(0, 0, 4)], 15, 30)
+    [False, True, True]
+    >>> owned([Piece(1, 0, 10), Piece(0, 0, 4)], 25, 30)  # position 30 wraps to 0
+    [True, False]
+    """
+    out, pos = [], start
+    for p in pieces:
+        out.append(p.lo == 0 and pos < n)
+        pos += p.size
+    return out
+
+
+@dataclass
+class FillState:
+    """One process's view of what is stored: the finished units (refreshed by a listing at
+    each iteration's start and after each shard it writes) and whether the version committed."""
+
+    pid: int = field(default_factory=os.getpid)
+    done: dict[int | None, set[int]] = field(default_factory=dict)  # view (None: no views) -> shards
+    committed: bool = False
+
+    def refresh(self, storage: Storage, version: Version, views: Sequence[int | None]) -> None:
+        """List the receipts of each of ``views``' groups (one LIST page per 1,000 shards) with
+        this process's ``storage``."""
+        for v in views:
+            self.done[v] = finished_shards(storage, view_key(version_key(version.name, version.id), v))
+
+    def holds(self, view: int | None, shard: int) -> bool:
+        return shard in self.done.get(view, set())
+
+    def complete(self, n_shards: int, views: Sequence[int | None]) -> bool:
+        """Whether every unit of the version has a receipt (as last listed)."""
+        return all(len({i for i in self.done.get(v, set()) if i < n_shards}) == n_shards for v in views)
+
+
+def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence[int | None]) -> bool:
+    """Commit the version if every unit has a receipt (listing them first); True once committed.
+
+    A commit racing another consumer's (or another run's) adopts the winner's manifest; what
+    the commit refuses (a hole, a gc's mark) is logged and retried at the next epoch, while
+    training goes on reading what is stored.
+    """
+    from featstore.compute._driver import commit_run
+
+    if state.committed:
+        return True
+    state.refresh(catalog.storage, planned.version, views)
+    if not state.complete(planned.version.manifest.layout.n_shards, views):
+        return False
+    if catalog.committed(planned.req.name, planned.vid) is not None:
+        state.committed = True
+        return True
+    try:
+        commit_run(catalog, planned.plan, planned.claim, [], {"filled": 1.0})
+    except ComputeFailed as exc:  # a hole or a gc's mark: its receipts are gone, it is computed again
+        log.warning("featstore: %s was not committed yet (%s); it is retried at the next epoch", planned.version.ref,
+                    exc)
+        return False
+    state.committed = True
+    log.info("featstore: filled and committed %s", planned.version.ref)
+    return True

@@ -1,0 +1,382 @@
+"""Online mode: Model A runs in the consuming process and the reader yields the stored reader's
+batches; with ``fill=True`` the shards it computes become the version (:mod:`featstore.online._fill`).
+
+``store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=A, dataset=ds,
+outputs={"features": "float16"}))`` plans the version ``store.compute`` would make of the same
+arguments (the same fingerprint, id, shard layout and arrays: :func:`plan_teacher` runs the
+writer's own validation, fingerprint and probe), and reads it with the same
+:class:`~featstore.FeatureDataset` (plan per rank and worker, shuffle windows, ``set_epoch``,
+``state_dict`` resume, ``source=`` join, views). Only where a window's rows come from differs:
+instead of reading a shard, the consumer runs A on the shard's samples in the batches
+``compute`` would use (``Teacher.batch_size`` rows from the shard's first), under
+``torch.inference_mode``, on ``Teacher.device``, and encodes the outputs with the output's codec
+(:mod:`featstore.compute`'s own encode): batches hold exactly what the stored version would give.
+
+A consumer computes whole shards, so one that reads only a shard's tail (its span starts inside
+the shard) computes the rows before it too: at most one extra shard per consumer and epoch.
+
+``augment=fn`` without ``views`` is a *fresh* augmentation: each epoch A sees
+``fn(dataset[i], torch.Generator().manual_seed(s))`` with ``s`` drawn from (reader seed, epoch,
+index), the same seed the reader's ``source=`` join augments the student's input with
+(``source=ds, augment=fn``), so teacher and student see the same pixels. Those outputs belong to
+one epoch's draw: they are never stored (``fill=True`` with them is :class:`InvalidInput`) and the
+planned fingerprint records the fresh augmentation, so its id is no stored version's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from featstore._user_code import read_items
+from featstore.compute._decision import ComputePlan, _dataset_sample, _fingerprint_parts, _validate, views_spec
+from featstore.compute._driver import planned_arrays
+from featstore.compute._options import ComputeOptions
+from featstore.compute._shard_task import _collate, _forward, _seed_field, _store_batch, probe, worker_model
+from featstore.compute._shard_writing import device_stage, encodes_on_device
+from featstore.compute._shard_writing import open_arrays as _open_arrays
+from featstore.compute._shard_writing import shard_buffers as _shard_buffers
+from featstore.compute._shard_writing import write_shard as _write_shard
+from featstore.compute._transfer import Offloader
+from featstore.errors import DeviceSetupError, InvalidInput
+from featstore.format._manifests import Layout, Manifest
+from featstore.online._fill import FillState, owned, try_commit
+from featstore.read._assignment import ConsumerPlan, Piece, consumer_span
+from featstore.read._dataset import FeatureDataset
+from featstore.versions._catalog import Catalog
+from featstore.versions._committed import Version
+from featstore.versions._keys import receipt_key, view_key
+from featstore.versions._lifecycle import Claim
+from featstore.versions._views import SEED_FIELD, ViewDataset, epoch_seeds, replay
+from featstore.versions._fingerprints import describe_key, fingerprint
+
+
+@dataclass(frozen=True, eq=False)
+class Teacher:
+    """Model A in the loop: what ``store.dataset(name, teacher=Teacher(...))`` runs in the
+    consuming process (see :mod:`featstore.online`). The arguments are ``store.compute``'s.
+
+    Attributes:
+        model: an ``nn.Module`` or a zero-argument factory (built once per process).
+        dataset: the map-style dataset A runs on.
+        outputs: ``{output name: codec}``, as for ``compute``.
+        input_key: which field of an item goes into A.
+        keep: per-sample fields carried beside A's outputs.
+        device: where A runs in the consuming process: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+            (CUDA cannot be used in forked DataLoader workers: use ``num_workers=0``, or the
+            ``spawn`` start method).
+        fill: also write the shards computed into the version, which commits once every shard
+            is written; later epochs, runs and students read it (:mod:`featstore.online._fill`).
+        batch_size: samples per forward of A (the stored reader's ``batch_size`` is B's).
+        samples_per_shard: rows per shard, as for ``compute`` (None: chosen the same way).
+        options: :class:`~featstore.ComputeOptions` (ids, autocast, compression, collate, ...).
+        views: K augmented views (replayable, stored with ``fill``), as for ``compute``.
+        augment: with ``views``, ``compute``'s augment; without, a fresh augmentation every
+            epoch (online only, never stored).
+        augment_seed: the views' seed.
+
+    >>> teacher = featstore.Teacher(model=model_a, dataset=train_set, outputs={"features": "float16"})
+    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=teacher)         # online
+    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=replace(teacher, fill=True))
+    """
+
+    model: Any
+    dataset: Any
+    outputs: Mapping[str, str] | None = None
+    input_key: Any = "input"
+    keep: Sequence[Any] | Mapping[str, Any] = ()
+    device: str = "cpu"
+    fill: bool = False
+    batch_size: int = 256
+    samples_per_shard: int | None = None
+    options: ComputeOptions | None = None
+    views: int | None = None
+    augment: Any = None
+    augment_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fill, bool):
+            raise InvalidInput(f"fill must be True or False, got {self.fill!r}.")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.") from None
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
+        if self.fresh and self.fill:
+            raise InvalidInput(
+                "fill=True with a fresh augmentation (augment= without views=) would store outputs of one "
+                "random draw as if they could be replayed; they are never stored. Compute K replayable "
+                "views instead (views=K with augment=fn draws from the generator it is given), or keep fill=False.")
+
+    @property
+    def fresh(self) -> bool:
+        """Whether A sees a fresh (non-replayable) augmentation every epoch."""
+        return self.augment is not None and self.views is None
+
+    def torch_device(self) -> torch.device:
+        """The device A runs on; :class:`DeviceSetupError` for CUDA where there is none."""
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceSetupError(f"Teacher(device={self.device!r}) asks for CUDA, but torch sees no GPU here; "
+                                   "pass device='cpu', or run where a GPU is visible.")
+        return device
+
+
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """The version a teacher's outputs make (not committed): what the reader reads and the
+    fill writes and commits."""
+
+    teacher: Teacher
+    plan: ComputePlan
+    version: Version
+    spec: Any  # the shard tasks' TaskSpec (arrays, layout, dtypes), view None
+    claim: Claim | None  # with fill: the version folder's claim
+
+    @property
+    def vid(self) -> str:
+        return self.plan.vid
+
+    @property
+    def req(self) -> Any:
+        return self.plan.req
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        return self.plan.parts
+
+    @property
+    def fp(self) -> str:
+        return self.plan.fingerprint
+
+
+def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
+    """The version ``store.compute(name, ...)`` would commit for the teacher's arguments, planned
+    without computing it: the committed one itself if it exists and ``fill`` is asked."""
+    from featstore.compute._task_spec import TaskSpec
+    from featstore.monitor._events import TOPIC
+
+    options = teacher.options or ComputeOptions(progress=False)
+    device = teacher.torch_device()
+    fresh = teacher.fresh
+    req = _validate(name, teacher.dataset, teacher.input_key, teacher.keep, teacher.outputs, teacher.batch_size,
+                    teacher.samples_per_shard, options, teacher.views, None if fresh else teacher.augment,
+                    teacher.augment_seed)
+    parts = _fingerprint_parts(req, teacher.model, teacher.dataset, options)
+    if fresh:  # outputs of one epoch's draw: an id no stored version has
+        parts["fresh_augment"] = describe_key(teacher.augment)
+    fp = fingerprint(parts)
+    plan = ComputePlan(req, parts, fp, None, _dataset_sample(parts, teacher.dataset))
+    vid = plan.vid
+    if teacher.fill and (existing := catalog.committed(name, vid)) is not None:
+        return existing
+    base = TaskSpec(catalog.storage, name, vid, f"{vid}-online-{os.getpid()}-{id(teacher):x}", req.input_key, req.keep,
+                    req.outputs, {}, Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
+                    0, TOPIC, tune_allocator=False, collate=options.collate,
+                    view=None if req.views is None else 0, augment=req.augment, augment_seed=req.augment_seed)
+    probed = probe(base, teacher.model, teacher.dataset, req.n, device)
+    layout, arrays = planned_arrays(catalog, plan, probed, options)
+    claim = None
+    if teacher.fill:
+        claim = catalog.claim(name, vid, layout, arrays, (), req.views)
+        layout, arrays = claim.layout, claim.arrays
+    dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
+    spec = replace(base, arrays=arrays, layout=layout, dtypes=dtypes, view=None)
+    manifest = Manifest(id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=layout, arrays=arrays,
+                        stats={}, created_at="", timings={}, libraries={}, views=views_spec(req))
+    return Planned(teacher, plan, Version(catalog.storage, manifest), spec, claim)
+
+
+class FreshAugment(torch.utils.data.Dataset):
+    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
+    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
+
+    def __init__(self, dataset: Any, augment: Any, seed: int, epoch: int) -> None:
+        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
+
+
+def shard_buffers(spec: Any, net: torch.nn.Module, dataset: Any, index: int,
+                  device: torch.device) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """Shard ``index`` as ``compute`` stores it: every array's rows (stored dtype) and their
+    statistics, A run in ``compute``'s batches (``spec.batch_size`` rows from the shard's first)."""
+    buffers, stats = _shard_buffers(spec, index), {}
+    start, stop = spec.layout.shard_range(index)
+    offload, on_device = Offloader(device), encodes_on_device(device)
+    for b0 in range(start, stop, spec.batch_size):
+        b1 = min(b0 + spec.batch_size, stop)
+        x, kept = _collate(spec, read_items(dataset, range(b0, b1)), b0, pinned=device.type == "cuda")
+        outs = _forward(spec, net, x, b0, b1 - b0, device)
+        if on_device:
+            outs = device_stage(spec, outs, None, b0, 0)
+        host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
+        _store_batch(spec, host, b0, b1, start, 0, buffers, stats)
+    return buffers, stats
+
+
+@dataclass
+class _Online:
+    """What one process keeps: its Model A, the arrays it writes, what it knows is stored."""
+
+    net: torch.nn.Module
+    device: torch.device
+    pid: int = field(default_factory=os.getpid)
+    writers: dict[int | None, Any] = field(default_factory=dict)  # view -> the zarr arrays written
+    fill: FillState = field(default_factory=FillState)
+    owned_left: set[int] = field(default_factory=set)  # this iteration's shards to write, not yet written
+
+
+class OnlineDataset(FeatureDataset):
+    """A :class:`~featstore.FeatureDataset` whose rows Model A computes as it reads (see
+    :mod:`featstore.online`); with ``Teacher(fill=True)`` it also writes and commits them.
+
+    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
+    >>> ds.version.id == store.compute("cnn-a/train", model=a, dataset=train_set).id
+    True
+    """
+
+    def __init__(self, planned: Planned, *, version_class: type[Version] = Version, **options: Any) -> None:
+        """``version_class``: what :meth:`committed` returns (the store's :class:`~featstore.Version`)."""
+        self._planned = planned
+        self._version_class = version_class
+        self._online_state: _Online | None = None
+        super().__init__(planned.version, **options)
+        if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
+            raise InvalidInput("the teacher's dataset changed length while it was planned.")
+
+    @property
+    def teacher(self) -> Teacher:
+        return self._planned.teacher
+
+    @property
+    def filling(self) -> bool:
+        return self._planned.teacher.fill
+
+    def committed(self) -> Version | None:
+        """The filled version once committed (None before, and always without ``fill``)."""
+        if not self.filling:
+            return None
+        v = Catalog(self._proc.storage).committed(self.version.name, self.version.id)
+        return None if v is None else self._version_class(v.storage, v.manifest)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_online_state": None}
+
+    def _online(self) -> _Online:
+        st = self._online_state
+        if st is None or st.pid != os.getpid():
+            device = self.teacher.torch_device()
+            st = _Online(worker_model(self.teacher.model, self._planned.spec.model_key, 0, device), device)
+            self._online_state = st
+        return st
+
+    def _fill_views(self) -> list[int | None]:
+        return [None] if self.version.views is None else list(range(self.version.views))
+
+    def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+        """This epoch's windows: read where the fill already stored them (all of them: the
+        stored reader's own path), else computed by A."""
+        it, st = self._local.current, self._online()
+        # this process's storage: a filesystem object is neither fork- nor loop-safe
+        spec = replace(self._planned.spec, view=self._viewing.view, storage=self._proc.storage)
+        if self.filling:
+            st.fill.refresh(self._proc.storage, self.version, [spec.view])
+            if st.fill.complete(self.version.manifest.layout.n_shards, [spec.view]):
+                yield from super()._windows(plan, skip)
+                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+                return
+        st.owned_left = set()
+        world = it.placement.world
+        start, _ = consumer_span(len(self.version), world * max(1, it.workers), it.cid, self._partition(world))
+        seen = self._seen(it.epoch)
+        # the shards this consumer writes this epoch: once all are, it tries the commit at once
+        pos, n = start, len(self.version)
+        for window in plan.windows:
+            st.owned_left |= {p.shard for p, own in zip(window, owned(window, pos, n), strict=True) if own}
+            pos += sum(p.size for p in window)
+        st.owned_left -= st.fill.done.get(spec.view, set())
+        pos = start
+        for wi, window in enumerate(plan.windows):
+            size = sum(p.size for p in window)
+            if pos - start + size > skip:
+                mine = owned(window, pos, len(self.version))
+                yield wi, max(0, skip - (pos - start)), self._window_rows(st, spec, seen, window, mine)
+            pos += size
+        if self.filling:
+            try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+
+    def _seen(self, epoch: int) -> Any:
+        """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
+        t, view = self.teacher, self._viewing.view
+        if view is not None:
+            return ViewDataset(t.dataset, t.augment, t.augment_seed, view)
+        if t.fresh:
+            return FreshAugment(t.dataset, t.augment, self.options.seed, epoch)
+        return t.dataset
+
+    def _window_rows(self, st: _Online, spec: Any, seen: Any, window: tuple[Piece, ...],
+                mine: list[bool]) -> dict[str, np.ndarray]:
+        """One window's rows of every read array, in window order, and ``index``."""
+        specs, spp = self.version.manifest.arrays, self.version.manifest.layout.samples_per_shard
+        total = sum(p.size for p in window)
+        arrays = {f: np.empty((total, *specs[f].shape), dtype=specs[f].dtype) for f in self.fields}
+        arrays["index"] = np.concatenate(
+            [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi, dtype=np.int64) for p in window])
+        off = 0
+        for piece, own in zip(window, mine, strict=True):
+            out = {f: arrays[f][off:off + piece.size] for f in self.fields}
+            off += piece.size
+            if self.filling and own and not st.fill.holds(spec.view, piece.shard) and self._proc.storage.exists(
+                    receipt_key(view_key(self.version.key, spec.view), piece.shard)):
+                st.fill.done.setdefault(spec.view, set()).add(piece.shard)  # another run wrote it since
+            if self.filling and st.fill.holds(spec.view, piece.shard):
+                for f in self.fields:
+                    self._read_field(piece, f, out[f])
+                continue
+            rows = self._computed(st, spec, seen, piece.shard, write=self.filling and own)
+            for f in self.fields:
+                out[f][...] = rows[f][piece.lo:piece.hi]
+        return arrays
+
+    def _computed(self, st: _Online, spec: Any, seen: Any, shard: int, write: bool) -> dict[str, np.ndarray]:
+        """Shard ``shard`` computed by A; with ``write``, stored with its receipt (the commit is
+        tried once it is)."""
+        buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device)
+        if write:
+            if spec.view not in st.writers:
+                st.writers[spec.view] = _open_arrays(spec)
+            _write_shard(spec, st.writers[spec.view], shard, buffers, stats)
+            st.fill.done.setdefault(spec.view, set()).add(shard)
+            st.owned_left.discard(shard)
+            if not st.owned_left:  # whoever writes the last receipt commits
+                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+        return buffers
+
+    def __repr__(self) -> str:
+        mode = "fill" if self.filling else "online"
+        return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
+
+
+def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any) -> FeatureDataset:
+    """``store.dataset(name, teacher=...)``: an :class:`OnlineDataset`, or with ``fill`` a plain
+    :class:`~featstore.FeatureDataset` over the version once it is committed."""
+    if not isinstance(teacher, Teacher):
+        raise InvalidInput("teacher= takes featstore.Teacher(model=..., dataset=..., outputs={...}).")
+    if "@" in name:
+        raise InvalidInput(f"with teacher=, name the feature set ({name.split('@')[0]!r}), not a version: the "
+                           "teacher's arguments decide the version.")
+    planned = plan_teacher(catalog, name, teacher)
+    if isinstance(planned, Version):
+        return FeatureDataset(planned, **options)
+    return OnlineDataset(planned, version_class=catalog.version_class, **options)
