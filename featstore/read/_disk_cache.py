@@ -57,7 +57,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from featstore.read._memory_cache import MappedFiles, _flocked, _try_remove, _unused, held_close, held_open
+from featstore.read._memory_cache import (MappedFiles, _flocked, _try_remove, _unused, held_close, held_open,
+                                          join_users)
 from featstore.errors import InvalidInput
 
 FOLDER = "featstore-disk"
@@ -251,18 +252,7 @@ class DiskCache:
 
     def _join(self) -> int:
         """Create the scope's folder if needed and hold a shared lock on its users file."""
-        lock = os.path.join(self.folder, _USERS)
-        while True:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-            except FileNotFoundError:  # an evictor removed the empty scope between the two calls
-                continue
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            os.close(fd)  # removed meanwhile: join the new one
+        return join_users(self.folder)
 
     def _describe(self, info: dict[str, Any]) -> None:
         path = os.path.join(self.folder, _INFO)

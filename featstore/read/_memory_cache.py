@@ -223,6 +223,24 @@ class MappedFiles:
             self._bytes = 0
 
 
+def join_users(folder: str) -> int:
+    """Create ``folder`` if needed and return a descriptor holding a shared lock on its users
+    file (the last user, taking it exclusively, removes the folder): one rule for the shared
+    memory cache and the disk cache."""
+    lock = os.path.join(folder, _USERS)
+    while True:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # the folder was removed between makedirs and open
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # the last user removed the folder meanwhile: start over
+
+
 def _map(path: str, writable: bool = False) -> memoryview:
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
@@ -273,20 +291,7 @@ class SharedCache:
 
     def _join(self) -> int:
         """Create the folder if needed and hold a shared lock on its users file until exit."""
-        lock = os.path.join(self.folder, _USERS)
-        while True:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-            except FileNotFoundError:  # the folder was removed between makedirs and open
-                continue
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
-            os.close(fd)  # the last user removed the folder meanwhile: start over
+        return join_users(self.folder)
 
     def path(self, key: str) -> str:
         """The file that holds ``key`` once cached (it may not exist)."""
