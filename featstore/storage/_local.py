@@ -71,11 +71,17 @@ class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
 
     def sync(self, key: str) -> None:
         """fsync every file and folder under ``key``: the writer calls this before the commit,
-        so a committed version survives a power loss."""
+        so a committed version survives a power loss.
+
+        Another writer of the same folder (a concurrent compute of the same fingerprint) may
+        create and rename its ``*.partial`` temp files while this walks: those are skipped, and a
+        file that is gone by the time it is opened was renamed or removed by its writer, whose
+        own fsync covers it."""
         with backend_errors(self.url, self.path(key)):
             for folder, _, files in os.walk(self.path(key)):
                 for name in files:
-                    _fsync(os.path.join(folder, name))
+                    if not name.endswith(".partial"):
+                        _fsync(os.path.join(folder, name))
                 _fsync(folder)
 
     def delete_many(self, keys: list[str]) -> None:
@@ -99,7 +105,10 @@ class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
 
 
 def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # removed or renamed by a concurrent writer after the listing
+        return
     try:
         os.fsync(fd)
     finally:
