@@ -9,6 +9,7 @@ and friends from importing torch (seconds) for commands that never touch a tenso
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 
@@ -34,7 +35,7 @@ def lazy_module(name: str) -> Any:
 
 def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:
     """``__getattr__`` and ``__dir__`` for a package whose public names live in modules that
-    import torch or Dask: each is imported when first asked for (PEP 562).
+    import torch, Dask or zarr: each is imported when first asked for (PEP 562).
 
     >>> __getattr__, __dir__ = lazy_exports("featstore.read", {"FeatureDataset": "_dataset"})  # doctest: +SKIP
     """
@@ -45,7 +46,7 @@ def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         return getattr(importlib.import_module(f"{package}.{module}"), name)
 
-    def __dir__() -> list[str]:
-        return sorted(names)
+    def __dir__() -> list[str]:  # the package's own names too: some packages are only partly lazy
+        return sorted(set(names) | set(vars(sys.modules[package])))
 
     return __getattr__, __dir__

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from featstore.errors import InvalidInput, NonFiniteOutput
 from featstore._lazy import lazy_module
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 @dataclass(frozen=True)
 class Codec:
@@ -126,7 +126,7 @@ def unrepresentable(codec: Codec, output: str, samples: list[int], largest: floa
             "them as inf.")
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
+_F32_MAX = 3.4028234663852886e38  # float(np.finfo(np.float32).max), written out: numpy is imported lazily
 
 
 def largest_finite(values: torch.Tensor) -> float:

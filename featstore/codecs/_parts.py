@@ -37,7 +37,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from featstore.codecs._dense import OUTPUT_CODECS, finite_rows
 from featstore.errors import IncompatibleFormat, InvalidInput
@@ -48,6 +47,7 @@ from featstore.codecs._sparse import (PAD_ID, SAMPLE_SEED, check_finite, encode_
                                       sample_ids, sparse_diagnostics, sparse_error, store_ids, top_p, ids_dtype)
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from featstore.codecs._chunking import dividing_chunk
 from featstore.errors import InvalidInput, OutputMismatch
 from featstore._lazy import lazy_module
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 #: The per-sample arrays of a version with per-token outputs (reserved field names).
 TOKEN_START = "token_start"

@@ -10,20 +10,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 
 from featstore.errors import InvalidInput, NonFiniteOutput
 from featstore._lazy import lazy_module
 
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 
 PAD_ID = -1
 #: Seed of ``sample:S``'s draws (with the sample index): fixed, so a recompute draws the same ids.
 SAMPLE_SEED = 0x5EED
 #: float16 keeps log-probabilities down to -65504; anything below is probability 0 anyway.
-_FP16_MIN = float(np.finfo(np.float16).min)
+_FP16_MIN = -65504.0  # float(np.finfo(np.float16).min), written out: numpy is imported lazily
 HIST_BINS = 10
 #: Rows of each encoded batch whose KL to the teacher the manifest's codec error records (all
 #: of an image batch; a sample of a language model's per-token rows).

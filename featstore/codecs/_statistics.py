@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 
 from featstore.codecs._dense import Codec, finite_rows
 from featstore.codecs._parts import finalize_error, merge_error
 from featstore._lazy import lazy_module
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 #: Sample ids with NaN/Inf recorded per output.
 NONFINITE_KEPT = 1000

@@ -5,7 +5,8 @@
   whole) and inner chunks of ``Layout.chunk_rows`` rows; every chunk carries a crc32c, after
   zstd where zstd pays (:func:`choose_compression`). Missing chunks are never read as the fill
   value (:class:`StrictStore`), and an all-fill shard is still stored (``write_empty_chunks``).
-- **Spread versions** are shown to Zarr at their usual keys (:class:`SpreadStore`).
+- **Spread versions** are shown to Zarr at their usual keys (:class:`SpreadStore`), marked array
+  metadata unmarked (:class:`MetadataStore`).
 - **Validation.** :func:`check_array_metadata` refuses any ``zarr.json`` featstore would not
   write, before a single chunk is decoded (a planted one could name any codec).
 """
@@ -26,8 +27,8 @@ from featstore.errors import CorruptChunk, FeatstoreError, IncompatibleFormat, I
 from featstore._json import load_json
 from featstore.format._manifests import ArraySpec, Layout
 
-from featstore.format._keys import (ALLOWED_CODECS, VIEWS_GROUP, ZARR_FORMAT, logical_key, spread_folder, spread_key,
-                                    view_path)
+from featstore.format._keys import (ALLOWED_CODECS, VIEWS_GROUP, ZARR_FORMAT, logical_key, mark_metadata, spread_folder,
+                                    spread_key, view_path)
 
 
 ZSTD_LEVEL = 3
@@ -192,6 +193,42 @@ class StrictStore(zarr.storage.WrapperStore):
 
     def _with_store(self, store: Any) -> "StrictStore":
         return type(self)(store, self._where)
+
+
+class MetadataStore(zarr.storage.WrapperStore):
+    """A version folder's Zarr store as featstore reads and writes it: array metadata marked
+    (:func:`mark_metadata`) is shown to Zarr unmarked, and, with ``mark``, every array metadata
+    written is marked (a version whose shards lie elsewhere)."""
+
+    def __init__(self, store: Any, mark: str | None = None) -> None:
+        super().__init__(store)
+        self._mark = mark
+
+    def _with_store(self, store: Any) -> "MetadataStore":
+        return type(self)(store, self._mark)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MetadataStore) and self._store == other._store and self._mark == other._mark
+
+    def _stored(self, key: str, value: Any) -> Any:
+        if self._mark is None or not key.endswith("zarr.json"):
+            return value
+        return type(value).from_bytes(mark_metadata(value.to_bytes(), self._mark))
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        buf = await self._store.get(key, prototype, byte_range)
+        if buf is not None and byte_range is None and key.endswith("zarr.json"):
+            return type(buf).from_bytes(mark_metadata(buf.to_bytes(), None))
+        return buf
+
+    async def set(self, key: str, value: Any) -> None:
+        await self._store.set(key, self._stored(key, value))
+
+    async def set_if_not_exists(self, key: str, value: Any) -> None:
+        await self._store.set_if_not_exists(key, self._stored(key, value))
+
+    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
+        await self._store._set_many([(k, self._stored(k, v)) for k, v in values])
 
 
 class SpreadStore(zarr.storage.WrapperStore):

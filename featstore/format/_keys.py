@@ -7,7 +7,7 @@
   budget separately. :func:`spread_key` is the one mapping (:class:`SpreadStore` in
   :mod:`._arrays` shows Zarr the version at its usual keys).
 - **The mapped mark.** ``featstore.mapped`` in a ``zarr.json`` marks versions whose shards lie
-  elsewhere (:func:`mark_metadata`, :class:`MetadataStore`).
+  elsewhere (:func:`mark_metadata`; :class:`._arrays.MetadataStore` shows Zarr the default).
 - **Views.** A version with K augmented views holds view ``v`` in the group ``_views/<v>``
   (:func:`view_path`), laid out exactly like a version without views.
 - **Digests.** A shard's digest is the sha256 of its stored values (:func:`shard_digest`).
@@ -18,16 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
-from typing import Any
-
-import numpy as np
-import zarr
-import zarr.errors
-import zarr.storage
 
 from featstore.errors import InvalidInput
 from featstore.format._manifests import MAX_SPREAD
+from featstore._lazy import lazy_module
+
+np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
 
 
 #: Batch keys the reader adds itself; no stored array may take them.
@@ -107,7 +103,7 @@ def spread_key(vkey: str, rel: str, spread: int) -> str:
 #: lie in its own folder (spread over prefixes, or inherited from a parent with ``extends``): no
 #: Zarr reader knows it, so plain Zarr opening the folder fails loudly ("Unknown chunk key
 #: encoding") instead of reading the shards it cannot find as fill values (zeros). featstore
-#: reads through :class:`MetadataStore`, which shows Zarr the default encoding.
+#: reads through :class:`._arrays.MetadataStore`, which shows Zarr the default encoding.
 MAPPED_ENCODING = "featstore.mapped"
 
 
@@ -138,42 +134,6 @@ def mark_metadata(raw: bytes, why: str | None) -> bytes:
     else:
         return raw
     return json.dumps(meta).encode()
-
-
-class MetadataStore(zarr.storage.WrapperStore):
-    """A version folder's Zarr store as featstore reads and writes it: array metadata marked
-    (:func:`mark_metadata`) is shown to Zarr unmarked, and, with ``mark``, every array metadata
-    written is marked (a version whose shards lie elsewhere)."""
-
-    def __init__(self, store: Any, mark: str | None = None) -> None:
-        super().__init__(store)
-        self._mark = mark
-
-    def _with_store(self, store: Any) -> "MetadataStore":
-        return type(self)(store, self._mark)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MetadataStore) and self._store == other._store and self._mark == other._mark
-
-    def _stored(self, key: str, value: Any) -> Any:
-        if self._mark is None or not key.endswith("zarr.json"):
-            return value
-        return type(value).from_bytes(mark_metadata(value.to_bytes(), self._mark))
-
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-        buf = await self._store.get(key, prototype, byte_range)
-        if buf is not None and byte_range is None and key.endswith("zarr.json"):
-            return type(buf).from_bytes(mark_metadata(buf.to_bytes(), None))
-        return buf
-
-    async def set(self, key: str, value: Any) -> None:
-        await self._store.set(key, self._stored(key, value))
-
-    async def set_if_not_exists(self, key: str, value: Any) -> None:
-        await self._store.set_if_not_exists(key, self._stored(key, value))
-
-    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
-        await self._store._set_many([(k, self._stored(k, v)) for k, v in values])
 
 
 def logical_key(key: str) -> str:

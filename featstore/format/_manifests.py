@@ -13,12 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from featstore.codecs._dense import codec_by_name
 from featstore.errors import FeatstoreError, IncompatibleFormat
 from featstore._allowed_names import check_name, check_version_id, is_version_id
 from featstore.codecs._parts import check_array_name, check_part, is_parts_codec, part_array
+from featstore._lazy import lazy_module
+
+np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
 
 SCHEMA = "featstore.manifest"
 #: Newest manifest schema: 2 keeps per-shard digests out of the manifest (see ShardRecords);

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import zarr
-import zarr.errors
-import zarr.storage
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from typing import TYPE_CHECKING, Any
 
 from featstore.errors import CorruptChunk
+from featstore._lazy import lazy_module
+
+np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
+
+if TYPE_CHECKING:  # zarr only inside shard_format: decoding a shard needs none of it
+    import zarr
 
 
 
 # -- the reader's fast path: whole shard objects decoded without zarr -------------------------
-_EMPTY = np.uint64(2**64 - 1)
+_EMPTY = 2**64 - 1  # an empty inner chunk's offset and size in the shard index
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ShardFormat:
 def shard_format(array: zarr.Array) -> ShardFormat | None:
     """The :class:`ShardFormat` of ``array``, or None when it is not featstore's exact layout."""
     try:
-        from zarr.codecs import BytesCodec, ShardingCodec
+        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
         from zarr.codecs.sharding import ShardingCodecIndexLocation
 
         codecs = array.metadata.codecs
@@ -137,7 +137,7 @@ def shard_intact(data: bytes | memoryview, fmt: ShardFormat) -> bool:
         return False
     end = len(view) - shard_index_bytes(fmt)
     for off, size in index.tolist():
-        if off == int(_EMPTY):
+        if off == _EMPTY:
             continue
         if size < 4 or off + size > end:
             return False
@@ -176,7 +176,7 @@ def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
         raise ValueError(f"out has shape {out.shape}, expected {(hi - lo, *fmt.row_shape)}")
     for c in range(c0, c1):
         off, size = index[c]
-        if off == _EMPTY or int(off) < base or int(off) + int(size) > end:
+        if int(off) == _EMPTY or int(off) < base or int(off) + int(size) > end:
             raise _damaged(ref, f"chunk {c} of the shard is missing or out of bounds")
         body = _check_crc(view[int(off) - base:int(off) - base + int(size)], f"chunk {c}", ref)
         r0 = max(lo - c * fmt.chunk_rows, 0)

@@ -20,13 +20,15 @@ import posixpath
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import zarr.abc.store
 
 from featstore._json import canonical_json, load_json
 from featstore.errors import FeatstoreError, StoreConflict
+
+if TYPE_CHECKING:  # zarr only where a Zarr store is opened: the quick commands never do
+    import zarr.abc.store
 
 _WRITE_ID = "_write_id"
 

@@ -1,4 +1,6 @@
-"""Backend errors mapped onto the featstore error tree, in featstore's own calls and in Zarr's.
+"""Backend errors mapped onto the featstore error tree, in featstore's own calls (and in Zarr's,
+through :class:`featstore.storage._zarr_errors.BackendErrorStore`, kept apart so that this
+module, on the path of the quick commands, does not import zarr).
 
 A full disk is :class:`StoreFull`, a refused access :class:`StorePermissionDenied`, a connection
 or credential problem (or a transient S3 fault that outlasted the retries) :class:`StoreUnavailable`,
@@ -10,12 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import posixpath
 from collections.abc import Iterator
-from typing import Any
 
 import fsspec
-import zarr.storage
 
 from featstore.errors import FeatstoreError, StoreFull, StorePermissionDenied, StoreUnavailable
 
@@ -70,48 +69,3 @@ def _mapped(exc: Exception, url: str, where: str | None) -> FeatstoreError | Non
             "and that credentials are available (AWS_ACCESS_KEY_ID/AWS_PROFILE or a role); "
             "see docs/s3.md, section 'Credentials'.")
     return None
-
-
-class BackendErrorStore(zarr.storage.WrapperStore):
-    """Zarr store wrapper: a backend fault that outlasted the retries becomes
-    :class:`StoreUnavailable`, a full disk :class:`StoreFull`, a refused write
-    :class:`StorePermissionDenied` (each naming the object and the cause) instead of a bare
-    ``OSError`` that callers could mistake for corrupt data. Missing keys keep zarr's own meaning."""
-
-    def __init__(self, store: Any, url: str, root: str = "") -> None:
-        super().__init__(store)
-        self._url, self._root = url, root
-
-    def _with_store(self, store: Any) -> "BackendErrorStore":
-        return type(self)(store, self._url, self._root)
-
-    def _at(self, key: str) -> str:
-        return posixpath.join(self._root, key) if self._root else key
-
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.get(key, prototype, byte_range)
-
-    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
-        with backend_errors(self._url):
-            return await self._store.get_partial_values(prototype, key_ranges)
-
-    async def set(self, key: str, value: Any) -> None:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.set(key, value)
-
-    async def set_if_not_exists(self, key: str, value: Any) -> None:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.set_if_not_exists(key, value)
-
-    async def exists(self, key: str) -> bool:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.exists(key)
-
-    async def delete(self, key: str) -> None:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.delete(key)
-
-    async def getsize(self, key: str) -> int:
-        with backend_errors(self._url, self._at(key)):
-            return await self._store.getsize(key)

@@ -11,14 +11,15 @@ import contextlib
 import posixpath
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import zarr.abc.store
-import zarr.storage
 
 from featstore.storage._base import Storage, strip_url
-from featstore.storage._errors import BackendErrorStore, backend_errors
+from featstore.storage._errors import backend_errors
+
+if TYPE_CHECKING:
+    import zarr.abc.store
 
 #: Serialises the exists-check and the write of :meth:`FsspecStorage.create` on backends without a
 #: conditional put (fsspec's memory filesystem, ...): atomic among this process's threads only.
@@ -146,6 +147,10 @@ class FsspecStorage(Storage, protocols=("*",)):
 
     def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
         """A Zarr v3 ``FsspecStore`` rooted at ``key``."""
+        import zarr.storage  # here, not at the top: the quick commands never open a Zarr store
+
+        from featstore.storage._zarr_errors import BackendErrorStore
+
         path = self.path(key)
         with backend_errors(self.url, path):
             store = zarr.storage.FsspecStore.from_url(

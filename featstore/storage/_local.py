@@ -7,14 +7,14 @@ import contextlib
 import os
 import uuid
 from collections.abc import Mapping
-from typing import Any
-
-import zarr.abc.store
-import zarr.storage
+from typing import TYPE_CHECKING, Any
 
 from featstore.errors import InvalidInput, StoreNotFound
-from featstore.storage._errors import BackendErrorStore, backend_errors
+from featstore.storage._errors import backend_errors
 from featstore.storage._fsspec import FsspecStorage
+
+if TYPE_CHECKING:
+    import zarr.abc.store
 
 
 class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
@@ -96,6 +96,10 @@ class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
 
     def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
         """A Zarr v3 ``LocalStore`` rooted at ``key`` (its folder made for a writer)."""
+        import zarr.storage  # here, not at the top: the quick commands never open a Zarr store
+
+        from featstore.storage._zarr_errors import BackendErrorStore
+
         path = self.path(key)
         with backend_errors(self.url, path):
             if not read_only:

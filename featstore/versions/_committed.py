@@ -10,15 +10,12 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import zarr
 
 from featstore.codecs._dense import codec_by_name
 from featstore.errors import (CorruptChunk, FeatstoreError, InvalidInput,
                               StoreUnavailable, VersionNotFound)
-from featstore.format._arrays import open_array
 from featstore.format._keys import chunk_key, shard_digest, view_path
 from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.format._manifests import (Manifest, ShardReceipt)
@@ -32,7 +29,12 @@ from featstore._lazy import lazy_module
 from featstore.versions._keys import MANIFEST, RECORDS, group_store, object_key, version_key, view_key
 from featstore.versions._receipts import read_records
 
+if TYPE_CHECKING:  # zarr only where an array is opened (array()): list, info and verify never do
+    import zarr
+    import zarr.abc.store
+
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 log = logging.getLogger("featstore")
 
 
@@ -251,6 +253,8 @@ class Version:
             if self.views is not None and self._view is None:
                 raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
                                    "version.view(v) or version[v, rows].")
+            from featstore.format._arrays import open_array
+
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             try:
                 self._arrays[(home, field)] = open_array(

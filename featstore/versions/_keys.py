@@ -8,14 +8,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import zarr
-
-from featstore.format._arrays import SpreadStore
-from featstore.format._keys import SPREAD_FOLDER, MetadataStore, logical_key, spread_folder, spread_key, view_path
+from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_folder, spread_key, view_path
 from featstore._allowed_names import check_name, check_tag, check_version_id
 from featstore.storage import Storage
 from featstore._lazy import lazy_module
+
+if TYPE_CHECKING:
+    import zarr.abc.store
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 log = logging.getLogger("featstore")
@@ -93,6 +94,8 @@ def group_store(storage: Storage, key: str, spread: int, *, read_only: bool,
     shard objects under their prefixes; seen through a :class:`MetadataStore`, which marks the
     array metadata it writes where some shards lie elsewhere (spread, or ``inherits`` from a
     parent), so plain Zarr on the folder fails loudly instead of reading those as zeros."""
+    from featstore.format._arrays import MetadataStore, SpreadStore  # zarr: not for the quick commands
+
     if spread <= 1:
         inner = storage.zarr_store(key, read_only=read_only)
     else:

@@ -12,8 +12,6 @@ from typing import Any
 
 
 from featstore.errors import (ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound)
-from featstore.format._arrays import (check_array_metadata, consolidate, consolidated_groups, create_arrays,
-                                      create_views_group)
 from featstore.format._keys import chunk_key
 from featstore._json import canonical_json, load_json
 from featstore.format._manifests import (ArraySpec, Base, Layout, Manifest, Pending, ShardReceipt, ShardRecords,
@@ -89,6 +87,8 @@ class Lifecycle:
                 "(%d, %d)", key, claimed.layout.samples_per_shard, claimed.layout.spread,
                 layout.samples_per_shard, layout.spread)
         if views is not None:
+            from featstore.format._arrays import create_views_group  # zarr: only where a run writes
+
             create_views_group(group_store(self.storage, key, claimed.layout.spread, read_only=False))
             units = {(v, i) for v in range(views) for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
             return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
@@ -103,6 +103,8 @@ class Lifecycle:
         A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
         it is removed, so no task or commit of this run trusts it.
         """
+        from featstore.format._arrays import create_arrays  # zarr: only where a run writes
+
         create_arrays(group_store(self.storage, key, layout.spread, read_only=False, inherits=inherits),
                       layout, arrays, self.storage.child_url(key))
         done = {i for i in finished_shards(self.storage, key) if i < layout.n_shards}
@@ -181,6 +183,8 @@ class Lifecycle:
         raises :class:`ComputeFailed`; the receipts of damaged shards are removed, so a rerun
         recomputes exactly those.
         """
+        from featstore.format._arrays import consolidate, consolidated_groups  # zarr: only where a run writes
+
         key = version_key(manifest.name, manifest.id)
         if manifest.layout.spread == 1 and not manifest.bases:  # else plain Zarr must not open it
             consolidate(group_store(self.storage, key, 1, read_only=False),
@@ -225,6 +229,8 @@ class Lifecycle:
         """Raise :class:`ComputeFailed` unless each array's ``zarr.json`` in the group at ``key``
         describes the manifest's layout (shape, shard and chunk rows, dtype, codecs): a version
         whose metadata another writer changed would be committed unreadable (issue 20)."""
+        from featstore.format._arrays import check_array_metadata  # zarr: only where a run writes
+
         found = read_many(self.storage, [f"{key}/{a}/zarr.json" for a in manifest.arrays])
         ref, bad = f"{manifest.name}@{manifest.id}", []
         for (name, spec), data in zip(manifest.arrays.items(), found.values(), strict=True):

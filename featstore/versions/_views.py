@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 
 from featstore.errors import InvalidInput, NondeterministicAugment
 from featstore._user_code import read_item
 from featstore._lazy import lazy_module
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 SEED_POLICY = "splitmix64(seed,view,index)>>1/v1"
 VIEW_MODES = ("epoch", "random")
@@ -41,9 +41,8 @@ SEED_FIELD = "view_seed"
 VIEW_FIELD = "view"
 #: A domain constant keeps the reader's per-epoch seeds (a join without views) apart from view seeds.
 _EPOCH_DOMAIN = 0x5EED_E90C
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+#: splitmix64's constants (made np.uint64 where used: numpy is imported lazily).
+_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 Augment = Callable[[Any, "torch.Generator"], Any]
 
@@ -71,9 +70,9 @@ class Views:
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
-        z = x + _GAMMA
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = x + np.uint64(_GAMMA)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
         return z ^ (z >> np.uint64(31))
 
 
