@@ -65,7 +65,8 @@ def section(res: dict[str, list[float]], load: float) -> str:
         f"load average {load:.1f} at the start on {os.cpu_count()} cores (absolute times scale with it; the ratio "
         "to `import torch`, measured side by side, holds). "
         "The quick commands (`--help`, `list`, `info`, `tag`, `delete`, `gc`, `verify`, `cache`) import "
-        "neither torch nor Dask (tests/cli/test_cli.py checks that), so they cost a fraction of `import torch`.",
+        "neither torch nor Dask, and all but `verify` (which reads the arrays) neither zarr nor numpy "
+        "(tests/cli/test_cli.py checks both), so they cost a fraction of `import torch`.",
         "", "| command | median | min-max | median / import torch |", "|---|---|---|---|", *rows, "", END])
 
 

@@ -89,8 +89,8 @@ QUICK_COMMANDS = (["--help"], ["list", "{root}"], ["info", "{root}", "legacy/tin
                   ["delete", "{root}", "legacy/bf"],
                   ["gc", "{root}", "--dry-run"], ["cache", "list", "--dir", "{cache}"])
 HEAVY = ("torch", "dask", "distributed", "bokeh")
-#: What the commands that only read JSON manifests, tags and listings never import either
-#: (~0.5 s of the ~0.7 s start-up before): verify reads the arrays, so it imports both.
+#: What the commands that only read JSON manifests, tags and listings never import either (about
+#: half of `featstore list`'s start-up when they did): verify reads the arrays, so it imports both.
 ARRAYS = ("zarr", "numpy")
 
 
