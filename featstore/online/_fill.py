@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +77,65 @@ class FillState:
     def complete(self, n_shards: int, views: Sequence[int | None]) -> bool:
         """Whether every unit of the version has a receipt (as last listed)."""
         return all(len({i for i in self.done.get(v, set()) if i < n_shards}) == n_shards for v in views)
+
+
+#: Shard writes a consumer keeps in flight: A's next shard is computed while the last one is
+#: written; a third waits for the oldest (its buffers are the shard's rows: memory stays bounded).
+WRITES_IN_FLIGHT = 2
+
+
+class ShardWrites:
+    """One consumer's shard writes on a background thread of its own, so A computes the next
+    shard while the last one is encoded, compressed and stored (zstd, crc32c and file or
+    socket writes release the GIL); a write's error is raised in the consumer, by the next
+    :meth:`submit`, :meth:`finished` or :meth:`drain`.
+
+    >>> writes = ShardWrites()
+    >>> writes.submit(7, print, "shard 7 written")  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[Hashable, Future]] = deque()
+
+    def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> list[Hashable]:
+        """Start ``fn(*args)``; returns the keys of the writes that finished meanwhile (waiting
+        for the oldest while :data:`WRITES_IN_FLIGHT` are pending)."""
+        done = []
+        while len(self._pending) >= WRITES_IN_FLIGHT:
+            done.append(self._take_oldest())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-fill")
+        self._pending.append((key, self._pool.submit(fn, *args)))
+        return done + self.finished()
+
+    def finished(self) -> list[Hashable]:
+        """The keys of the writes finished so far, oldest first (not waiting)."""
+        done = []
+        while self._pending and self._pending[0][1].done():
+            done.append(self._take_oldest())
+        return done
+
+    def drain(self) -> list[Hashable]:
+        """Wait for every pending write; their keys."""
+        return [self._take_oldest() for _ in range(len(self._pending))]
+
+    def drain_quietly(self) -> list[Hashable]:
+        """Wait for every pending write of an epoch that ends with an error (or is abandoned);
+        the keys of those that succeeded. A failed one is logged: the epoch's own error is what
+        the caller sees."""
+        done = []
+        while self._pending:
+            try:
+                done.append(self._take_oldest())
+            except Exception as exc:  # noqa: BLE001 - logged; the epoch's own error propagates
+                log.warning("featstore: a shard write of an abandoned epoch failed: %s", exc)
+        return done
+
+    def _take_oldest(self) -> Hashable:
+        key, fut = self._pending.popleft()
+        fut.result()
+        return key
 
 
 def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence[int | None]) -> bool:

@@ -45,7 +45,7 @@ from featstore.compute._shard_writing import write_shard as _write_shard
 from featstore.compute._transfer import Offloader
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.format._manifests import Layout, Manifest
-from featstore.online._fill import FillState, owned, try_commit
+from featstore.online._fill import FillState, ShardWrites, owned, try_commit
 from featstore.read._assignment import ConsumerPlan, Piece, consumer_span
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
@@ -234,6 +234,7 @@ class _Online:
     pid: int = field(default_factory=os.getpid)
     writers: dict[int | None, Any] = field(default_factory=dict)  # view -> the zarr arrays written
     fill: FillState = field(default_factory=FillState)
+    writes: ShardWrites = field(default_factory=ShardWrites)
     owned_left: set[int] = field(default_factory=set)  # this iteration's shards to write, not yet written
 
 
@@ -307,13 +308,19 @@ class OnlineDataset(FeatureDataset):
             pos += sum(p.size for p in window)
         st.owned_left -= st.fill.done.get(spec.view, set())
         pos = start
-        for wi, window in enumerate(plan.windows):
-            size = sum(p.size for p in window)
-            if pos - start + size > skip:
-                mine = owned(window, pos, len(self.version))
-                yield wi, max(0, skip - (pos - start)), self._window_rows(st, spec, seen, window, mine)
-            pos += size
+        try:
+            for wi, window in enumerate(plan.windows):
+                size = sum(p.size for p in window)
+                if pos - start + size > skip:
+                    mine = owned(window, pos, len(self.version))
+                    yield wi, max(0, skip - (pos - start)), self._window_rows(st, spec, seen, window, mine)
+                pos += size
+        except BaseException:  # an abandoned or failed epoch: the shards computed are still stored
+            for view, shard in st.writes.drain_quietly():
+                st.fill.done.setdefault(view, set()).add(shard)
+            raise
         if self.filling:
+            self._written(st, st.writes.drain())
             try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
 
     def _seen(self, epoch: int) -> Any:
@@ -350,18 +357,25 @@ class OnlineDataset(FeatureDataset):
         return arrays
 
     def _computed(self, st: _Online, spec: Any, seen: Any, shard: int, write: bool) -> dict[str, np.ndarray]:
-        """Shard ``shard`` computed by A; with ``write``, stored with its receipt (the commit is
-        tried once it is)."""
+        """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
+        consumer's writer thread (:class:`ShardWrites`) while A goes on."""
         buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device)
         if write:
             if spec.view not in st.writers:
                 st.writers[spec.view] = _open_arrays(spec)
-            _write_shard(spec, st.writers[spec.view], shard, buffers, stats)
-            st.fill.done.setdefault(spec.view, set()).add(shard)
-            st.owned_left.discard(shard)
-            if not st.owned_left:  # whoever writes the last receipt commits
-                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+            self._written(st, st.writes.submit((spec.view, shard), _write_shard, spec, st.writers[spec.view], shard,
+                                               buffers, stats))
+        else:
+            self._written(st, st.writes.finished())
         return buffers
+
+    def _written(self, st: _Online, done: list[Any]) -> None:
+        """Record finished shard writes; whoever writes the epoch's last owned shard commits."""
+        for view, shard in done:
+            st.fill.done.setdefault(view, set()).add(shard)
+            st.owned_left.discard(shard)
+        if done and not st.owned_left:
+            try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
 
     def __repr__(self) -> str:
         mode = "fill" if self.filling else "online"

@@ -115,7 +115,7 @@ def test_fill_killed_mid_epoch_resumes_reading_what_it_stored(reference, tmp_pat
     url = str(tmp_path / "store")
     proc = child(url, "fill/kill", pause=4)
     try:
-        line = proc.stdout.readline()  # printed after 4 batches: the first window's shards are written
+        line = proc.stdout.readline()  # after 4 batches: the first window (4 shards) is computed, 2+ of them written
         assert line.startswith("paused"), line
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -174,3 +174,44 @@ def test_compute_after_a_fill_returns_the_filled_version(reference, tmp_path):
                       samples_per_shard=t.samples_per_shard, batch_size=t.batch_size,
                       options=ComputeOptions(progress=False, chunk_rows=16))
     assert v == ds.committed() and v.manifest.timings == {"filled": 1.0}  # nothing recomputed
+
+
+def test_a_failed_shard_write_fails_the_epoch_and_commits_nothing(reference, tmp_path, monkeypatch):
+    # the writes run on the consumer's writer thread: a write's error must reach the training
+    # loop, not be lost with the thread (a disk full or a denied PUT cannot be made on demand here)
+    from featstore.online import _reading
+
+    real = _reading._write_shard
+
+    def fails_on_shard_3(spec, arrays, index, buffers, stats):
+        if index == 3:
+            raise OSError(28, "No space left on device")
+        return real(spec, arrays, index, buffers, stats)
+
+    monkeypatch.setattr(_reading, "_write_shard", fails_on_shard_3)
+    store = featstore.open_store(tmp_path / "store")
+    ds = store.dataset("fill/err", batch_size=20, seed=1, teacher=fill_teacher())
+    with pytest.raises(OSError, match="No space left"):
+        epoch(ds, 0)
+    assert store.versions("fill/err") == [] and ds.committed() is None
+    monkeypatch.setattr(_reading, "_write_shard", real)
+    again = store.dataset("fill/err", batch_size=20, seed=1, teacher=fill_teacher())
+    assert_same_batches(epoch(again, 0), epoch(reference.dataset(batch_size=20, seed=1), 0))
+    assert_is_reference(again.committed(), reference)
+
+
+def test_an_abandoned_fill_epoch_stores_the_shards_it_computed(reference, tmp_path):
+    store = featstore.open_store(tmp_path / "store")
+    ds = store.dataset("fill/abandon", batch_size=20, seed=1, teacher=fill_teacher())
+    it = iter(ds)
+    for _ in range(4):  # the first window's shards are computed and handed to the writer thread
+        next(it)
+    it.close()  # no write is left pending, and each one written is recorded
+    state = ds._online_state
+    assert not state.writes._pending
+    receipts = receipt_files(store, "fill/abandon")
+    n_shards = reference.manifest.layout.n_shards
+    assert 0 < len(receipts) == len(state.fill.done[None]) < n_shards and store.versions("fill/abandon") == []
+    ds.set_epoch(1)  # the next epoch reads those and computes the rest, then commits
+    assert_same_batches(list(ds), epoch(_at(reference.dataset(batch_size=20, seed=1), 1), 0))
+    assert_is_reference(ds.committed(), reference)
