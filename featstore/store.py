@@ -8,7 +8,6 @@ first used (torch and Dask are not needed to list, verify or tag). Nothing below
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from featstore.errors import InvalidInput
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version as CoreVersion
-from featstore.versions._views import Views
+from featstore.versions._views import Views, views_arguments
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     from featstore.codecs._ragged import Tokens
@@ -111,7 +110,7 @@ class FeatureStore(Catalog):
         """
         from featstore.compute._driver import compute
 
-        k, augment, augment_seed = _views_arguments(views, augment, augment_seed, views_of is not None)
+        k, augment, augment_seed = views_arguments(views, augment, augment_seed, views_of is not None)
         return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
                        outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
                        client=client, options=options, extends=extends, views=k, augment=augment,
@@ -155,25 +154,6 @@ class FeatureStore(Catalog):
                 return MultiTeacherDataset({label: self.open(r) for label, r in ref.items()}, **options)
             return MultiTeacherDataset([self.open(r) for r in ref], **options)
         return FeatureDataset(self.open(ref), **options)
-
-
-def _views_arguments(views: Views | int | None, augment: Any, augment_seed: int | None,
-                     linked: bool = False) -> tuple[Any, Any, int | None]:
-    """``views=Views(k, augment, seed)`` as the driver's three values; the old keywords
-    (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning.
-    ``linked`` (``views_of=``): ``augment=fn`` alone is the way to name the base's augment, and
-    the seed left out is the base's (None)."""
-    if linked and views is None and augment_seed is None:
-        return None, augment, None
-    if isinstance(views, Views):
-        if augment is not None or augment_seed is not None:
-            raise InvalidInput("give augment and its seed inside views=featstore.Views(k=..., augment=fn, seed=...), "
-                               "not beside it.")
-        return views.k, views.augment, views.seed
-    if views is not None or augment is not None or augment_seed is not None:
-        warnings.warn("compute(views=K, augment=fn, augment_seed=S) is deprecated and goes in the next release: "
-                      "pass views=featstore.Views(k=K, augment=fn, seed=S).", DeprecationWarning, stacklevel=3)
-    return views, augment, None if linked and augment_seed is None else (augment_seed or 0)
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,

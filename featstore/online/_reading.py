@@ -52,7 +52,7 @@ from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
 from featstore.versions._keys import receipt_key, view_key
 from featstore.versions._lifecycle import Claim
-from featstore.versions._views import SEED_FIELD, ViewDataset, epoch_seeds, replay
+from featstore.versions._views import SEED_FIELD, ViewDataset, Views, epoch_seeds, replay, views_arguments
 from featstore.versions._fingerprints import describe_key, fingerprint
 
 
@@ -75,10 +75,12 @@ class Teacher:
         batch_size: samples per forward of A (the stored reader's ``batch_size`` is B's).
         samples_per_shard: rows per shard, as for ``compute`` (None: chosen the same way).
         options: :class:`~featstore.ComputeOptions` (ids, autocast, compression, collate, ...).
-        views: K augmented views (replayable, stored with ``fill``), as for ``compute``.
-        augment: with ``views``, ``compute``'s augment; without, a fresh augmentation every
-            epoch (online only, never stored).
-        augment_seed: the views' seed.
+        views: :class:`~featstore.Views` (K replayable augmented views, stored with ``fill``),
+            as for ``compute``. (``views=K`` with ``augment=fn, augment_seed=S`` still works for
+            one release, with a ``DeprecationWarning``.)
+        augment: without ``views``: a fresh augmentation every epoch, ``fn(item, generator)``
+            (online only, never stored; the reader's ``source=`` join replays it for B).
+        augment_seed: deprecated, with ``views=K`` only: the views' seed.
 
     >>> teacher = featstore.Teacher(model=model_a, dataset=train_set, outputs={"features": "float16"})
     >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=teacher)         # online
@@ -95,11 +97,23 @@ class Teacher:
     batch_size: int = 256
     samples_per_shard: int | None = None
     options: ComputeOptions | None = None
-    views: int | None = None
+    views: Views | int | None = None
     augment: Any = None
-    augment_seed: int = 0
+    augment_seed: int | None = None
+    _views: tuple[int | None, Any, int] = field(init=False, repr=False, compare=False, default=(None, None, 0))
 
     def __post_init__(self) -> None:
+        if self.views is None:
+            if self.augment_seed is not None:
+                raise InvalidInput("augment_seed= names the seed of views: pass "
+                                   "views=featstore.Views(k=K, augment=fn, seed=S) (augment= alone is a fresh "
+                                   "augmentation every epoch, which has no seed of its own).")
+            resolved = (None, self.augment, 0)
+        else:
+            k, augment, seed = views_arguments(self.views, self.augment, self.augment_seed, caller="Teacher",
+                                               stacklevel=5)
+            resolved = (k, augment, seed or 0)
+        object.__setattr__(self, "_views", resolved)
         if not isinstance(self.fill, bool):
             raise InvalidInput(f"fill must be True or False, got {self.fill!r}.")
         try:
@@ -118,6 +132,21 @@ class Teacher:
     def fresh(self) -> bool:
         """Whether A sees a fresh (non-replayable) augmentation every epoch."""
         return self.augment is not None and self.views is None
+
+    @property
+    def view_count(self) -> int | None:
+        """K, the views per sample (None without views)."""
+        return self._views[0]
+
+    @property
+    def view_augment(self) -> Any:
+        """The augment: the views' (with views), else the fresh one (or None)."""
+        return self._views[1]
+
+    @property
+    def view_seed(self) -> int:
+        """The views' seed (0 without views)."""
+        return self._views[2]
 
     def torch_device(self) -> torch.device:
         """The device A runs on; :class:`DeviceSetupError` for CUDA where there is none."""
@@ -166,8 +195,8 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Ver
     device = teacher.torch_device()
     fresh = teacher.fresh
     req = _validate(name, teacher.dataset, teacher.input_key, teacher.keep, teacher.outputs, teacher.batch_size,
-                    teacher.samples_per_shard, options, teacher.views, None if fresh else teacher.augment,
-                    teacher.augment_seed)
+                    teacher.samples_per_shard, options, teacher.view_count, None if fresh else teacher.view_augment,
+                    teacher.view_seed)
     parts = _fingerprint_parts(req, teacher.model, teacher.dataset, options)
     if fresh:  # outputs of one epoch's draw: an id no stored version has
         parts["fresh_augment"] = describe_key(teacher.augment)
@@ -327,7 +356,7 @@ class OnlineDataset(FeatureDataset):
         """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
         t, view = self.teacher, self._viewing.view
         if view is not None:
-            return ViewDataset(t.dataset, t.augment, t.augment_seed, view)
+            return ViewDataset(t.dataset, t.view_augment, t.view_seed, view)
         if t.fresh:
             return FreshAugment(t.dataset, t.augment, self.options.seed, epoch)
         return t.dataset

@@ -146,7 +146,7 @@ def test_two_runs_filling_one_fingerprint_commit_one_version(reference, tmp_path
 
 def test_fill_with_views_fills_one_view_per_epoch(tmp_path):
     store = featstore.open_store(tmp_path / "store")
-    t = dataclasses.replace(fill_teacher(), views=2, augment=noisy_flip)
+    t = dataclasses.replace(fill_teacher(), views=featstore.Views(k=2, augment=noisy_flip))
     ds = store.dataset("fill/views", batch_size=50, seed=3, teacher=t)
     seen = {}
     for e in (0, 1):

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, DeviceSetupError, InvalidInput, Teacher
+from featstore.online import plan_teacher
 
 from ..augments import noisy_flip
 from ..models import TinyA, VectorData
@@ -91,7 +92,7 @@ def test_online_views_and_source_join_equal_stored(stored):
     store, _, views = stored
     data = VectorData(N)
     online = store.dataset("tiny/views", batch_size=50, seed=2, source=data, augment=noisy_flip,
-                           teacher=teacher(views=2, augment=noisy_flip))
+                           teacher=teacher(views=featstore.Views(k=2, augment=noisy_flip)))
     plain = views.dataset(batch_size=50, seed=2, source=data, augment=noisy_flip)
     assert online.version.id == views.id
     for e in (0, 1):  # one view per epoch: both views over two epochs
@@ -134,6 +135,16 @@ def test_teacher_bad_input_is_a_clear_error(stored):
         store.dataset("tiny/ds@abc", teacher=teacher())
     with pytest.raises(InvalidInput, match="Teacher"):
         store.dataset("tiny/ds", teacher=TinyA())
+    with pytest.raises(InvalidInput, match="inside views=featstore.Views"):
+        teacher(views=featstore.Views(k=2, augment=noisy_flip), augment=noisy_flip)
+    with pytest.raises(InvalidInput, match="augment_seed= names the seed of views"):
+        teacher(augment=noisy_flip, augment_seed=3)
+    with pytest.warns(DeprecationWarning, match=r"Teacher\(views=K, augment=fn, augment_seed=S\) is deprecated") as seen:
+        old = teacher(views=2, augment=noisy_flip, augment_seed=3)
+    assert seen[0].filename == __file__  # the warning names the caller's line
+    new = teacher(views=featstore.Views(k=2, augment=noisy_flip, seed=3))
+    assert (old.view_count, old.view_augment, old.view_seed) == (new.view_count, new.view_augment, new.view_seed)
+    assert plan_teacher(store, "tiny/v", old).vid == plan_teacher(store, "tiny/v", new).vid
     if not torch.cuda.is_available():
         with pytest.raises(DeviceSetupError, match="CUDA"):
             store.dataset("tiny/ds", teacher=teacher(device="cuda"))
