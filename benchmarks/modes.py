@@ -215,7 +215,7 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_modes(n: int, work: str, say: Callable[[str], None], repeats: int = 2) -> dict[str, Any]:
+def run_modes(n: int, work: str, say: Callable[[str], None], repeats: int = 3) -> dict[str, Any]:
     # one torch thread everywhere, so the machine's other load disturbs every row alike
     torch.set_num_threads(1)
     works = [Work("demo", 16, n), Work("expensive", 64, n)]

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
 from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, ArraySpec, Base, Layout, Manifest,
-                                         Pending, ReceiptRun, ShardReceipt, ShardRecords, ViewsSpec)
+                                         ShardReceipt, ShardRecords, ViewsSpec)
+from featstore.format._objects import Pending, ReceiptRun
 from featstore.format._keys import chunk_key, shard_digest
 
 if TYPE_CHECKING:

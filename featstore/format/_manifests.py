@@ -15,7 +15,7 @@ from typing import Any
 
 from featstore.codecs._dense import codec_by_name
 from featstore.errors import FeatstoreError, IncompatibleFormat
-from featstore._allowed_names import check_name, check_version_id, is_version_id
+from featstore._allowed_names import check_name, check_version_id
 from featstore.codecs._parts import check_array_name, check_part, is_parts_codec, part_array
 from featstore._lazy import lazy_module
 
@@ -25,8 +25,6 @@ SCHEMA = "featstore.manifest"
 #: Newest manifest schema: 2 keeps per-shard digests out of the manifest (see ShardRecords);
 #: schema 1 manifests (per-shard JSON inline) are still read.
 SCHEMA_VERSION = 2
-RECEIPT_RUN_SCHEMA = "featstore.receipt-run"
-REF_SCHEMA = "featstore.ref"
 #: sha256 bytes of one array's digest in a binary shard record.
 DIGEST_BYTES = 32
 #: Per-shard statistics in a record, as little-endian float64 after the digest (NaN: absent).
@@ -36,9 +34,6 @@ RECORDS_FORMAT = "sha256+stats-f64x8"
 #: Shard records per records object: 65,536 shards x 3 arrays is a 6 MiB object.
 RECORDS_PER_OBJECT = 65536
 RECEIPT_SCHEMA = "featstore.receipt"
-TAG_SCHEMA = "featstore.tag"
-PENDING_SCHEMA = "featstore.pending"
-GC_MARK_SCHEMA = "featstore.gc-mark"
 #: Version of the receipt, tag and pending objects (written by this featstore; read if not newer).
 OBJECT_VERSION = 1
 _HEX = frozenset("0123456789abcdef")
@@ -388,11 +383,6 @@ class Manifest:
         return m
 
 
-def gc_mark_json() -> dict[str, Any]:
-    """The mark ``gc`` leaves in a version folder while deleting it (only its presence counts)."""
-    return {"schema": GC_MARK_SCHEMA, "schema_version": OBJECT_VERSION}
-
-
 def _per_shard_parts(obj: dict[str, Any], where: str) -> dict[str, Any]:
     """The per-shard part of a manifest: inline receipts (schema 1) or where they are (2)."""
     if obj["schema_version"] == 1:
@@ -549,86 +539,3 @@ class Base:
     def from_json(cls, obj: Any) -> "Base":
         return cls(check_name(obj["name"]), check_version_id(obj["id"]), _int(obj["first"]),
                    _int(obj["stop"]), _int(obj["n_samples"]))
-
-
-@dataclass(frozen=True)
-class ReceiptRun:
-    """Receipts of many shards in one object: a task compacts its per-shard receipts into runs,
-    so a resume lists a few objects instead of one per shard. Named by its first and last shard."""
-
-    receipts: tuple[ShardReceipt, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"schema": RECEIPT_RUN_SCHEMA, "schema_version": OBJECT_VERSION,
-                "receipts": [r.body() for r in self.receipts]}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> "ReceiptRun":
-        check_schema(obj, RECEIPT_RUN_SCHEMA, OBJECT_VERSION, where)
-        try:
-            items = list(obj["receipts"])
-        except (KeyError, TypeError) as exc:
-            raise IncompatibleFormat(f"{where} is malformed ({exc}); delete it and rerun compute.") from exc
-        return cls(tuple(ShardReceipt.from_json(r, f"{where}, item {i}") for i, r in enumerate(items)))
-
-
-def ref_json(name: str, vid: str) -> dict[str, Any]:
-    """The marker a child version leaves in a base's folder: "I read shards from here"."""
-    return {"schema": REF_SCHEMA, "schema_version": OBJECT_VERSION, "name": check_name(name),
-            "version": check_version_id(vid)}
-
-
-def ref_target(obj: Any, where: str) -> tuple[str, str]:
-    """``(name, id)`` of the child a stored reference marker names."""
-    check_schema(obj, REF_SCHEMA, OBJECT_VERSION, where)
-    try:
-        return check_name(obj["name"]), check_version_id(obj["version"])
-    except (KeyError, TypeError, FeatstoreError) as exc:
-        raise IncompatibleFormat(f"{where} is malformed ({exc}); delete it.") from exc
-
-
-def tag_json(vid: str) -> dict[str, Any]:
-    """The stored object of a tag pointing at version ``vid``."""
-    return {"schema": TAG_SCHEMA, "schema_version": OBJECT_VERSION, "version": check_version_id(vid)}
-
-
-def tag_target(obj: Any, where: str, tag: str) -> str:
-    """The version id a stored tag object points at, validated."""
-    check_schema(obj, TAG_SCHEMA, OBJECT_VERSION, where)
-    vid = obj.get("version")
-    if not isinstance(vid, str) or not is_version_id(vid):
-        raise IncompatibleFormat(f"{where} does not point at a version id ({vid!r}); the tag is "
-                                 f"damaged: move it with store.tag(version, {tag!r}) or remove it.")
-    return vid
-
-
-@dataclass(frozen=True)
-class Pending:
-    """The claim of a version folder being computed: the layout and arrays its first run fixed.
-
-    Later runs of the same fingerprint (a resume, or a concurrent run) adopt them. Claims
-    written before the schema existed (no ``schema`` field) are read as version 1.
-    """
-
-    layout: Layout
-    arrays: dict[str, dict[str, Any]]  # ArraySpec fields as JSON (lists, not tuples)
-
-    @classmethod
-    def of(cls, layout: Layout, arrays: dict[str, ArraySpec]) -> "Pending":
-        """The claim a run makes for ``layout`` and ``arrays``."""
-        return cls(layout, {n: a.to_json() for n, a in arrays.items()})
-
-    def to_json(self) -> dict[str, Any]:
-        return {"schema": PENDING_SCHEMA, "schema_version": OBJECT_VERSION,
-                "layout": self.layout.to_json(), "arrays": self.arrays}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> "Pending":
-        check_schema(obj, PENDING_SCHEMA, OBJECT_VERSION, where, required=False)
-        try:
-            layout = Layout.from_json(obj["layout"])
-            arrays = {str(k): dict(v) for k, v in obj["arrays"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete the "
-                                     "uncommitted version folder and rerun.") from exc
-        return cls(layout, arrays)

@@ -37,7 +37,8 @@ from featstore.errors import (FeatstoreError, IncompatibleFormat, InvalidInput,
                               VersionNotFound)
 from featstore.format._keys import logical_key
 from featstore._json import load_json
-from featstore.format._manifests import (Manifest, gc_mark_json, newer_manifest, ref_target, tag_json, tag_target)
+from featstore.format._manifests import Manifest, newer_manifest
+from featstore.format._objects import gc_mark_json, ref_target, tag_json, tag_target
 from featstore._allowed_names import check_name, check_tag, is_version_id
 from featstore.storage import Storage
 from featstore._lazy import lazy_module

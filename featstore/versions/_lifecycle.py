@@ -14,8 +14,8 @@ from typing import Any
 from featstore.errors import (ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound)
 from featstore.format._keys import chunk_key
 from featstore._json import canonical_json, load_json
-from featstore.format._manifests import (ArraySpec, Base, Layout, Manifest, Pending, ShardReceipt, ShardRecords,
-                                         ref_json)
+from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ShardRecords
+from featstore.format._objects import Pending, ref_json
 from featstore._lazy import lazy_module
 
 

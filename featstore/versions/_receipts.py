@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from featstore.errors import (CorruptChunk)
 from featstore._json import load_json
-from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ReceiptRun,
-                                         ShardReceipt, ShardRecords, decode_records, encode_records)
+from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ShardReceipt, ShardRecords, decode_records,
+                                         encode_records)
+from featstore.format._objects import ReceiptRun
 from featstore.storage import Storage
 from featstore._lazy import lazy_module
 

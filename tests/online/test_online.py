@@ -139,7 +139,8 @@ def test_teacher_bad_input_is_a_clear_error(stored):
         teacher(views=featstore.Views(k=2, augment=noisy_flip), augment=noisy_flip)
     with pytest.raises(InvalidInput, match="augment_seed= names the seed of views"):
         teacher(augment=noisy_flip, augment_seed=3)
-    with pytest.warns(DeprecationWarning, match=r"Teacher\(views=K, augment=fn, augment_seed=S\) is deprecated") as seen:
+    with pytest.warns(DeprecationWarning, match=r"Teacher\(views=K, augment=fn, augment_seed=S\) is deprecated") \
+            as seen:
         old = teacher(views=2, augment=noisy_flip, augment_seed=3)
     assert seen[0].filename == __file__  # the warning names the caller's line
     new = teacher(views=featstore.Views(k=2, augment=noisy_flip, seed=3))
