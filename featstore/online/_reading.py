@@ -46,7 +46,7 @@ from featstore.compute._transfer import Offloader
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.format._manifests import Layout, Manifest
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
-from featstore.read._assignment import ConsumerPlan, Piece, consumer_span
+from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
@@ -335,6 +335,8 @@ class OnlineDataset(FeatureDataset):
         for window in plan.windows:
             st.owned_left |= {p.shard for p, own in zip(window, owned(window, pos, n), strict=True) if own}
             pos += sum(p.size for p in window)
+        dropped = self._dropped(it, world) if self.filling else []
+        st.owned_left |= set(dropped)
         st.owned_left -= st.fill.done.get(spec.view, set())
         pos = start
         try:
@@ -344,6 +346,9 @@ class OnlineDataset(FeatureDataset):
                     mine = owned(window, pos, len(self.version))
                     yield wi, max(0, skip - (pos - start)), self._window_rows(st, spec, seen, window, mine)
                 pos += size
+            for shard in dropped:  # stored, never yielded: the fill completes in this epoch
+                if not st.fill.holds(spec.view, shard):
+                    self._computed(st, spec, seen, shard, write=True)
         except BaseException:  # an abandoned or failed epoch: the shards computed are still stored
             for view, shard in st.writes.drain_quietly():
                 st.fill.done.setdefault(view, set()).add(shard)
@@ -351,6 +356,18 @@ class OnlineDataset(FeatureDataset):
         if self.filling:
             self._written(st, st.writes.drain())
             try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+
+    def _dropped(self, it: Any, world: int) -> list[int]:
+        """The shards whose first row lies in the tail that ``partition="drop"`` leaves out of
+        this epoch: the last consumer owns them (without ``shuffle`` the same tail is dropped
+        every epoch, and the fill would never complete)."""
+        consumers = world * max(1, it.workers)
+        if self._partition(world) != "drop" or it.cid != consumers - 1:
+            return []
+        layout = self.version.manifest.layout
+        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed,
+                              epoch=it.epoch, shuffle=self.options.shuffle, consumers=consumers)
+        return [p.shard for p in tail if p.lo == 0]
 
     def _seen(self, epoch: int) -> Any:
         """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""

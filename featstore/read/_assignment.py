@@ -171,6 +171,18 @@ def uniform_span_pieces(shards: UniformShards, perm: ShardPermutation, start: in
     return pieces
 
 
+def dropped_pieces(shards: UniformShards, *, seed: int, epoch: int, shuffle: bool, consumers: int) -> list[Piece]:
+    """The pieces at the epoch's positions that no consumer reads under ``"drop"`` (the last
+    ``n % consumers``), in plan order.
+
+    >>> dropped_pieces(UniformShards(10, 4), seed=0, epoch=0, shuffle=False, consumers=3)
+    [Piece(shard=2, lo=1, hi=2)]
+    """
+    n = shards.n_samples
+    perm = ShardPermutation(shards.n_shards, seed, epoch, shuffle)
+    return uniform_span_pieces(shards, perm, consumers * (n // consumers), n)
+
+
 def consumer_plan(
     shard_sizes: Sequence[int] | UniformShards, *, seed: int, epoch: int, shuffle: bool, consumers: int,
     cid: int, partition: Partition, window: int,

@@ -215,3 +215,21 @@ def test_an_abandoned_fill_epoch_stores_the_shards_it_computed(reference, tmp_pa
     ds.set_epoch(1)  # the next epoch reads those and computes the rest, then commits
     assert_same_batches(list(ds), epoch(_at(reference.dataset(batch_size=20, seed=1), 1), 0))
     assert_is_reference(ds.committed(), reference)
+
+
+@pytest.mark.parametrize(("world", "workers"), [(12, 0), (4, 3)])
+def test_fill_with_partition_drop_and_no_shuffle_commits_in_the_first_epoch(reference, tmp_path, world, workers):
+    # "drop" leaves the last n % consumers positions out of every epoch, and without shuffle the
+    # same ones: with 12 consumers, 200 % 12 = 8 rows, the whole of shard 6 (rows 192-199), which
+    # no consumer reads. The last consumer stores it, so the fill completes in the first epoch.
+    store = featstore.open_store(tmp_path / "store")
+    ranks = [store.dataset("fill/drop", batch_size=16, shuffle=False, partition="drop", world_size=world, rank=r,
+                           teacher=fill_teacher()) for r in range(world)]
+    seen = []
+    for d in ranks:
+        seen += [b["index"] for b in epoch(d, workers)]
+    idx = torch.cat(seen)
+    assert len(idx) == len(set(idx.tolist())) == 192 and int(idx.max()) < 192  # shard 6 is dropped
+    committed = ranks[-1].committed()
+    assert committed is not None
+    assert_is_reference(committed, reference)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featstore.read._assignment import (UniformShards, consumer_plan, consumer_span, round_robin_consumed, shard_order,
-                            span_pieces, window_permutation)
+from featstore.read._assignment import (UniformShards, consumer_plan, consumer_span, dropped_pieces,
+                                        round_robin_consumed, shard_order, span_pieces, window_permutation)
 from featstore.read._shuffle import ShardPermutation
 
 LAYOUTS = {
@@ -224,3 +224,20 @@ def test_uniform_plans_cover_every_sample_as_documented(world, workers, partitio
     assert seen == documented_coverage(shards.sizes(), world, workers, partition, epoch=5)
     if partition == "even":
         assert seen == Counter(range(1003))
+
+
+@pytest.mark.parametrize(("n", "spp"), [(10, 4), (200, 32), (97, 5), (8, 8), (3, 1)])
+@pytest.mark.parametrize("consumers", [1, 2, 3, 7, 12])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dropped_pieces_are_exactly_what_drop_leaves_out(n, spp, consumers, shuffle):
+    """The consumers' pieces under "drop" and the dropped pieces tile the epoch's samples once."""
+    shards = UniformShards(n, spp)
+    read = Counter()
+    for cid in range(consumers):
+        plan = consumer_plan(shards, seed=3, epoch=1, shuffle=shuffle, consumers=consumers, cid=cid,
+                             partition="drop", window=2 * spp)
+        read.update(p.shard * spp + r for window in plan.windows for p in window for r in range(p.lo, p.hi))
+    dropped = dropped_pieces(shards, seed=3, epoch=1, shuffle=shuffle, consumers=consumers)
+    left_out = Counter(p.shard * spp + r for p in dropped for r in range(p.lo, p.hi))
+    assert sum(left_out.values()) == n % consumers and not set(left_out) & set(read)
+    assert read + left_out == Counter(range(n))
