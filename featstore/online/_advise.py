@@ -211,7 +211,8 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
     and its stored bytes per sample."""
     from featstore.online._fill import FillState, try_commit
     from featstore.compute._extends import _Prefix
-    from featstore.online._reading import plan_teacher, shard_buffers
+    from featstore.online._inputs import InputPrefetch
+    from featstore.online._reading import plan_teacher, shard_batches, shard_buffers
     from featstore.compute._shard_task import worker_model
     from featstore.compute._shard_writing import open_arrays as _open_arrays
     from featstore.compute._shard_writing import write_shard as _write_shard
@@ -228,13 +229,15 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
         net = worker_model(scratch.model, spec.model_key, 0, device)
         shard_buffers(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
         arrays = _open_arrays(spec)
-        t_teacher = t_write = 0.0
-        for shard in range(spec.layout.n_shards):
-            t0 = time.perf_counter()
-            buffers, stats = shard_buffers(spec, net, scratch.dataset, shard, device)
-            t1 = time.perf_counter()
+        shards = range(spec.layout.n_shards)
+        inputs = InputPrefetch()  # A's inputs read a batch ahead, as the online reader reads them
+        inputs.plan(scratch.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
+        t0 = time.perf_counter()
+        computed = [shard_buffers(spec, net, scratch.dataset, shard, device, inputs) for shard in shards]
+        t1 = time.perf_counter()
+        for shard, (buffers, stats) in zip(shards, computed, strict=True):
             _write_shard(spec, arrays, shard, buffers, stats)
-            t_teacher, t_write = t_teacher + t1 - t0, t_write + time.perf_counter() - t1
+        t_teacher, t_write = t1 - t0, time.perf_counter() - t1
         try_commit(store, planned, FillState(), [None])
         version = store.open(planned.version.ref)
         # the shard objects' bytes (``<array>/c/<shard>/...``), not the version's few metadata objects

@@ -46,6 +46,7 @@ from featstore.compute._transfer import Offloader
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.format._manifests import Layout, Manifest
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
+from featstore.online._inputs import InputPrefetch
 from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
@@ -236,16 +237,24 @@ class FreshAugment(torch.utils.data.Dataset):
         return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
 
 
-def shard_buffers(spec: Any, net: torch.nn.Module, dataset: Any, index: int,
-                  device: torch.device) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-    """Shard ``index`` as ``compute`` stores it: every array's rows (stored dtype) and their
-    statistics, A run in ``compute``'s batches (``spec.batch_size`` rows from the shard's first)."""
-    buffers, stats = _shard_buffers(spec, index), {}
+def shard_batches(spec: Any, index: int) -> list[tuple[int, int]]:
+    """The batches ``[b0, b1)`` A runs on for shard ``index`` (``compute``'s: ``spec.batch_size``
+    rows from the shard's first)."""
     start, stop = spec.layout.shard_range(index)
+    return [(b0, min(b0 + spec.batch_size, stop)) for b0 in range(start, stop, spec.batch_size)]
+
+
+def shard_buffers(spec: Any, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
+                  inputs: InputPrefetch | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """Shard ``index`` as ``compute`` stores it: every array's rows (stored dtype) and their
+    statistics, A run in ``compute``'s batches (:func:`shard_batches`); ``inputs``: where A's
+    inputs were planned to be read ahead."""
+    buffers, stats = _shard_buffers(spec, index), {}
+    start, _ = spec.layout.shard_range(index)
     offload, on_device = Offloader(device), encodes_on_device(device)
-    for b0 in range(start, stop, spec.batch_size):
-        b1 = min(b0 + spec.batch_size, stop)
-        x, kept = _collate(spec, read_items(dataset, range(b0, b1)), b0, pinned=device.type == "cuda")
+    for b0, b1 in shard_batches(spec, index):
+        items = inputs.get(dataset, b0, b1) if inputs is not None else read_items(dataset, range(b0, b1))
+        x, kept = _collate(spec, items, b0, pinned=device.type == "cuda")
         outs = _forward(spec, net, x, b0, b1 - b0, device)
         if on_device:
             outs = device_stage(spec, outs, None, b0, 0)
@@ -264,6 +273,7 @@ class _Online:
     writers: dict[int | None, Any] = field(default_factory=dict)  # view -> the zarr arrays written
     fill: FillState = field(default_factory=FillState)
     writes: ShardWrites = field(default_factory=ShardWrites)
+    inputs: InputPrefetch = field(default_factory=InputPrefetch)
     owned_left: set[int] = field(default_factory=set)  # this iteration's shards to write, not yet written
 
 
@@ -330,14 +340,21 @@ class OnlineDataset(FeatureDataset):
         world = it.placement.world
         start, _ = consumer_span(len(self.version), world * max(1, it.workers), it.cid, self._partition(world))
         seen = self._seen(it.epoch)
-        # the shards this consumer writes this epoch: once all are, it tries the commit at once
-        pos, n = start, len(self.version)
+        # the shards this consumer writes this epoch (once all are, it tries the commit at once),
+        # and A's batches, which are read a batch ahead
+        pos, n, ranges = start, len(self.version), []
         for window in plan.windows:
             st.owned_left |= {p.shard for p, own in zip(window, owned(window, pos, n), strict=True) if own}
-            pos += sum(p.size for p in window)
+            size = sum(p.size for p in window)
+            if pos - start + size > skip:
+                ranges += [r for p in window if not st.fill.holds(spec.view, p.shard)
+                           for r in shard_batches(spec, p.shard)]
+            pos += size
         dropped = self._dropped(it, world) if self.filling else []
         st.owned_left |= set(dropped)
         st.owned_left -= st.fill.done.get(spec.view, set())
+        ranges += [r for shard in dropped for r in shard_batches(spec, shard)]
+        st.inputs.plan(seen, ranges)
         pos = start
         try:
             for wi, window in enumerate(plan.windows):
@@ -405,7 +422,7 @@ class OnlineDataset(FeatureDataset):
     def _computed(self, st: _Online, spec: Any, seen: Any, shard: int, write: bool) -> dict[str, np.ndarray]:
         """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
         consumer's writer thread (:class:`ShardWrites`) while A goes on."""
-        buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device)
+        buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device, st.inputs)
         if write:
             if spec.view not in st.writers:
                 st.writers[spec.view] = _open_arrays(spec)

@@ -1,0 +1,63 @@
+"""Model A's inputs read a batch ahead in the consuming process, as ``compute``'s fetch thread
+reads them in a shard task: the dataset's ``__getitem__`` of the next batch runs on a thread of
+its own while A's forward runs (torch releases the GIL in its kernels), instead of before it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from featstore._user_code import read_items
+
+
+class InputPrefetch:
+    """The batches an epoch will read, in order (:meth:`plan`), one read ahead at a time.
+
+    :meth:`get` returns the items of a batch: the one read ahead when it is the next planned,
+    else read now (a planned batch the reader skipped, because the fill had stored its shard
+    meanwhile, is passed over). A dataset error is raised by :meth:`get`, naming the index, as
+    a plain read raises it.
+
+    >>> inputs = InputPrefetch()
+    >>> inputs.plan(train_set, [(0, 256), (256, 512)])   # doctest: +SKIP
+    >>> items = inputs.get(train_set, 0, 256)              # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._todo: deque[tuple[Any, int, int]] = deque()
+        self._ahead: tuple[tuple[Any, int, int], Future] | None = None
+
+    def plan(self, dataset: Any, ranges: Iterable[tuple[int, int]]) -> None:
+        """The batches ``[b0, b1)`` of ``dataset`` to read next, in order (replacing any plan)."""
+        self._todo = deque((dataset, b0, b1) for b0, b1 in ranges)
+        self._ahead = None  # a read still running finishes on its own; nobody takes it
+        self._start_next()
+
+    def get(self, dataset: Any, b0: int, b1: int) -> list[Any]:
+        """The items of ``dataset[b0:b1]``."""
+        want = (dataset, b0, b1)
+        while self._ahead is not None and not _same(self._ahead[0], want):
+            self._ahead = None  # passed over
+            self._start_next()
+        if self._ahead is None:
+            return read_items(dataset, range(b0, b1))
+        fut = self._ahead[1]
+        self._ahead = None
+        self._start_next()
+        return fut.result()
+
+    def _start_next(self) -> None:
+        if self._ahead is not None or not self._todo:
+            return
+        dataset, b0, b1 = self._todo.popleft()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")
+        self._ahead = ((dataset, b0, b1), self._pool.submit(read_items, dataset, range(b0, b1)))
+
+
+def _same(a: tuple[Any, int, int], b: tuple[Any, int, int]) -> bool:
+    return a[0] is b[0] and a[1:] == b[1:]
