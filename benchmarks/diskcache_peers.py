@@ -30,9 +30,11 @@ from .reader import BATCH, light_outputs
 EPOCHS = 4
 #: An epoch that has fetched this many times its dataset is stopped (a thrashing cache).
 CAP_RATIO = 3.0
-#: Mosaic's shuffles tried: its default (``py1e``) and the shard-wise one (``py1s``: shuffle the
-#: shards, then the samples inside each), which reads as featstore and LitData do.
-MOSAIC_ALGOS = ("py1e", "py1s")
+#: Mosaic's shuffles tried: its default (``py1e``: with one node its block, 4M samples, spans the
+#: dataset) and a shard-wise one (``py1s``, shards shuffled then the samples inside each, on one
+#: canonical node: py1s's default of 64 canonical nodes interleaves 64 places of the order),
+#: which reads shard by shard as featstore and LitData do.
+MOSAIC_SHUFFLES = ({"shuffle_algo": "py1e"}, {"shuffle_algo": "py1s", "num_canonical_nodes": 1})
 
 
 def _epochs(ds: featstore.FeatureDataset, proxy: str) -> list[dict[str, Any]]:
@@ -76,7 +78,7 @@ def peer_runs(n: int, endpoint: str, proxy: str, shard: int, workdir: str, timeo
     row_bytes = 512 * 2 + 1000 * 4 + 8  # features fp16 + logits fp32 + target int64: the peers' raw row
     spec = {"data": data, "workdir": os.path.join(workdir, "peers-cache"), "endpoint": endpoint, "proxy": proxy,
             "epochs": EPOCHS, "chunk_bytes": shard * row_bytes, "cap_ratio": CAP_RATIO,
-            "mosaic_algos": list(MOSAIC_ALGOS), "threads": 1}
+            "mosaic_shuffles": list(MOSAIC_SHUFFLES), "threads": 1}
     try:
         return run_child("benchmarks.peers_cache_child", spec, timeout)
     finally:
@@ -108,8 +110,8 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         p = peers.get(peer) or {}
         ver = peers.get("versions", {}).get(peer, "?")
         for r in p.get("runs", []):
-            algo = f", shuffle_algo='{r['shuffle_algo']}'" if "shuffle_algo" in r else ""
-            out.append((f"{name} {ver}{algo}", r, p["dataset_bytes"]))
+            opts = "".join(f", {k}={v!r}" for k, v in r.get("options", {}).items())
+            out.append((f"{name} {ver}{opts}", r, p["dataset_bytes"]))
     return out
 
 
@@ -119,7 +121,8 @@ def _cell(run: dict[str, Any], size: int) -> tuple[str, str, str]:
         return "failed", "", run["error"][:160].replace("|", "/")
     ep = run["epochs"]
     later = [e["s"] for e in ep[1:]]
-    frac = ", ".join(f"{e['get_bytes'] / size:.2f}" + ("*" if e["stopped"] else "") for e in ep)
+    frac = ", ".join(f"{e['get_bytes'] / size:.2f}" + (f"* ({e['samples']:,} samples)" if e["stopped"] else "")
+                     for e in ep)
     return f"{ep[0]['s']:.2f}", f"{np.median(later):.2f}" if later else "", frac
 
 
@@ -148,5 +151,6 @@ def section_lines(res: dict[str, Any] | None) -> list[str]:
         if "error" in res["peers"].get(peer, {}):
             lines += ["", f"{peer} failed: {res['peers'][peer]['error'][:400]}"]
     lines += ["", "`*`: the epoch was stopped once it had fetched "
-              f"{CAP_RATIO:.0f} times its dataset (the cache was thrashing)."]
+              f"{CAP_RATIO:.0f} times its dataset (checked after every batch: a thrashing cache), with the "
+              "samples it had read by then; a run stops after two such epochs."]
     return lines
