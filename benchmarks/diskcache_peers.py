@@ -69,20 +69,35 @@ def featstore_runs(s3v: featstore.Version, bucket: str, proxy: str, size: int, w
     return {"dataset_bytes": size, "runs": runs}
 
 
-def peer_runs(n: int, endpoint: str, proxy: str, shard: int, workdir: str, timeout: float = 1500) -> dict[str, Any]:
-    """LitData's and Mosaic's runs in the peers' environment (``{"unavailable": why}`` without it)."""
+def peer_runs(n: int, endpoint: str, proxy: str, shard: int, workdir: str) -> dict[str, Any]:
+    """LitData's and Mosaic's runs in the peers' environment (``{"unavailable": why}`` without it),
+    each budget run in a child process of its own."""
     data = os.path.join(workdir, "peers-cache-data")
     os.makedirs(data, exist_ok=True)
     for k, t in light_outputs(n).items():
         np.save(os.path.join(data, f"{k}.npy"), t.numpy())
     row_bytes = 512 * 2 + 1000 * 4 + 8  # features fp16 + logits fp32 + target int64: the peers' raw row
-    spec = {"data": data, "workdir": os.path.join(workdir, "peers-cache"), "endpoint": endpoint, "proxy": proxy,
-            "epochs": EPOCHS, "chunk_bytes": shard * row_bytes, "cap_ratio": CAP_RATIO,
-            "mosaic_shuffles": list(MOSAIC_SHUFFLES), "threads": 1}
+    base = {"workdir": os.path.join(workdir, "peers-cache"), "endpoint": endpoint, "proxy": proxy,
+            "epochs": EPOCHS, "cap_ratio": CAP_RATIO, "threads": 1}
     try:
-        return run_child("benchmarks.peers_cache_child", spec, timeout)
+        out = run_child("benchmarks.peers_cache_child",
+                        {**base, "task": "prepare", "data": data, "chunk_bytes": shard * row_bytes}, 900)
     finally:
         shutil.rmtree(data, ignore_errors=True)
+    if "unavailable" in out:
+        return out
+    for peer, variants in (("litdata", ({},)), ("mosaic", MOSAIC_SHUFFLES)):
+        p = out[peer]
+        p["runs"] = []
+        for i, opts in enumerate(variants):
+            run = {**base, **p, "task": "run", "peer": peer, "options": opts}
+            full = run_child("benchmarks.peers_cache_child", {**run, "budget": 8 * p["dataset_bytes"],
+                             "cache": os.path.join(base["workdir"], f"{peer}-{i}-full")}, 600)
+            half = run_child("benchmarks.peers_cache_child", {**run, "budget": full.get("cache_bytes", 0) // 2,
+                             "cache": os.path.join(base["workdir"], f"{peer}-{i}-half")}, 600)
+            p["runs"].append({"options": opts, "full": full, "half": half})
+    shutil.rmtree(base["workdir"], ignore_errors=True)
+    return out
 
 
 def run_all(s3v: featstore.Version, bucket: str, endpoint: str, size: int, shard: int, workdir: str,
@@ -117,7 +132,8 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
 
 def _cell(run: dict[str, Any], size: int) -> tuple[str, str, str]:
     """(epoch 1 s, epochs 2+ s, bytes per epoch / dataset for epochs 1..)."""
-    if "error" in run:
+    if "error" in run or "unavailable" in run:
+        run = {"error": run.get("error") or run["unavailable"]}
         return "failed", "", run["error"][:160].replace("|", "/")
     ep = run["epochs"]
     later = [e["s"] for e in ep[1:]]
@@ -145,12 +161,13 @@ def section_lines(res: dict[str, Any] | None) -> list[str]:
         for what in ("full", "half"):
             r = run[what]
             e1, e2, frac = _cell(r, size)
-            budget = f"{'whole' if what == 'full' else 'half'}: {r['budget'] / 2**20:.1f} MiB"
+            budget = f"{'whole' if what == 'full' else 'half'}: {r.get('budget', 0) / 2**20:.1f} MiB"
             lines.append(f"| {name} | {size / 2**20:.1f} MiB | {budget} | {e1} | {e2} | {frac} |")
     for peer in ("litdata", "mosaic"):
         if "error" in res["peers"].get(peer, {}):
             lines += ["", f"{peer} failed: {res['peers'][peer]['error'][:400]}"]
     lines += ["", "`*`: the epoch was stopped once it had fetched "
               f"{CAP_RATIO:.0f} times its dataset (checked after every batch: a thrashing cache), with the "
-              "samples it had read by then; a run stops after two such epochs."]
+              "samples it had read by then; the run ends there (the peer's download threads would go on "
+              "fetching into the next epoch's count). Each peer run is a process of its own."]
     return lines

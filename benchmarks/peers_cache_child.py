@@ -6,17 +6,17 @@ peers' own virtual environment (no featstore there).
 Each peer writes the workload (the parent's .npy files) as its own dataset with zstd and chunks
 of ``spec["chunk_bytes"]`` (about one featstore shard's objects), uploads it to S3 directly, and
 reads it through the counting proxy (:mod:`benchmarks.s3count`) for ``spec["epochs"]`` read-only
-shuffled epochs, batch 256, 0 workers: first with a cache budget that holds the whole dataset,
-then with half of what that cache held (each peer's own on-disk form: LitData keeps the
-downloaded chunk files, Mosaic the decompressed shards). Mosaic runs once per shuffle in
-``spec["mosaic_shuffles"]``. The cache options are the peers' own:
+shuffled epochs, batch 256, 0 workers, each run in a process of its own (``spec["task"] ==
+"run"``): first with a cache budget that holds the whole dataset, then with half of what that
+cache held (each peer's own on-disk form: LitData keeps the
+downloaded chunk files, Mosaic the decompressed shards). The parent runs Mosaic once per shuffle
+it tries. The cache options are the peers' own:
 LitData ``StreamingDataset(cache_dir=, max_cache_size=)``, Mosaic ``StreamingDataset(remote=,
 local=, cache_limit=)``.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -74,51 +74,58 @@ def _epoch(loader: Any, proxy: str, cap: int) -> dict[str, Any]:
             **{k: after.get(k, 0) - before.get(k, 0) for k in ("get_bytes", "gets", "lists", "heads")}}
 
 
-def _budget_run(make: Any, cache: str, budget: int, spec: dict[str, Any], cap: int, **kw: Any) -> dict[str, Any]:
-    """``spec["epochs"]`` epochs with a fresh cache folder; the cache's bytes after them."""
+def budget_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["epochs"]`` epochs of ``spec["peer"]`` with a fresh cache folder and ``spec["budget"]``;
+    the cache's bytes after them. A run ends at its first stopped epoch: the peer's download
+    threads of an abandoned epoch keep fetching, which the proxy would count in the next one."""
+    cache = spec["cache"]
     shutil.rmtree(cache, ignore_errors=True)
     os.makedirs(cache)
+    make = litdata_loader if spec["peer"] == "litdata" else mosaic_loader
+    cap = int(spec["cap_ratio"] * spec["dataset_bytes"])
     try:
-        loader = make(spec["url"], cache, budget, spec["proxy"], **kw)
+        loader = make(spec["url"], cache, spec["budget"], spec["proxy"], **spec["options"])
         epochs: list[dict[str, Any]] = []
-        # A thrashing cache: two stopped epochs show it; more would only cost minutes.
-        while len(epochs) < spec["epochs"] and sum(e["stopped"] for e in epochs) < 2:
+        while len(epochs) < spec["epochs"] and not any(e["stopped"] for e in epochs):
             epochs.append(_epoch(loader, spec["proxy"], cap))
     except Exception as exc:  # noqa: BLE001 - a peer's failure is its row's text, never a fake figure
-        return {"budget": budget, "error": f"{type(exc).__name__}: {exc}"[:500]}
-    del loader
-    gc.collect()
-    return {"budget": budget, "epochs": epochs, "cache_bytes": dir_bytes(cache)}
+        return {"budget": spec["budget"], "error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"budget": spec["budget"], "epochs": epochs, "cache_bytes": dir_bytes(cache)}
 
 
-def run_peer(peer: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Write, upload, then the full-budget and the half-budget runs of one peer."""
-    work = os.path.join(spec["workdir"], f"cache-{peer}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    local = os.path.join(work, "data")
+def prepare(peer: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Write the workload as ``peer``'s dataset and upload it: its URL and bytes."""
+    local = os.path.join(spec["workdir"], f"data-{peer}")
+    shutil.rmtree(local, ignore_errors=True)
     if peer == "litdata":
         pc.litdata_write(local, chunk_bytes=spec["chunk_bytes"])
-        make, variants = litdata_loader, [{}]
     else:
         pc.mosaic_write(local, size_limit=spec["chunk_bytes"])
-        make, variants = mosaic_loader, spec["mosaic_shuffles"]
     bucket = f"cache-{peer}-{os.getpid()}"
     pc._upload(local, spec["endpoint"], bucket, "data")
-    size = dir_bytes(local)
-    out: dict[str, Any] = {"dataset_bytes": size, "files": sum(len(f) for _, _, f in os.walk(local)), "runs": []}
-    spec = {**spec, "url": f"s3://{bucket}/data"}
-    cap = int(spec["cap_ratio"] * size)
-    for i, kw in enumerate(variants):
-        # A folder per run: Mosaic shares its shard states (shared memory) between datasets of
-        # one local folder, so a reused folder would start from the last run's states.
-        full = _budget_run(make, os.path.join(work, f"full-{i}"), 8 * size, spec, cap, **kw)
-        half_budget = full.get("cache_bytes", size) // 2
-        half = _budget_run(make, os.path.join(work, f"half-{i}"), half_budget, spec, cap, **kw)
-        out["runs"].append({"options": kw, "full": full, "half": half})
-    shutil.rmtree(work, ignore_errors=True)
+    out = {"url": f"s3://{bucket}/data", "dataset_bytes": dir_bytes(local),
+           "files": sum(len(f) for _, _, f in os.walk(local))}
+    shutil.rmtree(local, ignore_errors=True)
     return out
 
 
+def main(spec_path: str) -> None:
+    """``spec["task"]``: ``"prepare"`` (both peers' datasets) or ``"run"`` (one budget run); one JSON line."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+    if spec["task"] == "run":
+        print(json.dumps(budget_run(spec)))
+        return
+    os.environ["FEATSTORE_BENCH_PEER_DATA"] = spec["data"]
+    pc._load(spec["data"])
+    pc._stub_torchvision()
+    out: dict[str, Any] = {"versions": {}}
+    for peer, module in (("litdata", "litdata"), ("mosaic", "streaming")):
+        out["versions"][peer] = getattr(__import__(module), "__version__", "?")
+        out[peer] = prepare(peer, spec)
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
-    pc.main(sys.argv[1], run_peer)
+    main(sys.argv[1])

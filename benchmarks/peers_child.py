@@ -168,9 +168,7 @@ def run_peer(peer: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"reps": reps}
 
 
-def main(spec_path: str, run: Any = None) -> None:
-    """Run ``run(peer, spec)`` (default :func:`run_peer`) for each peer; print one JSON line."""
-    run = run or run_peer
+def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
@@ -183,7 +181,7 @@ def main(spec_path: str, run: Any = None) -> None:
                 _stub_torchvision()
             mod = __import__(module)
             out["versions"][peer] = getattr(mod, "__version__", "?")
-            out[peer] = run(peer, spec)
+            out[peer] = run_peer(peer, spec)
         except Exception as exc:  # noqa: BLE001 - report any peer failure as text, never a fake row
             out[peer] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
     print(json.dumps(out))
