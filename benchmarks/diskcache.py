@@ -9,6 +9,9 @@ float32 logits and an int64 target per sample) written to S3 (moto, in its own p
 same bytes: the same decoding). Every read is a read-only shuffled epoch, 0 DataLoader workers,
 batch 256. The data GETs are counted (calls and bytes) at featstore's S3 client
 (:class:`featstore.storage.S3Getter`), which every data read of the reader goes through.
+
+Then :mod:`benchmarks.diskcache_peers` sets featstore's disk tier beside LitData's and Mosaic's
+disk caches on the same values and the same server, with bytes counted at a proxy in front of it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 import featstore
 from featstore.storage import S3Getter
 
+from . import diskcache_peers
 from .reader import BATCH, FIELDS, light_outputs, torch_threads, train_light, write_light
 from .sections import write_marked
 
@@ -171,6 +175,7 @@ def run_diskcache(n: int, repeats: int, workdir: str, endpoint: str, say: Any) -
                 r[f"half_{policy}"] = _half_budget(s3v, os.path.join(folder, policy), size // 2, policy, gets)
             shutil.rmtree(folder, ignore_errors=True)
             res["reps"].append(r)
+    res["peers_cache"] = diskcache_peers.run_all(s3v, bucket, endpoint, size, SHARD, workdir, say)
     return res
 
 
@@ -233,7 +238,7 @@ def section(res: dict[str, Any], command: str, load: str) -> str:
               "| bytes fetched per epoch / version, half budget, 'keep', epochs 1–4 | "
               + ", ".join(f"{x:.3f}" for x in per_epoch["keep"]) + " |",
               "| the same, 'lru' | " + ", ".join(f"{x:.3f}" for x in per_epoch["lru"]) + " |",
-              "", *NOTES, "", END]
+              *diskcache_peers.section_lines(res.get("peers_cache")), "", *NOTES, "", END]
     return "\n".join(lines)
 
 

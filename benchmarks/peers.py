@@ -26,17 +26,23 @@ def run_peers(data_dir: str, workdir: str, repeats: int, endpoint: str | None, w
               threads: int, timeout: float = 1800) -> dict[str, Any]:
     """Run :mod:`benchmarks.peers_child` in the peers' environment; ``{"unavailable": why}`` when
     there is none, else the child's JSON (a peer that failed carries its error text)."""
+    spec = {"data": data_dir, "workdir": workdir, "repeats": repeats, "endpoint": endpoint,
+            "workers": workers, "threads": threads}
+    return run_child("benchmarks.peers_child", spec, timeout)
+
+
+def run_child(module: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``module`` run with ``spec`` (its ``workdir`` gets the spec file) in the peers' environment:
+    its last stdout line as JSON, or ``{"unavailable": why}`` without the environment or output."""
     py = peers_python()
     if py is None:
         return {"unavailable": f"no peers environment: set {PEERS_ENV} or create it with `{SETUP}`"}
-    spec = {"data": data_dir, "workdir": workdir, "repeats": repeats, "endpoint": endpoint,
-            "workers": workers, "threads": threads}
+    workdir = spec["workdir"]
     spec_path = os.path.join(workdir, "peers-spec.json")
     os.makedirs(workdir, exist_ok=True)
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    proc = subprocess.run([py, "-m", "benchmarks.peers_child", spec_path], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([py, "-m", module, spec_path], capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"unavailable": f"the peers' process failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}

@@ -73,12 +73,12 @@ def _load(folder: str) -> None:
         _DATA[k] = np.load(os.path.join(folder, f"{k}.npy"), mmap_mode="r")
 
 
-def litdata_write(out: str) -> float:
+def litdata_write(out: str, chunk_bytes: int | str = "16MB") -> float:
     from litdata import optimize
 
     t0 = time.perf_counter()
     optimize(fn=_litdata_sample, inputs=list(range(len(_DATA["target"]))), output_dir=out,
-             chunk_bytes="16MB", compression="zstd", num_workers=1, mode="overwrite")
+             chunk_bytes=chunk_bytes, compression="zstd", num_workers=1, mode="overwrite")
     return time.perf_counter() - t0
 
 
@@ -93,14 +93,14 @@ def litdata_loader(src: str, workers: int, cache: str, endpoint: str | None):
     return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
 
 
-def mosaic_write(out: str) -> float:
+def mosaic_write(out: str, size_limit: int | str = "16mb") -> float:
     _stub_torchvision()
     from streaming import MDSWriter
 
     cols = {"features": f"ndarray:float16:{_DATA['features'].shape[1]}",
             "logits": f"ndarray:float32:{_DATA['logits'].shape[1]}", "target": "int64"}
     t0 = time.perf_counter()
-    with MDSWriter(out=out, columns=cols, compression="zstd", size_limit="16mb") as w:
+    with MDSWriter(out=out, columns=cols, compression="zstd", size_limit=size_limit) as w:
         f, lg, y = _DATA["features"], _DATA["logits"], _DATA["target"]
         for i in range(len(y)):
             w.write({"features": f[i], "logits": lg[i], "target": int(y[i])})
