@@ -152,8 +152,9 @@ def _half_budget(s3v: featstore.Version, cache_dir: str, budget: int, policy: st
     return out
 
 
-def run_diskcache(n: int, repeats: int, workdir: str, endpoint: str, say: Any) -> dict[str, Any]:
-    """Every disk-tier row ``repeats`` times; returns the raw figures (see :func:`section`)."""
+def run_diskcache(n: int, repeats: int, workdir: str, endpoint: str, say: Any, peers: bool = True) -> dict[str, Any]:
+    """Every disk-tier row ``repeats`` times, and the peers' disk caches beside featstore's
+    (``peers=False``: not them); returns the raw figures (see :func:`section`)."""
     import boto3
 
     bucket = f"disk-{uuid.uuid4().hex[:8]}"
@@ -175,7 +176,7 @@ def run_diskcache(n: int, repeats: int, workdir: str, endpoint: str, say: Any) -
                 r[f"half_{policy}"] = _half_budget(s3v, os.path.join(folder, policy), size // 2, policy, gets)
             shutil.rmtree(folder, ignore_errors=True)
             res["reps"].append(r)
-    res["peers_cache"] = diskcache_peers.run_all(s3v, bucket, endpoint, size, SHARD, workdir, say)
+    res["peers_cache"] = diskcache_peers.run_all(s3v, bucket, endpoint, size, SHARD, workdir, say, peers)
     return res
 
 

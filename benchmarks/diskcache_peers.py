@@ -101,14 +101,18 @@ def peer_runs(n: int, endpoint: str, proxy: str, shard: int, workdir: str) -> di
 
 
 def run_all(s3v: featstore.Version, bucket: str, endpoint: str, size: int, shard: int, workdir: str,
-            say: Any) -> dict[str, Any]:
-    """featstore's and the peers' runs through one counting proxy in front of ``endpoint``."""
+            say: Any, peers: bool = True) -> dict[str, Any]:
+    """featstore's and the peers' runs (``peers=False``: not theirs) through one counting proxy
+    in front of ``endpoint``."""
     proc, proxy = s3count.start(endpoint)
     try:
         say("disk cache rows: featstore through the counting proxy")
         out = {"featstore": featstore_runs(s3v, bucket, proxy, size, workdir)}
-        say("disk cache rows: LitData and Mosaic (peers' environment)")
-        out["peers"] = peer_runs(len(s3v), endpoint, proxy, shard, workdir)
+        if not peers:
+            out["peers"] = {"unavailable": "disabled by --no-peers"}
+        else:
+            say("disk cache rows: LitData and Mosaic (peers' environment)")
+            out["peers"] = peer_runs(len(s3v), endpoint, proxy, shard, workdir)
     finally:
         proc.kill()
         proc.wait()

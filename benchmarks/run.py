@@ -269,7 +269,8 @@ def _diskcache_only(prof: Profile, args: argparse.Namespace, work: str, command:
     moto, endpoint = _moto()
     t0 = time.perf_counter()
     try:
-        res = diskcache.run_diskcache(args.n or prof.disk_n, prof.repeats, work, endpoint, _say)
+        res = diskcache.run_diskcache(args.n or prof.disk_n, prof.repeats, work, endpoint, _say,
+                                      peers=not args.no_peers)
     finally:
         moto.kill()
         if args.workdir is None:
