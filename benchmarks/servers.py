@@ -55,11 +55,14 @@ NOTES = (
     "reader's shard GETs are (24 GETs per epoch of this version, none ranged, counted by a proxy); the "
     "raw PUTs are s3fs's, 2 at a time, as the writer's. Both servers share the 2 cores with the client.",
     "- *Reader byte rate and S3 training* miss their targets on both servers, by about as much on the real "
-    "server as on moto: the server is not what bounds them. A cProfile of one SeaweedFS read-only epoch "
-    "(1.02 s, at a load of ~9) spent 0.52 s waiting for fetches and 0.44 s gathering batch rows from the "
-    "fetched shards with numpy (`gather.InPlace`) in the consuming thread; a local store gathers with one "
-    "`torch.index_select` over its mapped shards (`gather.ArenaRows`). On S3 that gather adds ~0.4 s per "
-    "epoch to B's thread, which is the gap between the two training times.",
+    "server as on moto: the server's software is not what bounds them, the 2 cores are. A read-only SeaweedFS "
+    "epoch costs the client 0.30-0.40 s of CPU (obstore, the crc32c of every chunk, zstd of the features, "
+    "the batch gathers) and the server 0.20-0.27 s (`read_cpu_s`, `server_cpu_s` in "
+    "docs/benchmarks-servers.json), so with B on one core the reads and the server share the other; a raw "
+    "GET pays only the transfer. Tried and measured (not kept): gathering fetched shards with one "
+    "`index_select` over arena slots (training 1.55 vs 1.65, read-only epochs 0.44 s vs 0.35 s: the copy into "
+    "the slots costs more than the numpy gather, 0.11-0.18 s per epoch), and smaller shards (512 samples "
+    "instead of 2,560: 1.61 vs 1.46). Where the server runs on other machines, its CPU leaves this one.",
     "- *compute vs raw PUTs*: the compute's time includes what raw PUTs do not (the probe batch, "
     "fingerprints, encoding and zstd, receipts, the claim and commit with their checks); info only.",
 )
