@@ -221,7 +221,7 @@ def section(res: dict[str, Any]) -> str:
              f"`{res['command']}` — N={res['n']:,} samples of the reader rows' light workload, "
              f"{len(next(iter(res['servers'].values())))} repeats, {res['elapsed_s']:.0f} s; {res['load']}. "
              "Both servers on loopback on the same 2 cores as the client: moto (Python, `ThreadedMotoServer` in "
-             "its own process) and SeaweedFS 4.48 (`weed server -s3`, `featstore/testservers.py`).", "",
+             "its own process) and SeaweedFS 4.48 (`weed server -s3`, `featstore/testing/_servers.py`).", "",
              "| server | row | target | measured | met | how |", "|---|---|---|---|---|---|"]
     for name, row, target, stat, how in rows(res):
         met = "info" if target == "(info)" or stat is None else (

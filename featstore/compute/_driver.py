@@ -248,7 +248,7 @@ def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequenc
                timings: Mapping[str, Any]) -> Version:
     """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
     others are read from the store), its records, statistics and manifest. What ``compute``
-    and a filling :mod:`featstore.read.online` reader both end with, so both commit the same version."""
+    and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""
     name = plan.req.name
     receipts = catalog.collect_receipts(name, plan.vid, claim.layout, fresh, plan.inherited, plan.req.views)
     manifest = Manifest(
@@ -326,7 +326,7 @@ def _claim(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple
 def planned_arrays(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple[int, ...], str, float]],
                    options: ComputeOptions) -> tuple[Layout, dict[str, ArraySpec]]:
     """The layout and arrays a run claims for what the probe found (before any claim adopts
-    another run's): ``compute`` and the online reader (:mod:`featstore.read.online`) plan the
+    another run's): ``compute`` and the online reader (:mod:`featstore.online`) plan the
     same version."""
     req = plan.req
     probed = dict(probed)

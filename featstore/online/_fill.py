@@ -1,9 +1,9 @@
 """Fill as you train: the shards an online reader computes become the version.
 
 Every (rank, DataLoader worker) consumer reads one contiguous span of the epoch's shard order
-(:mod:`featstore.plan`). A shard's first row lies in exactly one consumer's span: that consumer
+(:mod:`featstore.read._assignment`). A shard's first row lies in exactly one consumer's span: that consumer
 *owns* the shard for the epoch (:func:`owned`) and is the only one that writes it, with the
-writer's own shard write (:mod:`featstore.tasks`: the same arrays, crc32c and receipts as
+writer's own shard write (:mod:`featstore.compute._shard_writing`: the same arrays, crc32c and receipts as
 ``store.compute``). A consumer that reads only the tail of a shard another one
 owns computes those rows for itself and writes nothing, so no two consumers of a run ever write
 the same object (and a shard is never written from two floating-point histories).

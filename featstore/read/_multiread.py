@@ -15,7 +15,7 @@ version).
 
 How: one :class:`~featstore.FeatureDataset` per teacher, all with the same options. The plan is
 a pure function of the layout, the options, the epoch and the (rank, worker) consumer
-(:mod:`featstore.plan`), and the view an epoch reads of the view count and the seed
+(:mod:`featstore.read._assignment`), and the view an epoch reads of the view count and the seed
 (:func:`featstore.views.epoch_view`), so aligned versions get the same plan and the same view:
 each teacher's reader reads its own bytes of that plan (one view, each row once per epoch, no
 more than read alone) with its own caches, prefetch and storage, and the batches are zipped. Every

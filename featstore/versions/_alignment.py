@@ -8,7 +8,7 @@ Two teachers can be read on the same rows, or a second teacher computed on a fir
   ``dataset_id``); the digest samples items first to last, so it also sees the order;
 - the same views: none for both, or the same count K, the same ``augment_seed``, the same seed
   policy and the same ``augment`` (by its source digest). View ``v`` of sample ``i`` is then the
-  same augmented input in both versions (:mod:`featstore.views`).
+  same augmented input in both versions (:mod:`featstore.versions._views`).
 
 :class:`Alignment` is that identity, read from a manifest (:meth:`Alignment.of`) or from a
 compute request (:meth:`Alignment.of_parts`); :func:`differences` names what two of them do

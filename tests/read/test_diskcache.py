@@ -1,4 +1,4 @@
-"""The disk tier for remote stores (cache="disk", featstore/diskcache.py).
+"""The disk tier for remote stores (cache="disk", featstore/read/_disk_cache.py).
 
 Real parts only: the moto S3 server with the loopback proxy in front of it counting every GET
 (tests/faultproxy.py), real DataLoader worker processes, real rank processes sharing one cache
