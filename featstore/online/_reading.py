@@ -371,8 +371,8 @@ class OnlineDataset(FeatureDataset):
                 st.fill.done.setdefault(view, set()).add(shard)
             raise
         if self.filling:
-            self._written(st, st.writes.drain())
-            try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+            if not self._written(st, st.writes.drain()):  # every consumer tries at its epoch's end
+                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
 
     def _dropped(self, it: Any, world: int) -> list[int]:
         """The shards whose first row lies in the tail that ``partition="drop"`` leaves out of
@@ -432,13 +432,16 @@ class OnlineDataset(FeatureDataset):
             self._written(st, st.writes.finished())
         return buffers
 
-    def _written(self, st: _Online, done: list[Any]) -> None:
-        """Record finished shard writes; whoever writes the epoch's last owned shard commits."""
+    def _written(self, st: _Online, done: list[Any]) -> bool:
+        """Record finished shard writes; whoever writes the epoch's last owned shard commits.
+        Whether the commit was tried (so the epoch's end does not list the receipts again)."""
         for view, shard in done:
             st.fill.done.setdefault(view, set()).add(shard)
             st.owned_left.discard(shard)
         if done and not st.owned_left:
             try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
+            return True
+        return False
 
     def __repr__(self) -> str:
         mode = "fill" if self.filling else "online"
