@@ -1,9 +1,10 @@
-"""Every object featstore stores besides array data, as validated, canonical JSON: pure.
+"""The manifest and what it is made of, as validated, canonical JSON: pure.
 
-The manifest (what a committed version holds; writing it create-if-absent is the commit),
-shard receipts (resume markers), tags (the only mutable pointers) and the pending claim of a
-version being computed. Nothing here is ever unpickled; unknown or newer schemas are refused
-with :class:`IncompatibleFormat` saying what to do.
+The manifest (what a committed version holds; writing it create-if-absent is the commit) and
+its parts (layout, arrays, views, bases), shard receipts (resume markers) and the binary shard
+records of schema 2. The small objects beside it (refs, tags, the pending claim, the gc mark,
+receipt runs) live in :mod:`featstore.format._objects`. Nothing here is ever unpickled; unknown
+or newer schemas are refused with :class:`IncompatibleFormat` saying what to do.
 """
 
 from __future__ import annotations
