@@ -9,11 +9,12 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from featstore.read._assignment import UniformShards
-from featstore.read._elastic import EpochOrder, ResumeState, Split, resume
+from featstore.read._elastic import EpochOrder, ResumeState, Segment, Split, progress, resume
 from featstore.read._mixture import Mixture
 from featstore.read._slices import Share, window_order
 
@@ -73,3 +74,23 @@ def job_order(per_rank: list[list[np.ndarray]]) -> np.ndarray:
     steps = max((len(b) for b in per_rank), default=0)
     parts = [b[j] for j in range(steps) for b in per_rank if j < len(b)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def rank_totals(order: EpochOrder, sp: Split) -> np.ndarray:
+    """Each rank's batches in a whole epoch under ``sp``."""
+    return progress(order, (Segment(sp, 0),))[0].counts.reshape(sp.world, sp.per_rank).sum(axis=1)
+
+
+def count_pieces(monkeypatch: Any, module: Any) -> list[int]:
+    """Record how many pieces each call of ``module.uniform_span_pieces`` builds (the real
+    function runs): what a plan costs, counted rather than timed."""
+    built: list[int] = []
+    real = module.uniform_span_pieces
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        built.append(len(out))
+        return out
+
+    monkeypatch.setattr(module, "uniform_span_pieces", counting)
+    return built

@@ -20,11 +20,11 @@ from featstore.errors import InvalidInput
 from featstore.read import _assignment
 from featstore.read._assignment import UniformShards, consumer_plan, consumer_span, round_robin_consumed, \
     window_permutation
-from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch,
-                                     check_same_order, epoch_share, progress, remaining_samples, resume,
-                                     yielded_shares)
+from featstore.read._elastic import (EpochOrder, ResumeState, Split, check_global_batch, check_same_order,
+                                     epoch_share, remaining_samples, resume, yielded_shares)
 from featstore.read._slices import slice_rows
-from tests.read.plan_rows import batches, every_row, rank_batches, resumed_shares, share_rows
+from tests.read.plan_rows import (batches, count_pieces, every_row, rank_batches, rank_totals, resumed_shares,
+                                  share_rows)
 
 LAYOUTS = {
     "one-shard": UniformShards(10, 10),
@@ -74,11 +74,6 @@ def expected_after(rest: np.ndarray, sp: Split) -> dict[tuple[int, int], np.ndar
 def flat(rows: dict[tuple[int, int], np.ndarray], sp: Split) -> list[int]:
     """Every row the consumers yield, batches cut as the reader cuts them (drop_last drops)."""
     return [int(i) for v in rows.values() for b in batches(v, sp) for i in b]
-
-
-def rank_totals(order: EpochOrder, sp: Split) -> np.ndarray:
-    """Each rank's batches in a whole epoch under ``sp``."""
-    return progress(order, (Segment(sp, 0),))[0].counts.reshape(sp.world, sp.per_rank).sum(axis=1)
 
 
 def order_of(layout: UniformShards, seed: int = 0, shuffle: bool = True, window: int = 20) -> EpochOrder:
@@ -205,15 +200,7 @@ def test_the_state_is_a_few_integers_and_round_trips_through_json():
 def test_resume_cost_does_not_grow_with_the_position(monkeypatch):
     """Pieces planned to resume at 90% of an epoch are no more than at 10% (counted, not timed),
     and fewer than planning the interrupted epoch whole."""
-    built = []
-    real = _assignment.uniform_span_pieces
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        built.append(len(out))
-        return out
-
-    monkeypatch.setattr(_assignment, "uniform_span_pieces", counting)
+    built = count_pieces(monkeypatch, _assignment)
     order = EpochOrder(UniformShards(200_000, 100), 0, True, 400)
     old, new = Split(8, 4, 16, "pad"), Split(4, 2, 32, "pad")
     total = int(rank_totals(order, old)[0])
