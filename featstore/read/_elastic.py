@@ -33,7 +33,8 @@ From it, the rest of the epoch under any split:
    ``y_c - t_c``), and only their shares are built, recursively down to segment 0's plans. So a
    resume costs the same at 10% and at 90% of an epoch: counts, then a few consumers' plans.
 
-**Resuming** (:func:`resume`): under the split of the state's last segment, a worker continues
+**Resuming** (:func:`resume`): under the split of the state's last segment (0 and 1 DataLoader
+workers are the same split: one consumer per rank), a worker continues
 that segment as the uninterrupted run would have (the DataLoader's round robin restarts at worker
 0, which plays the role of the worker the run would have read next:
 :func:`~featstore.read._resume.rotated`), so the
@@ -90,6 +91,11 @@ class Split:
         if not isinstance(self.drop_last, bool):
             raise InvalidInput(f"drop_last must be a bool, got {self.drop_last!r}.")
 
+    def continues(self, other: Split) -> bool:
+        """Whether this split reads ``other``'s plan: the same but for 0 or 1 DataLoader workers
+        (one consumer per rank either way)."""
+        return replace(self, workers=self.per_rank) == replace(other, workers=other.per_rank)
+
     @property
     def per_rank(self) -> int:
         """Consumers per rank: its DataLoader workers, or the rank itself."""
@@ -113,6 +119,10 @@ class EpochOrder:
     seed: int
     shuffle: bool
     window: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise InvalidInput(f"the shuffle window must be an int >= 1, got {self.window!r}.")
 
     @property
     def n_samples(self) -> int:
@@ -144,9 +154,9 @@ class ResumeState:
             raise InvalidInput(f"batches must be >= 0, got {batches}.")
         if not batches:
             return self
-        if self.segments and self.segments[-1].split == split:
+        if self.segments and self.segments[-1].split.continues(split):
             last = self.segments[-1]
-            return replace(self, segments=(*self.segments[:-1], Segment(split, last.batches + batches)))
+            return replace(self, segments=(*self.segments[:-1], Segment(last.split, last.batches + batches)))
         return replace(self, segments=(*self.segments, Segment(split, batches)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,7 +222,7 @@ def _order_from(data: dict[str, Any]) -> EpochOrder:
         source = _layout_from(src["version"])
     if not isinstance(data["shuffle"], bool):
         raise InvalidInput(f"the epoch state's shuffle must be a bool, got {data['shuffle']!r}.")
-    return EpochOrder(source, _count(data["seed"], "seed"), data["shuffle"], max(1, _count(data["window"], "window")))
+    return EpochOrder(source, _count(data["seed"], "seed"), data["shuffle"], data["window"])
 
 
 def check_same_order(saved: EpochOrder, now: EpochOrder) -> None:
@@ -363,7 +373,7 @@ def resume(state: ResumeState, split: Split, rank: int, worker: int) -> Resumed:
     order, epoch, segs = state.order, state.epoch, state.segments
     if segs:
         check_global_batch(segs[0].split, split)
-    if segs and segs[-1].split == split:
+    if segs and segs[-1].split.continues(split):
         done = progress(order, segs)
         first = rank * split.per_rank
         counts = done[-1].counts[first:first + split.per_rank].tolist()

@@ -156,10 +156,10 @@ def stream_pieces(layout: UniformShards, seed: int, shuffle: bool, lo: int, hi: 
     return pieces
 
 
-def window_runs(mix: Mixture, counts: tuple[int, ...], seed: int, epoch: int, shuffle: bool,
+def window_runs(mix: Mixture, counts: tuple[int, ...], seeds: list[int], epoch: int, shuffle: bool,
                 a: int, b: int) -> tuple[tuple[Piece, ...], ...]:
     """Each stream's pieces at the epoch's positions ``[a, b)`` (``b`` may pass the epoch's end:
-    positions wrap around, as ``"pad"`` does)."""
+    positions wrap around, as ``"pad"`` does); ``seeds``: each stream's :func:`stream_seed`."""
     m = sum(counts)
     runs: list[list[Piece]] = [[] for _ in counts]
     pos = a
@@ -169,7 +169,7 @@ def window_runs(mix: Mixture, counts: tuple[int, ...], seed: int, epoch: int, sh
         first, last = interleave(list(counts), x), interleave(list(counts), y)
         for s, stream in enumerate(mix.streams):
             base = epoch * counts[s]
-            runs[s] += stream_pieces(stream.layout, stream_seed(seed, s), shuffle, base + first[s], base + last[s])
+            runs[s] += stream_pieces(stream.layout, seeds[s], shuffle, base + first[s], base + last[s])
         pos += y - x
     return tuple(tuple(r) for r in runs)
 
@@ -183,8 +183,9 @@ def mixture_share(mix: Mixture, *, seed: int, epoch: int, shuffle: bool, consume
     if not m:
         return Share(())
     step = max(1, window)
+    seeds = [stream_seed(seed, s) for s in range(len(mix.streams))]
     slices = []
     for k, a in enumerate(range(start, stop, step)):
-        w = Window(window_runs(mix, counts, seed, epoch, shuffle, a, min(stop, a + step)), cid, k)
+        w = Window(window_runs(mix, counts, seeds, epoch, shuffle, a, min(stop, a + step)), cid, k)
         slices.append(Slice(w, range(w.size)))
     return Share(tuple(slices))

@@ -20,8 +20,8 @@ from featstore.errors import InvalidInput
 from featstore.read import _assignment
 from featstore.read._assignment import UniformShards, consumer_plan, consumer_span, round_robin_consumed, \
     window_permutation
-from featstore.read._elastic import (EpochOrder, ResumeState, Split, check_global_batch, check_same_order,
-                                     epoch_share, remaining_samples, resume, yielded_shares)
+from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch,
+                                     check_same_order, epoch_share, remaining_samples, resume, yielded_shares)
 from featstore.read._slices import slice_rows
 from tests.read.plan_rows import (batches, count_pieces, every_row, rank_batches, rank_totals, resumed_shares,
                                   share_rows)
@@ -117,7 +117,7 @@ def test_resume_under_any_split_reads_the_rest_exactly_once(layout, old):
         for new in SPLITS:
             after = split(*new)
             got = consumer_rows(state, after)
-            if k and new != old:  # (k = 0: nothing read, the new split plans the epoch afresh)
+            if k and not after.continues(before):  # (k = 0: nothing read, the new split plans afresh)
                 want = expected_after(rest, after)
                 assert {k_: v.tolist() for k_, v in got.items()} == {k_: v.tolist() for k_, v in want.items()}
             assert Counter(seen.tolist()) + Counter(flat(got, after)) == every_row(order), (k, new)
@@ -125,20 +125,20 @@ def test_resume_under_any_split_reads_the_rest_exactly_once(layout, old):
                 {k_: v.tolist() for k_, v in got.items()}  # deterministic
 
 
-@pytest.mark.parametrize("world,workers", SPLITS)
-def test_resuming_under_the_same_split_continues_the_original_order(world, workers):
+@pytest.mark.parametrize("world,workers,again", [(w, k, k) for w, k in SPLITS] + [(2, 0, 1), (1, 1, 0)])
+def test_resuming_under_the_same_split_continues_the_original_order(world, workers, again):
     """Each rank's batches after the resume are the uninterrupted run's, in order (the roles
-    rotate: the DataLoader restarts its round robin at worker 0)."""
-    order, sp = order_of(LAYOUTS["ragged-tail"]), split(world, workers)
+    rotate: the DataLoader restarts its round robin at worker 0); 0 and 1 workers are one split."""
+    order, sp, resumed_sp = order_of(LAYOUTS["ragged-tail"]), split(world, workers), split(world, again)
     start = ResumeState(0, order)
     rows = consumer_rows(start, sp)
     for k in range(0, 6):
         state = start.advanced(sp, k)
-        resumed = consumer_rows(state, sp)
+        resumed = consumer_rows(state, resumed_sp)
         for r in range(world):
             whole = rank_batches([batches(rows[(r, w)], sp) for w in range(sp.per_rank)])
-            again = rank_batches([batches(resumed[(r, w)], sp) for w in range(sp.per_rank)])
-            assert [b.tolist() for b in again] == [b.tolist() for b in whole[k:]]
+            again_ = rank_batches([batches(resumed[(r, w)], sp) for w in range(sp.per_rank)])
+            assert [b.tolist() for b in again_] == [b.tolist() for b in whole[k:]]
 
 
 # -- pad, drop, drop_last: the documented rule -----------------------------------------------------
@@ -156,7 +156,7 @@ def test_chained_resumes_follow_the_rule(n, spp, seed, shuffle, window, splits, 
     yields exactly the documented spans of the previous remaining sequence, nothing yielded is
     read again, each rank has the same number of batches under "pad"/"drop", and the whole job
     read every sample once (even, no drop_last) or as the policies say."""
-    assume(all(a != b for a, b in zip(splits, splits[1:], strict=False)))  # the same split again: tested above
+    assume(not any(a.continues(b) for a, b in zip(splits, splits[1:], strict=False)))  # the same: tested above
     order = EpochOrder(UniformShards(n, spp), seed, shuffle, window)
     state = ResumeState(1, order)
     rows = consumer_rows(state, splits[0])
@@ -194,6 +194,7 @@ def test_the_state_is_a_few_integers_and_round_trips_through_json():
     assert again == state
     assert state.advanced(split(3, 0), 0) == state  # a split that read nothing changes nothing
     assert state.advanced(split(3, 0), 1).segments[-1].batches == 3  # the same split counts on
+    assert state.advanced(split(3, 1), 1).segments[-1] == Segment(split(3, 0), 3)  # 0 or 1 worker: the same
     assert len(state.advanced(split(1, 0), 1).segments) == 3
 
 
