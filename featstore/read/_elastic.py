@@ -34,22 +34,22 @@ From it, the rest of the epoch under any split:
    resume costs the same at 10% and at 90% of an epoch: counts, then a few consumers' plans.
 
 **Resuming** (:func:`resume`): under the split of the state's last segment (0 and 1 DataLoader
-workers are the same split: one consumer per rank), a worker continues
-that segment as the uninterrupted run would have (the DataLoader's round robin restarts at worker
-0, which plays the role of the worker the run would have read next:
-:func:`~featstore.read._resume.rotated`), so the
-order is the original's; under any other split, a new segment starts. What the run saves later is
-:meth:`ResumeState.advanced` with the batches it consumed since. The next epoch is a whole epoch.
+workers are one split: one consumer per rank), each worker continues that segment as the
+uninterrupted run would have, in the original order: the DataLoader's round robin restarts at
+worker 0, which plays the role of the worker the run would have read next
+(:func:`~featstore.read._resume.rotated`). Under any other split a new segment starts. The run
+then saves :meth:`ResumeState.advanced` by the batches each rank consumed since (a split that
+consumed none is not recorded: it changed nothing). The next epoch is a whole epoch.
 
 **The global batch** (ranks x batch per rank) stays the same across segments: a resumed job keeps
 its optimisation schedule. Where the saved global batch does not divide over the new world size,
 no split can keep it, and :func:`resume` says so (:class:`~featstore.errors.InvalidInput`). The
 arithmetic itself is exact for any batch size.
 
-**Reading cost.** A slice of a shuffled window needs the whole window read: the window the
-interrupted run was in is read again for its unread rows, and a window cut by the new split is
-read by both consumers. That is at most one window per consumer per resume, whatever the epoch's
-size. Unshuffled, a slice reads only its rows.
+**Reading cost.** A slice of a shuffled window needs the whole window read: the window each
+interrupted consumer was in is read again for its unread rows, and a window the new split cuts
+is read by both consumers. That is at most one window per consumer of either split per resume,
+whatever the epoch's size. Unshuffled, a slice reads only its rows.
 """
 
 from __future__ import annotations
@@ -321,7 +321,8 @@ def progress(order: EpochOrder, segments: tuple[Segment, ...]) -> list[Progress]
 def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Split, cid: int,
                   memo: dict[tuple[int, int], Share] | None = None) -> Share:
     """Consumer ``cid``'s whole share in a segment under ``split`` that follows the segments of
-    ``done`` (see the module docstring, step 4)."""
+    ``done`` (see the module docstring, step 4). ``memo``: the earlier segments' shares already
+    built from the same ``done`` (by segment and consumer), so that none is built twice."""
     if not done:
         return epoch_share(order, epoch, split, cid)
     memo = {} if memo is None else memo
