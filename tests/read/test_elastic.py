@@ -141,6 +141,26 @@ def test_resuming_under_the_same_split_continues_the_original_order(world, worke
             assert [b.tolist() for b in again_] == [b.tolist() for b in whole[k:]]
 
 
+@pytest.mark.parametrize("partition,drop_last", [("pad", False), ("pad", True), ("drop", False), ("drop", True)])
+@pytest.mark.parametrize("old", SPLITS)
+def test_every_rank_steps_the_same_number_of_times_after_a_resume(partition, drop_last, old):
+    """DDP: under "pad"/"drop" every rank of every new split has the same number of batches, and
+    under "drop" without drop_last none of them repeats a row."""
+    order = order_of(LAYOUTS["ragged-tail"])
+    before = split(*old, partition, drop_last)
+    k = int(rank_totals(order, before).min()) // 3
+    state = ResumeState(0, order).advanced(before, k)
+    for new in SPLITS:
+        after = split(*new, partition, drop_last)
+        rows = consumer_rows(state, after)
+        steps = {len(rank_batches([batches(rows[(r, w)], after) for w in range(after.per_rank)]))
+                 for r in range(after.world)}
+        assert len(steps) == 1, (new, steps)
+        if partition == "drop" and not drop_last:
+            read = flat(rows, after)
+            assert len(read) == len(set(read))
+
+
 # -- pad, drop, drop_last: the documented rule -----------------------------------------------------
 split_strategy = st.builds(
     lambda world, workers, partition, drop_last: split(world, workers, partition, drop_last, g=12),
