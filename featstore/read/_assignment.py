@@ -214,15 +214,18 @@ def round_robin_consumed(batches_seen: int, per_worker: Sequence[int]) -> list[i
     """How many batches each DataLoader worker had delivered after ``batches_seen`` in total.
 
     DataLoader returns batches from its workers in turn, skipping a worker once it is exhausted;
-    this replays that order, so a mid-epoch resume knows where each worker stopped.
+    this counts that order out (O(workers), not O(batches)), so a mid-epoch resume knows where
+    each worker stopped.
     """
-    if batches_seen > sum(per_worker):
-        raise ValueError(f"{batches_seen} batches seen, but the epoch has only {sum(per_worker)}")
-    done = [0] * len(per_worker)
-    left = batches_seen
-    while left:
-        for w, total in enumerate(per_worker):
-            if left and done[w] < total:
-                done[w] += 1
-                left -= 1
-    return done
+    counts = np.asarray(per_worker, dtype=np.int64)
+    if batches_seen > int(counts.sum()):
+        raise ValueError(f"{batches_seen} batches seen, but the epoch has only {int(counts.sum())}")
+    # Arithmetic, not a replay: a resume costs the same late in an epoch as early. After r whole
+    # rounds worker w has min(count, r); the last, partial round goes to the first still running.
+    lo, hi = 0, int(counts.max(initial=0))
+    while lo < hi:  # the most whole rounds that fit
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if int(np.minimum(counts, mid).sum()) <= batches_seen else (lo, mid - 1)
+    done = np.minimum(counts, lo)
+    done[np.flatnonzero(counts > lo)[:batches_seen - int(done.sum())]] += 1
+    return done.tolist()
