@@ -109,6 +109,7 @@ def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, star
 
 
 def open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
+    """The claimed version's Zarr arrays (of ``spec``'s view), opened for :func:`write_shard`."""
     try:
         return open_for_write(group_store(spec.storage, spec.key, spec.layout.spread, read_only=False), spec.arrays)
     except FileNotFoundError:  # zarr's "array not found": the claim's arrays are gone
@@ -134,7 +135,10 @@ def tokens_per_shard(spec: TaskSpec) -> int:
 
 
 def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                 buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
+                buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
+    """Store shard ``index``'s rows (``buffers``, as :class:`~featstore.compute.ShardRows` built
+    them) into ``arrays``, then its receipt (digests and ``stats``): the receipt is written last,
+    it is the marker that the shard is stored."""
     start, stop = spec.layout.shard_range(index)
     digests = {}
     if TOKEN_START in buffers:  # each sample's first token row, now that the shard's counts are in
