@@ -87,6 +87,20 @@ def _ours(filename: str) -> bool:
     return filename in ("<string>", dataclasses.__file__) or os.path.abspath(filename).startswith(_PACKAGE + os.sep)
 
 
+def split_attributes(doc: str) -> tuple[str, list[str], str]:
+    """A docstring cut around its ``Attributes:`` section: the text before, the section's lines
+    (dedented), the text after."""
+    lines = inspect.cleandoc(doc).splitlines()
+    if "Attributes:" not in lines:
+        return "\n".join(lines), [], ""
+    i = j = lines.index("Attributes:")
+    while j + 1 < len(lines) and (lines[j + 1].startswith(" ") or (
+            not lines[j + 1] and j + 2 < len(lines) and lines[j + 2].startswith(" "))):
+        j += 1
+    return "\n".join(lines[:i]).rstrip(), textwrap.dedent("\n".join(lines[i + 1:j + 1])).splitlines(), \
+        "\n".join(lines[j + 1:]).strip()
+
+
 @dataclass(frozen=True, eq=False)
 class ComputeRequest:
     """What a compute computes: Model A, the dataset, what to store and how it is cut into shards.
@@ -165,6 +179,15 @@ class ComputeRequest:
     #: What the deprecation warning of ``views=K, augment=fn`` names.
     caller: ClassVar[str] = "compute"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A kind of request (``store.compute``'s call, a teacher) documents every keyword it
+        takes: the request's attributes first, then its own (one declaration, one text)."""
+        super().__init_subclass__(**kwargs)
+        before, own, after = split_attributes(cls.__dict__.get("__doc__") or "")
+        inherited = split_attributes(cls.__mro__[1].__doc__ or "")[1]
+        cls.__doc__ = (before + "\n\nAttributes:\n" + textwrap.indent("\n".join(inherited + own), "    ")
+                       + (f"\n\n{after}" if after else ""))
+
     def __post_init__(self) -> None:
         """The checks that need no dataset and no store (the rest: :func:`~featstore.compute.decide`)."""
         if self.views is None and self.augment_seed is None:  # no views given (augment alone: decide() says)
@@ -231,16 +254,6 @@ R = TypeVar("R")
 S = TypeVar("S")
 
 
-def _attributes(cls: type) -> str:
-    """The ``Attributes:`` entries of ``cls``'s docstring and of its bases', bases first."""
-    parts = []
-    for klass in reversed(cls.__mro__):
-        doc = inspect.cleandoc(klass.__dict__.get("__doc__") or "")
-        if "Attributes:\n" in doc:
-            parts.append(textwrap.dedent(doc.split("Attributes:\n", 1)[1]).rstrip())
-    return "\n".join(parts)
-
-
 def keywords_of(cls: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[Concatenate[S, str, P], R]]:
     """Declare ``fn(first, name, *args, **keywords)`` as taking ``cls``'s keywords after ``name``:
     for type checkers (``cls``'s constructor's parameters, through a ``ParamSpec``), for
@@ -252,8 +265,9 @@ def keywords_of(cls: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[
         keywords = list(inspect.signature(cls).parameters.values())
         fn.__signature__ = own.replace(parameters=first_two + keywords)  # type: ignore[attr-defined]
         if isinstance(cls, type):
-            fn.__doc__ = (inspect.cleandoc(fn.__doc__ or "") + "\n\nArgs:\n"
-                          + textwrap.indent(f"{first_two[1].name}: the feature set (``\"resnet50/imagenet-train\"``).\n"
-                                            + _attributes(cls), "    "))
+            entries = [f"{first_two[1].name}: the feature set (``\"resnet50/imagenet-train\"``).",
+                       *split_attributes(cls.__doc__ or "")[1]]
+            args = textwrap.indent("\n".join(entries), "    ")
+            fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{args}"
         return fn  # type: ignore[return-value]  # the signature is cls's, as declared above
     return declare

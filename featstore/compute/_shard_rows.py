@@ -22,7 +22,7 @@ from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
 from featstore.codecs._statistics import merge_stats
 from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
 from featstore.compute._shard_writing import (check_batch, device_stage, encode_batch, encodes_on_device,
-                                              shard_buffers, tokens_per_shard, unstage)
+                                              finish_buffers, shard_buffers, tokens_per_shard, unstage)
 from featstore.compute._task_spec import TaskSpec
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore.errors import FeatstoreError
@@ -86,10 +86,12 @@ class BatchSpan:
 @dataclass
 class ShardRows:
     """Shard ``index``'s rows being built, batch by batch: every array's rows in its stored dtype
-    (a list of batches' token rows for a per-token array) and their statistics.
+    (a list of batches' token rows for a per-token array, until :meth:`finish`) and their
+    statistics.
 
     :meth:`forward` runs on A's thread, :meth:`store` wherever the encoding runs (the shard
-    task's write thread); called in batch order, they give what ``compute`` stores.
+    task's write thread); called in batch order, then :meth:`finish`, they give what
+    ``compute`` stores.
     """
 
     spec: TaskSpec
@@ -139,6 +141,12 @@ class ShardRows:
                 self.buffers[n][span.b0 - start:span.b1 - start] = arr
             self.stats[n] = merge_stats(self.stats.get(n), st[n])
 
+    def finish(self) -> ShardRows:
+        """The rows as stored, once every batch is in: each per-token array one array of the
+        shard's token rows, and ``token_start`` filled in."""
+        finish_buffers(self.spec, self.index, self.buffers, self.stats)
+        return self
+
 
 def _read_now(dataset: Any, b0: int, b1: int) -> list[Any]:
     return read_items(dataset, range(b0, b1))
@@ -161,4 +169,4 @@ def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int
         x, kept = collate_inputs(spec, read(dataset, b0, b1), b0, pinned=device.type == "cuda")
         values, span = rows.forward(net, x, kept, b0, b1, device, on_device)
         rows.store(offload.to_host(values), span)
-    return rows
+    return rows.finish()

@@ -46,21 +46,6 @@ from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
 from featstore.versions._keys import receipt_key, view_key
-from featstore.versions._views import ViewDataset, epoch_seeds, replay
-
-
-class FreshAugment(torch.utils.data.Dataset):
-    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
-    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
-
-    def __init__(self, dataset: Any, augment: Any, seed: int, epoch: int) -> None:
-        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
 
 
 def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
@@ -197,12 +182,7 @@ class OnlineDataset(FeatureDataset):
 
     def _seen(self, epoch: int) -> Any:
         """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
-        t, view = self.teacher, self._viewing.view
-        if view is not None:
-            return ViewDataset(t.dataset, t.view_augment, t.view_seed, view)
-        if t.fresh:
-            return FreshAugment(t.dataset, t.augment, self.options.seed, epoch)
-        return t.dataset
+        return self._planned.seen(self._viewing.view, epoch, self.options.seed)
 
     def _window_rows(self, st: _Online, spec: Any, seen: Any, window: tuple[Piece, ...],
                 mine: list[bool]) -> dict[str, np.ndarray]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+from torch.utils.data import Dataset
 
 from featstore.compute._decision import ComputePlan, decide
 from featstore.compute._request import ComputeRequest
@@ -26,16 +27,15 @@ from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
 from featstore.versions._lifecycle import Claim
+from featstore.versions._views import Augment, ViewDataset, epoch_seeds, replay
 
 
 @dataclass(frozen=True, eq=False)
 class Teacher(ComputeRequest):
     """Model A in the loop: what ``store.dataset(name, teacher=Teacher(...))`` runs in the
-    consuming process (see :mod:`featstore.online`). It takes every keyword of
-    ``store.compute`` (:class:`~featstore.compute.ComputeRequest`: ``model``, ``dataset``,
-    ``outputs``, ``input_key``, ``keep``, ``batch_size``, ``samples_per_shard``, ``options``,
-    ``views``, ``tokens``, ``views_of``, ``extends``, ...) and plans the version that compute
-    would commit; two more say where A runs and whether its outputs are stored.
+    consuming process (see :mod:`featstore.online`). It takes ``store.compute``'s keywords
+    (:class:`~featstore.compute.ComputeRequest`) and plans the version that compute would
+    commit of them; ``device`` and ``fill`` say where A runs and whether its outputs are stored.
 
     Attributes:
         device: where A runs in the consuming process: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
@@ -98,6 +98,20 @@ class Teacher(ComputeRequest):
         return device
 
 
+class FreshAugment(Dataset):
+    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
+    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
+
+    def __init__(self, dataset: Any, augment: Augment, seed: int, epoch: int) -> None:
+        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
+
+
 @dataclass(frozen=True, eq=False)
 class Planned:
     """The version a teacher's outputs make (not committed): what the reader reads and the
@@ -125,6 +139,17 @@ class Planned:
     @property
     def fp(self) -> str:
         return self.plan.fingerprint
+
+    def seen(self, view: int | None, epoch: int, seed: int) -> Dataset:
+        """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
+        ``views_of``'s), or, under a fresh augmentation, epoch ``epoch``'s draw for the reader's
+        ``seed``, or the items as they are."""
+        dataset, views, fresh = self.teacher.dataset, self.plan.views, self.teacher.augment
+        if view is not None and views is not None:
+            return ViewDataset(dataset, views.augment, views.seed, view)
+        if self.teacher.fresh and fresh is not None:
+            return FreshAugment(dataset, fresh, seed, epoch)
+        return dataset
 
 
 def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
