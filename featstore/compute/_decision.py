@@ -85,11 +85,13 @@ def _first_seen(dataset: Any, n: int, views: Views | None) -> Any:
     return replay(views.augment, read_item(dataset, 0), view_seed(views.seed, 0, 0))
 
 
+def _views_spec(views: Views) -> ViewsSpec:
+    return ViewsSpec(views.k, views.seed, SEED_POLICY, describe_key(views.augment))
+
+
 def views_spec(views: Views | None) -> ViewsSpec | None:
     """The views part of the fingerprint and the manifest (None without views)."""
-    if views is None:
-        return None
-    return ViewsSpec(views.k, views.seed, SEED_POLICY, describe_key(views.augment))
+    return None if views is None else _views_spec(views)
 
 
 def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: dict[str, str],
@@ -108,7 +110,7 @@ def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: d
         # only when set, so every fingerprint computed before collate existed stays the same
         **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
         # Only with views, so versions without them keep their ids.
-        **({} if views is None else {"views": asdict(views_spec(views))}),
+        **({} if views is None else {"views": asdict(_views_spec(views))}),
         **({} if request.tokens is None else {"tokens": {"mask": describe_key(request.tokens.mask),
                                                          "outputs": list(ragged),
                                                          "max_tokens": request.tokens.max_tokens}}),
@@ -281,8 +283,9 @@ def decide(catalog: Catalog, name: str, request: ComputeRequest, *, fresh: bool 
         check_views_of(base, Alignment.of_parts(parts["dataset"], _dataset_sample(parts, request.dataset),
                                                 views_spec(views)))
         parts = {**parts, LINK: link(base)}
-    growth = None if parent is None else plan_growth(parent, request.dataset, parts, n)
-    if growth is not None:
+    growth = None
+    if parent is not None:
+        growth = plan_growth(parent, request.dataset, parts, n)
         parts = {**parts, "extends": parent.fingerprint}
     return ComputePlan(name, request, n, outputs, keep, ragged, views, samples_per_shard, parts, fingerprint(parts),
                        growth, _dataset_sample(parts, request.dataset))

@@ -19,6 +19,7 @@ import inspect
 import os
 import sys
 import textwrap
+from types import FrameType
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
@@ -76,7 +77,8 @@ def caller_stacklevel() -> int:
     the user's line: the first frame outside featstore (and outside the ``__init__`` a
     dataclass generates), however deep the call came in (``store.compute``, ``Teacher(...)``,
     ``dataclasses.replace``)."""
-    frame, level = sys._getframe(1), 2  # level 1: the function that warns, 2: our caller, which calls it
+    frame: FrameType | None = sys._getframe(1)  # level 1: the function that warns, 2: our caller, which calls it
+    level = 2
     while frame is not None and _ours(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level

@@ -80,7 +80,8 @@ class _ViewRuns:
     compacted into runs as tasks finish, so the commit reads a few objects, not one per shard."""
 
     def __init__(self, spec: TaskSpec) -> None:
-        self.spec, self.runs = spec, {}
+        self.spec = spec
+        self.runs: dict[int | None, ReceiptRuns] = {}
 
     def add(self, receipts: list[dict]) -> None:
         """One task's receipts (a task's shards are all of one view), folded as they come."""

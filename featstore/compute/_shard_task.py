@@ -69,7 +69,7 @@ _FORWARD_TURN = threading.Lock()
 
 def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
     """The dataset as Model A sees it: with views, each item augmented with its view seed."""
-    if spec.view is None:
+    if spec.view is None or spec.augment is None:  # (a spec with a view always has its augment)
         return dataset
     return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
 
@@ -304,7 +304,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
         waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
         writes: deque[Future] = deque()
-        rows = ShardRows.start(spec, plan[0][0]) if plan else None
+        rows: ShardRows  # the shard being computed, started at its first batch
         nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda) \
             if plan else None
         try:

@@ -140,7 +140,7 @@ class Planned:
     def fp(self) -> str:
         return self.plan.fingerprint
 
-    def seen(self, view: int | None, epoch: int, seed: int) -> Dataset:
+    def seen(self, view: int | None, epoch: int, seed: int) -> Any:
         """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
         ``views_of``'s), or, under a fresh augmentation, epoch ``epoch``'s draw for the reader's
         ``seed``, or the items as they are."""
