@@ -245,6 +245,9 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any
     if "@" in name:
         raise InvalidInput(f"with teacher=, name the feature set ({name.split('@')[0]!r}), not a version: the "
                            "teacher's arguments decide the version.")
+    if teacher.tokens is not None:  # planned as compute plans it (plan_teacher), not read online yet
+        raise InvalidInput("a teacher with tokens= (per-token outputs) is not read online yet: compute the version "
+                           "with store.compute(..., tokens=...) and read it with store.dataset(name).")
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, Version):
         return FeatureDataset(planned, **options)

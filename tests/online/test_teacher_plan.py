@@ -62,9 +62,10 @@ def test_a_teacher_with_per_token_outputs_plans_the_version_compute_commits(loca
     for i in range(committed.manifest.layout.n_shards):
         rows = compute_shard(planned.spec, net, teacher.dataset, i, device)
         assert {name: shard_digest(buf) for name, buf in rows.buffers.items()} == receipts[i].digests, i
-    # and fill writes the same version
     fill = dataclasses.replace(teacher, fill=True)
     assert plan_teacher(local_store, "lm/online", fill) == committed  # committed already: read as stored
+    with pytest.raises(InvalidInput, match="not read online yet"):  # until the reader reads token rows online
+        local_store.dataset("lm/online", batch_size=10, teacher=teacher)
 
 
 def test_a_teacher_on_another_versions_views_plans_and_reads_the_aligned_version(local_store):
