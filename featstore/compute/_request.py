@@ -22,7 +22,7 @@ import textwrap
 from types import FrameType
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
 
 from featstore._allowed_names import check_field
 from featstore.codecs._parts import check_output_codec
@@ -31,11 +31,24 @@ from featstore.compute._options import ComputeOptions
 from featstore.errors import InvalidInput
 from featstore.versions._views import Augment, Views, views_arguments
 
-if TYPE_CHECKING:  # Dask only where a compute connects to it
+if TYPE_CHECKING:  # torch and Dask only where a compute runs
     from distributed import Client
     from distributed.deploy import Cluster as DaskCluster
+    from torch.nn import Module
 
     from featstore.versions._committed import Version
+
+
+class MapDataset(Protocol):
+    """A map-style dataset: ``len(ds)`` items, ``ds[i]`` a tensor, a tuple or a dict."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+#: Which field of an item goes into A: a key, an index, a callable on the item, or None (the item).
+InputKey = str | int | Callable[[Any], Any] | None
 
 #: ``client="in-process"``: the shard tasks run in the calling process, one after the other,
 #: without Dask (see :class:`ComputeCall`).
@@ -160,10 +173,10 @@ class ComputeRequest:
             what differs. The link is part of the fingerprint (``fingerprint_parts["views_of"]``).
     """
 
-    model: Any  # an nn.Module or a factory of one: torch is not imported here
-    dataset: Any  # any map-style dataset (__len__ and __getitem__)
+    model: Module | Callable[[], Module]
+    dataset: MapDataset
     _: KW_ONLY
-    input_key: Any = "input"  # a key, an index, a callable or None
+    input_key: InputKey = "input"
     keep: Sequence[Any] | Mapping[str, Any] = ()
     outputs: Mapping[str, str] | None = None
     batch_size: int = 256
