@@ -19,10 +19,10 @@ import inspect
 import os
 import sys
 import textwrap
-from types import FrameType
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
+from types import FrameType
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from featstore._allowed_names import check_field
 from featstore.codecs._parts import check_output_codec
@@ -284,5 +284,5 @@ def keywords_of(cls: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[
                        *split_attributes(cls.__doc__ or "")[1]]
             args = textwrap.indent("\n".join(entries), "    ")
             fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{args}"
-        return fn  # type: ignore[return-value]  # the signature is cls's, as declared above
+        return cast("Callable[Concatenate[S, str, P], R]", fn)  # the signature is cls's, as set above
     return declare
