@@ -11,15 +11,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from featstore.compute._request import ComputeCall, keywords_of
 from featstore.errors import InvalidInput
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version as CoreVersion
-from featstore.versions._views import Views, views_arguments
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
-    from featstore.codecs._ragged import Tokens
-    from featstore.compute._options import ComputeOptions
     from featstore.read._dataset import FeatureDataset
     from featstore.versions._export import Exported
 
@@ -84,17 +82,19 @@ class FeatureStore(Catalog):
 
     version_class = Version
 
-    def compute(self, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
-                keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
-                batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-                options: ComputeOptions | None = None, extends: str | CoreVersion | None = None,
-                views: Views | int | None = None, augment: Any = None, augment_seed: int | None = None,
-                tokens: Tokens | None = None, views_of: str | CoreVersion | None = None) -> Version:
+    @keywords_of(ComputeCall)
+    def compute(self, name: str, *args: Any, **keywords: Any) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
-        See :func:`featstore.compute.compute` for every argument. Augmented views are one
-        option: ``views=featstore.Views(k=8, augment=fn, seed=0)`` (the keywords ``views=8,
-        augment=fn, augment_seed=0`` still work for one release, with a ``DeprecationWarning``).
+        The keywords are :class:`~featstore.compute.ComputeRequest`'s (the ones
+        :class:`~featstore.Teacher` takes too) and ``client`` (listed below). Augmented views
+        are one option: ``views=featstore.Views(k=8, augment=fn, seed=0)`` (the keywords
+        ``views=8, augment=fn, augment_seed=0`` still work for one release, with a
+        ``DeprecationWarning``).
+
+        Returns the committed :class:`Version`; if a version with the same fingerprint is
+        already committed it is returned at once, without running A. If the run dies, calling
+        ``compute`` again recomputes only the shards without a receipt.
 
         >>> v = store.compute("cnn-a/train", model=model_a, dataset=train_set,
         ...                   input_key="input", keep=["target"],
@@ -108,13 +108,9 @@ class FeatureStore(Catalog):
         ``views_of=`` takes K and the seed from that version; ``augment=`` (a function cannot be
         read back from a store) must be the same function, and is given alone, without a warning.
         """
-        from featstore.compute._driver import compute
+        from featstore.compute._driver import run_compute
 
-        k, augment, augment_seed = views_arguments(views, augment, augment_seed, views_of is not None)
-        return compute(self, name, model=model, dataset=dataset, input_key=input_key, keep=keep,
-                       outputs=outputs, batch_size=batch_size, samples_per_shard=samples_per_shard,
-                       client=client, options=options, extends=extends, views=k, augment=augment,
-                       augment_seed=augment_seed, tokens=tokens, views_of=views_of)
+        return run_compute(self, name, ComputeCall(*args, **keywords))
 
     def dataset(self, ref: str | CoreVersion | Mapping[str, str | CoreVersion] | Sequence[str | CoreVersion],
                 *, teacher: Any = None, **options: Any) -> Any:

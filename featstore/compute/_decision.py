@@ -1,13 +1,14 @@
-"""What one compute call does, decided once before any task runs (:func:`decide`): the validated
+"""What one compute does, decided once before any task runs (:func:`decide`): the validated
 request, its fingerprint and version id, the views, and what it inherits from an ``extends=``
 parent (:class:`~featstore.compute._extends.Growth`: the shards it references, the layout and
 arrays it keeps). The driver hands this :class:`ComputePlan` down to the claim, the tasks and
-the manifest instead of returning to the parent's growth in pieces.
+the manifest instead of returning to the parent's growth in pieces; the teacher in the loop
+(:mod:`featstore.online`) plans with the same function, so both make the same version.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -18,127 +19,103 @@ from featstore.versions._alignment import LINK, Alignment, adopt_views, check_vi
 from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from featstore.format._arrays import chunk_label
 from featstore.format._keys import RESERVED_FIELDS
-from featstore.format._manifests import ArraySpec, Base, ShardReceipt, ViewsSpec, check_spread
-from featstore._allowed_names import check_field, check_name
-from featstore.codecs._parts import check_output_codec
-from featstore.codecs._ragged import TOKEN_FIELDS, Tokens
+from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
+from featstore._allowed_names import check_name
+from featstore.codecs._ragged import TOKEN_FIELDS
 from featstore.compute._batches import collate_batch
 from featstore._user_code import dataset_length, read_item
 from featstore.codecs._statistics import summarize
 from featstore.compute._extends import Growth, plan_growth
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
-from featstore.versions._views import SEED_FIELD, SEED_POLICY, VIEW_FIELD, check_replayable, replay, view_seed
+from featstore.versions._views import (SEED_FIELD, SEED_POLICY, VIEW_FIELD, Augment, Views, check_replayable, replay,
+                                      view_seed)
 
 from featstore.compute._options import ComputeOptions
+from featstore.compute._request import ComputeRequest, normalize_keep, outputs_asked, ragged_outputs
+from featstore.compute._task_spec import Probe
 
 
 
-@dataclass(frozen=True)
-class _Request:
-    """A validated ``compute`` call (what the fingerprint and the tasks are built from)."""
-
-    name: str
-    n: int
-    input_key: Any
-    keep: dict[str, Any]
-    outputs: dict[str, str]
-    batch_size: int
-    samples_per_shard: int | None
-    views: int | None = None
-    augment: Any = None
-    augment_seed: int = 0
-    tokens: Tokens | None = None
-    ragged: tuple[str, ...] = ()  # the per-token outputs
-
-
-def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
-    """``["target"]`` -> ``{"target": "target"}``; ``{"label": 1}`` stays; ints get ``field<i>``."""
-    if isinstance(keep, str):
-        keep = [keep]
-    pairs = keep.items() if isinstance(keep, Mapping) else ((k if isinstance(k, str) else f"field{k}", k) for k in keep)
-    return {check_field(name): key for name, key in pairs}
-
-
-def _validate(name: str, dataset: Any, input_key: Any, keep: Sequence[Any] | Mapping[str, Any],
-              outputs: Mapping[str, str] | None, batch_size: int, samples_per_shard: int | None,
-              options: "ComputeOptions", views: int | None = None, augment: Any = None,
-              augment_seed: int = 0, tokens: Tokens | None = None) -> _Request:
-    """Check every argument before anything runs; bad input raises with what to change."""
-    check_name(name)
-    if outputs is None:
-        outputs = {"features": "float32"}
-    if not isinstance(outputs, Mapping) or not outputs:
-        raise InvalidInput("outputs must be a non-empty dict like {'features': 'float16'}.")
-    outputs = {check_field(k): check_output_codec(v) for k, v in outputs.items()}
-    keep_map = normalize_keep(keep)
+def _arrays_asked(request: ComputeRequest, views: int | None) -> tuple[dict[str, str], dict[str, Any], tuple[str, ...]]:
+    """The outputs, the kept fields and the per-token outputs; no name used twice or reserved
+    (the views' arrays are reserved only with views: known once ``views_of`` gave them)."""
+    outputs, keep = outputs_asked(request.outputs), normalize_keep(request.keep)
+    ragged = ragged_outputs(request.tokens, outputs)
     reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
-    if tokens is not None and not isinstance(tokens, Tokens):
-        raise InvalidInput("tokens= takes featstore.Tokens(mask=fn, max_tokens=N), e.g. "
-                           "Tokens(mask=lambda x: x['attention_mask'], max_tokens=512).")
-    ragged = tokens.ragged_outputs(list(outputs)) if tokens is not None else ()
-    clash = (set(outputs) & set(keep_map)) | ((set(outputs) | set(keep_map)) & reserved)
+    clash = (set(outputs) & set(keep)) | ((set(outputs) | set(keep)) & reserved)
     if clash:
         raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidInput(f"batch_size must be a positive int, got {batch_size!r}.")
-    if options.autocast not in (None, "float16", "bfloat16"):
-        raise InvalidInput("ComputeOptions.autocast must be None, 'float16' or 'bfloat16'.")
-    n = dataset_length(dataset)
+    return outputs, keep, ragged
+
+
+def _check_dataset(request: ComputeRequest, keep: dict[str, Any], views: Views | None) -> int:
+    """The dataset's length, after what a task would do with the first item has been done here,
+    before anything runs: a missing field, or items that cannot be batched (PIL images,
+    strings), fail now, naming the field and the fix."""
+    n = dataset_length(request.dataset)
     if n == 0:
         raise EmptyDataset("the dataset is empty; there is nothing to compute. Check its path or filter.")
-    first = _first_seen(dataset, n, views, augment, augment_seed)
-    # What a task would do with the first item, here, before anything runs: a missing field, or
-    # items that cannot be batched (PIL images, strings), fail now, naming the field and the fix.
-    collate_batch([first], input_key, keep_map, options.collate, 0)
-    return _Request(name, n, input_key, keep_map, outputs, batch_size, samples_per_shard,
-                    views, augment, augment_seed, tokens, ragged)
+    first = _first_seen(request.dataset, n, views)
+    collate_batch([first], request.input_key, keep, request.compute_options.collate, 0)
+    return n
 
 
-def _first_seen(dataset: Any, n: int, views: int | None, augment: Any, augment_seed: int) -> Any:
-    """The first item as Model A will see it, after checking the views arguments; with views,
-    ``augment`` is replayed twice on two items and must give the same bytes both times."""
-    if views is None:
-        if augment is not None:
-            raise InvalidInput("augment= needs views=K (K augmented views per sample are computed and "
-                               "stored); for one augmented view pass views=1.")
-        return read_item(dataset, 0)
-    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
-        raise InvalidInput(f"views must be a positive int (augmented views per sample), got {views!r}.")
-    if not callable(augment):
+def _checked_views(k: int | None, augment: Augment | None, seed: int | None) -> Views | None:
+    """K, the augment and the seed as :class:`Views` (None without views), each checked."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidInput(f"views must be a positive int (augmented views per sample), got {k!r}.")
+    if augment is None or not callable(augment):
         raise InvalidInput("views=K needs augment=fn, where fn(item, generator) -> item draws all its "
                            "randomness from the torch.Generator it is given.")
-    if isinstance(augment_seed, bool) or not isinstance(augment_seed, int):
-        raise InvalidInput(f"augment_seed must be an int, got {augment_seed!r}.")
-    check_replayable(dataset, augment, augment_seed, sorted({0, n // 2}))
-    return replay(augment, read_item(dataset, 0), view_seed(augment_seed, 0, 0))
+    seed = 0 if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInput(f"augment_seed must be an int, got {seed!r}.")
+    return Views(k, augment, seed)
 
 
-def views_spec(req: _Request) -> ViewsSpec | None:
+def _first_seen(dataset: Any, n: int, views: Views | None) -> Any:
+    """The first item as Model A will see it; with views, ``augment`` is replayed twice on two
+    items and must give the same bytes both times."""
+    if views is None:
+        return read_item(dataset, 0)
+    check_replayable(dataset, views.augment, views.seed, sorted({0, n // 2}))
+    return replay(views.augment, read_item(dataset, 0), view_seed(views.seed, 0, 0))
+
+
+def _views_spec(views: Views) -> ViewsSpec:
+    return ViewsSpec(views.k, views.seed, SEED_POLICY, describe_key(views.augment))
+
+
+def views_spec(views: Views | None) -> ViewsSpec | None:
     """The views part of the fingerprint and the manifest (None without views)."""
-    if req.views is None:
-        return None
-    return ViewsSpec(req.views, req.augment_seed, SEED_POLICY, describe_key(req.augment))
+    return None if views is None else _views_spec(views)
 
 
-def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "ComputeOptions") -> dict[str, Any]:
+def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: dict[str, str],
+                       ragged: tuple[str, ...], views: Views | None) -> dict[str, Any]:
     """Everything that decides the stored bytes (see docs/how-it-works.md on fingerprints)."""
+    options = request.compute_options
     return {
-        **model_digest(model, options.model_id),  # "model" (weights) and "model_code"
-        "dataset": dataset_digest(dataset, options.dataset_id),
-        "input_key": describe_key(req.input_key),
-        "keep": {k: describe_key(v) for k, v in req.keep.items()},
-        "outputs": req.outputs,
+        **model_digest(request.model, options.model_id),  # "model" (weights) and "model_code"
+        "dataset": dataset_digest(request.dataset, options.dataset_id),
+        "input_key": describe_key(request.input_key),
+        "keep": {k: describe_key(v) for k, v in keep.items()},
+        "outputs": outputs,
         # Compression never changes the values, but it changes the stored bytes (and digests).
         "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
         "autocast": options.autocast,
         # only when set, so every fingerprint computed before collate existed stays the same
         **({"collate": describe_key(options.collate)} if options.collate is not None else {}),
         # Only with views, so versions without them keep their ids.
-        **({} if req.views is None else {"views": asdict(views_spec(req))}),
-        **({} if req.tokens is None else {"tokens": {"mask": describe_key(req.tokens.mask), "outputs": list(req.ragged),
-                                                     "max_tokens": req.tokens.max_tokens}}),
+        **({} if views is None else {"views": asdict(_views_spec(views))}),
+        **({} if request.tokens is None else {"tokens": {"mask": describe_key(request.tokens.mask),
+                                                         "outputs": list(ragged),
+                                                         "max_tokens": request.tokens.max_tokens}}),
     }
+
 
 def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
     """A child reads its parent's shards where the parent's spread put them, with its own
@@ -187,13 +164,22 @@ def _dataset_sample(parts: Mapping[str, Any], dataset: Any) -> str | None:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ComputePlan:
-    """What one compute call does, decided once: the request, its fingerprint and version id,
-    the views, and what it inherits from a parent. Everything below reads it; nothing below
-    decides it again."""
+    """What one compute call does, decided once (by :func:`decide`): the request and what was
+    decided of it (the arrays asked for, the views and shard size, adopted from ``views_of`` or
+    ``extends``), its fingerprint and version id, and what it inherits from a parent.
+    Everything below reads it; nothing below decides it again: ``store.compute``'s driver and
+    the teacher in the loop (:mod:`featstore.online`) plan with it alike."""
 
-    req: _Request
+    name: str
+    request: ComputeRequest  # as given
+    n: int  # samples in the dataset
+    outputs: dict[str, str]  # output -> canonical codec name
+    keep: dict[str, Any]  # kept field -> key in the item
+    ragged: tuple[str, ...]  # the per-token outputs
+    views: Views | None  # K, augment and seed as decided (None: one view as the items are)
+    samples_per_shard: int | None  # as given, or the parent's / the base's
     parts: dict[str, Any]  # the fingerprint's parts, as the manifest records them
     fingerprint: str
     growth: Growth | None  # an ``extends=`` parent: the shards referenced, layout and arrays kept
@@ -204,8 +190,17 @@ class ComputePlan:
         return self.fingerprint[:16]
 
     @property
-    def views(self) -> ViewsSpec | None:
-        return views_spec(self.req)
+    def options(self) -> ComputeOptions:
+        return self.request.compute_options
+
+    @property
+    def view_count(self) -> int | None:
+        """K (None without views): what receipts, claims and commits count units by."""
+        return None if self.views is None else self.views.k
+
+    @property
+    def views_spec(self) -> ViewsSpec | None:
+        return views_spec(self.views)
 
     @property
     def bases(self) -> tuple[Base, ...]:
@@ -221,11 +216,25 @@ class ComputePlan:
         """The arrays to store: as the probe found them, or the parent's."""
         return self.growth.adopt_arrays(probed) if self.growth is not None else probed
 
-    def chunk_rows(self, options: ComputeOptions) -> int | None:
-        return self.growth.layout.chunk_rows if self.growth is not None else options.chunk_rows
+    def chunk_rows(self) -> int | None:
+        return self.growth.layout.chunk_rows if self.growth is not None else self.options.chunk_rows
 
-    def spread(self, options: ComputeOptions) -> int:
-        return self.growth.layout.spread if self.growth is not None else check_spread(options.spread_prefixes)
+    def spread(self) -> int:
+        return self.growth.layout.spread if self.growth is not None else check_spread(self.options.spread_prefixes)
+
+    def layout(self, probe: Probe, local: bool) -> tuple[Layout, dict[str, ArraySpec]]:
+        """The layout and arrays a run claims for what the probe found (before a claim adopts a
+        concurrent run's); ``local``: whether the store is on a local disk."""
+        from featstore.compute._layout import planned_layout
+
+        return planned_layout(self, probe, local)
+
+    def manifest(self, layout: Layout, arrays: dict[str, ArraySpec]) -> Manifest:
+        """The version's manifest as far as it is known before any shard is computed (what an
+        online reader reads; the commit adds statistics, records, times and libraries)."""
+        return Manifest(id=self.vid, name=self.name, fingerprint=self.fingerprint, fingerprint_parts=dict(self.parts),
+                        layout=layout, arrays=arrays, stats={}, created_at="", timings={}, libraries={},
+                        bases=self.bases, dataset_sample=self.dataset_sample, views=self.views_spec)
 
     def stats(self, receipts: list[ShardReceipt], arrays: dict[str, ArraySpec]) -> dict[str, dict]:
         """The manifest's statistics over every shard, the inherited ones included."""
@@ -234,32 +243,49 @@ class ComputePlan:
         return self.growth.summarize(self.inherited, receipts[self.growth.first_own:], arrays)
 
 
-def decide(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any, keep: Any, outputs: Any,
-           batch_size: int, samples_per_shard: int | None, options: ComputeOptions, extends: Any,
-           views: int | None, augment: Any, augment_seed: int | None, tokens: Tokens | None,
-           views_of: Any = None) -> ComputePlan:
-    """Validate a compute call and decide what it does (see :class:`ComputePlan`)."""
-    parent = catalog.open(extends) if extends is not None else None
-    base = None if views_of is None else catalog.open(views_of)
+def decide(catalog: Catalog, name: str, request: ComputeRequest, *, fresh: bool = False) -> ComputePlan:
+    """Validate a compute of ``request`` into feature set ``name`` and decide what it does (see
+    :class:`ComputePlan`): the plan ``store.compute`` runs and the teacher in the loop reads.
+
+    ``fresh``: ``request.augment`` (without views) is a fresh augmentation every epoch (the
+    teacher in the loop's): its outputs are never stored, and the fingerprint records it, so
+    the id is no stored version's.
+    """
+    check_name(name)
+    k, augment, seed = request.view_count, request.view_augment, request.given_view_seed
+    if fresh:
+        if k is not None or request.views_of is not None:
+            raise InvalidInput("a fresh augmentation is augment= without views= and views_of=.")
+        augment = None
+    parent = catalog.open(request.extends) if request.extends is not None else None
+    base = None if request.views_of is None else catalog.open(request.views_of)
+    samples_per_shard = request.samples_per_shard
     if base is not None:
-        views, augment_seed, samples_per_shard = _adopt_base(base, parent, views, augment, augment_seed,
-                                                             samples_per_shard)
-    _check_views_extends(parent, views)
-    augment_seed = 0 if augment_seed is None else augment_seed
+        k, seed, samples_per_shard = _adopt_base(base, parent, k, augment, seed, samples_per_shard)
+    elif k is None and augment is not None:
+        raise InvalidInput("augment= needs views=featstore.Views(k=K, augment=fn) (K augmented views per sample are "
+                           "computed and stored); for one augmented view pass k=1.")
+    _check_views_extends(parent, k)
     if parent is not None:
         spp = parent.manifest.layout.samples_per_shard
         if samples_per_shard not in (None, spp):
             raise InvalidInput(f"extends={parent.ref!r} keeps the parent's {spp} samples per shard; "
                                f"leave samples_per_shard out (got {samples_per_shard}).")
         samples_per_shard = spp
-        _check_parent_spread(parent, options)
-    req = _validate(name, dataset, input_key, keep, outputs, batch_size, samples_per_shard, options,
-                    views, augment, augment_seed, tokens)
-    parts = _fingerprint_parts(req, model, dataset, options)
+        _check_parent_spread(parent, request.compute_options)
+    views = _checked_views(k, augment, seed)
+    outputs, keep, ragged = _arrays_asked(request, k)
+    n = _check_dataset(request, keep, views)
+    parts = _fingerprint_parts(request, keep, outputs, ragged, views)
+    if fresh:  # outputs of one epoch's draw: an id no stored version has
+        parts["fresh_augment"] = describe_key(request.augment)
     if base is not None:
-        check_views_of(base, Alignment.of_parts(parts["dataset"], _dataset_sample(parts, dataset), views_spec(req)))
+        check_views_of(base, Alignment.of_parts(parts["dataset"], _dataset_sample(parts, request.dataset),
+                                                views_spec(views)))
         parts = {**parts, LINK: link(base)}
-    growth = None if parent is None else plan_growth(parent, dataset, parts, req.n)
-    if growth is not None:
+    growth = None
+    if parent is not None:
+        growth = plan_growth(parent, request.dataset, parts, n)
         parts = {**parts, "extends": parent.fingerprint}
-    return ComputePlan(req, parts, fingerprint(parts), growth, _dataset_sample(parts, dataset))
+    return ComputePlan(name, request, n, outputs, keep, ragged, views, samples_per_shard, parts, fingerprint(parts),
+                       growth, _dataset_sample(parts, request.dataset))

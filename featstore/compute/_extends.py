@@ -27,7 +27,7 @@ from featstore.versions._committed import Version
 _SHARED_PARTS = ("model", "input_key", "keep", "outputs", "codecs", "autocast", "collate", "tokens")
 
 
-class _Prefix:
+class DatasetPrefix:
     """The first ``n`` items of a dataset (what the parent was computed over)."""
 
     def __init__(self, dataset: Any, n: int) -> None:
@@ -105,7 +105,7 @@ def plan_growth(parent: Version, dataset: Any, parts: Mapping[str, Any], n: int)
         raise DatasetMismatch(f"{parent.ref} has no sampled content digest (its items could not be "
                               "digested), so the shared range cannot be checked; compute without extends.")
     try:
-        got = sampled_digest(_Prefix(dataset, len(parent)))
+        got = sampled_digest(DatasetPrefix(dataset, len(parent)))
     except InvalidInput as exc:
         raise DatasetMismatch(f"the dataset's items cannot be digested to check the range shared with "
                               f"{parent.ref}: {exc}") from exc

@@ -43,6 +43,9 @@ class ComputeOptions:
             a divisor of an explicit ``samples_per_shard``; given, it must divide it).
         progress: show a terminal progress bar.
         n_workers: workers of the embedded LocalCluster (None: one per GPU, else one).
+            With ``client="in-process"`` (no Dask: the shard tasks run in the calling process
+            one after the other, the same version byte for byte) ``n_workers``, ``processes``,
+            ``shards_per_task`` and ``connect_timeout`` do not apply.
         processes: whether the embedded LocalCluster's workers are processes. None: processes
             when the machine has GPUs (one per GPU), else one worker thread in this process,
             which measured 1.4-1.9x faster compute on a 2-core CPU machine (no worker start-up,

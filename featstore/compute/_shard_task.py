@@ -21,7 +21,7 @@ import contextvars
 import copy
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,28 +33,25 @@ from featstore.monitor._events import batch_done, shard_started, shard_written
 from featstore.compute._malloc import tuned as tuned_allocator
 from featstore.codecs._dense import (keep_codec, output_codec)
 from featstore.compute._devices import task_device
-from featstore.errors import (FeatstoreError, InvalidInput)
+from featstore.errors import InvalidInput
 from featstore.format._arrays import zstd_saving
 from featstore.format._keys import chunk_key
 from featstore.format._manifests import ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, batch_mask, pack
-from featstore.codecs._statistics import merge_stats
-from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
-from featstore._user_code import build_model, describe, read_items, user_error
+from featstore.codecs._ragged import TOKEN_START, pack
+from featstore.compute._transfer import Offloader
+from featstore._user_code import build_model, read_items
 from featstore.versions._keys import object_key
 from featstore.versions._receipts import read_receipts
-from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
+from featstore.versions._views import ViewDataset
 
-from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
-from featstore.compute._shard_writing import (check_batch, encode_batch, open_arrays, shard_buffers, tokens_per_shard,
-                                              unstage, write_shard, device_stage, encodes_on_device)
-from featstore.compute._task_spec import TaskSpec
+from featstore.compute._batches import TOKEN_MASK
+from featstore.compute._shard_rows import ShardRows, collate_inputs, forward
+from featstore.compute._shard_writing import encodes_on_device, open_arrays, write_shard
+from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
 
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
-#: The probe's mean real tokens per sample (sizes the shards of per-token outputs).
-PROBE_TOKENS = "_tokens_per_sample"
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
 PROBE_ROWS = 64
 
@@ -72,17 +69,9 @@ _FORWARD_TURN = threading.Lock()
 
 def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
     """The dataset as Model A sees it: with views, each item augmented with its view seed."""
-    if spec.view is None:
+    if spec.view is None or spec.augment is None:  # (a spec with a view always has its augment)
         return dataset
     return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
-
-
-def _seed_field(spec: TaskSpec, b0: int, b1: int) -> dict[str, torch.Tensor]:
-    """With views, each row's replay seed, stored beside the outputs (plain Zarr readers and
-    other tools can replay a view without featstore)."""
-    if spec.view is None:
-        return {}
-    return {SEED_FIELD: torch.from_numpy(view_seeds(spec.augment_seed, spec.view, np.arange(b0, b1)))}
 
 
 def worker_model(model: Any, key: str, threads: int, device: torch.device) -> torch.nn.Module:
@@ -106,56 +95,35 @@ def worker_model(model: Any, key: str, threads: int, device: torch.device) -> to
         return cached
 
 
-def _collate(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The input batch for A (in pinned memory if ``pinned``) and the kept fields."""
-    x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
-    if spec.tokens is not None:
-        try:
-            kept[TOKEN_MASK] = batch_mask(spec.tokens, x, len(items), start)
-        except FeatstoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's mask function raises anything
-            raise user_error(exc, f"Tokens(mask={describe(spec.tokens.mask)}) on samples [{start}, "
-                             f"{start + len(items)})", "fix it, then rerun.") from exc
-        kept[TOKEN_LENGTH] = kept[TOKEN_MASK].sum(1).to(torch.int32)
-    return (pin(x) if pinned else x), kept
-
-
-def _forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: int,
-             device: torch.device) -> dict[str, torch.Tensor]:
-    x = to_device(x, device)
-    try:
-        with torch.inference_mode():
-            if spec.autocast:
-                with torch.autocast(device.type, dtype=getattr(torch, spec.autocast)):
-                    out = model(x)
-            else:
-                out = model(x)
-    except Exception as exc:  # noqa: BLE001
-        raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
-                         f"on samples [{start}, {start + rows})") from exc
-    return as_outputs(out, list(spec.outputs))
+#: Where a task's progress events go when it runs outside Dask (the in-process runner's bar).
+EventSink = Callable[[dict[str, Any]], None]
 
 
 class _Reporter:
-    """A task's progress events (see :mod:`featstore.monitor`); silent outside a Dask worker.
+    """A task's progress events (see :mod:`featstore.monitor`): to ``events`` where given (a
+    task run in the driver's process), else to the Dask worker's topic; silent otherwise.
 
     Made on the task's thread, where Dask knows the worker; ``send`` works from any thread.
     """
 
-    def __init__(self, spec: TaskSpec) -> None:
-        try:
-            from distributed import get_worker
+    def __init__(self, spec: TaskSpec, events: EventSink | None = None) -> None:
+        self.events = events
+        self.worker: Any = None
+        if events is None:
+            try:
+                from distributed import get_worker
 
-            self.worker: Any = get_worker()
-        except (ImportError, ValueError):
-            self.worker = None
+                self.worker = get_worker()
+            except (ImportError, ValueError):
+                pass
         self.address = getattr(self.worker, "address", "local")
         self.run, self.topic = spec.model_key, spec.topic
         self.unit = spec.unit
 
     def send(self, msg: dict[str, Any]) -> None:
-        if self.worker is not None:
+        if self.events is not None:
+            self.events(msg)
+        elif self.worker is not None:
             try:
                 self.worker.log_event(self.topic, msg)
             except RuntimeError:  # the worker's loop is closing: progress is best effort
@@ -209,44 +177,25 @@ def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np
 
 def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -> tuple[Any, dict]:
     """Read and collate one batch (runs on the fetch thread)."""
-    return _collate(spec, read_items(dataset, range(b0, b1)), b0, pinned)
+    return collate_inputs(spec, read_items(dataset, range(b0, b1)), b0, pinned)
 
 
-def _store_batch(spec: TaskSpec, batch: HostBatch, b0: int, b1: int, start: int, token0: int,
-                 buffers: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
-    """Check, encode and copy one batch into its shard's buffers (runs on the write thread),
-    once its device->host copies have landed; ``token0``: its first token row (per-token outputs)."""
-    values = batch.wait()
-    mask = values.pop(TOKEN_MASK, None)
-    staged = unstage(values)
-    for name in spec.ragged:
-        if name in values:
-            values[name] = pack(values[name], mask, name)[0]
-    check_batch(spec, values, b1 - b0, b0)  # a staged output was checked on the device
-    enc, st = encode_batch(spec, {**values, **staged}, b0, token0)
-    for n, arr in enc.items():
-        if isinstance(buffers[n], list):
-            buffers[n].append(arr)
-        else:
-            buffers[n][b0 - start:b1 - start] = arr
-        stats[n] = merge_stats(stats.get(n), st[n])
-
-
-#: Joins an output's name and a part in the keys of what :func:`device_stage` hands the host.
-def _write_checked_shard(batch_jobs: list[Future], spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                         buffers: dict[str, np.ndarray], stats: dict[str, dict], report: _Reporter) -> ShardReceipt:
+def _write_checked_shard(batch_jobs: list[Future], arrays: dict[str, zarr.Array], rows: ShardRows,
+                         report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
     keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
     holds uninitialised rows that must never get a receipt."""
     for job in batch_jobs:
         job.result()  # already done (same thread, earlier in order): re-raises a failure
-    receipt = write_shard(spec, arrays, index, buffers, stats)
-    report.send(_shard_event(report, receipt, buffers))
+    receipt = write_shard(rows.spec, arrays, rows.index, rows.buffers, rows.stats)
+    report.send(_shard_event(report, receipt, rows.buffers))
     return receipt
 
 
-def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) -> list[dict]:
-    """The Dask task: compute and store whole shards, return their receipts as JSON dicts.
+def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int],
+               events: EventSink | None = None) -> list[dict]:
+    """The shard task: compute and store whole shards, return their receipts as JSON dicts (in a
+    Dask worker, or in the driver's process with ``events`` taking its progress events).
 
     Three stages overlap, so Model A's forward is the only work on the task's own thread: a
     fetch thread reads batch i+1 from the dataset, the task runs A on batch i, and a write
@@ -265,7 +214,7 @@ def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int]) 
         _WARM.hold(tune)
         try:
             with tuned_allocator(tune):
-                computed = _run_shards(spec, net, _as_seen(spec, dataset), todo, device)
+                computed = _run_shards(spec, net, _as_seen(spec, dataset), todo, device, _Reporter(spec, events))
         finally:
             _WARM.linger()
     return computed + [{**r.to_json(), REUSED: True} for r in reused.values()]
@@ -343,21 +292,19 @@ def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, i
 
 
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int],
-                device: torch.device) -> list[dict]:
+                device: torch.device, report: _Reporter) -> list[dict]:
     arrays = open_arrays(spec)
     plan = _batch_plan(spec, shards)
     cuda = device.type == "cuda"
     offload = Offloader(device)
     receipts: list[dict] = []
-    report = _Reporter(spec)
-    on_device, per_shard, shard_tokens = encodes_on_device(device), tokens_per_shard(spec), 0
+    on_device = encodes_on_device(device)
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
         waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
         writes: deque[Future] = deque()
-        buffers: dict[str, np.ndarray] = {}
-        stats: dict[str, dict] = {}
+        rows: ShardRows  # the shard being computed, started at its first batch
         nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda) \
             if plan else None
         try:
@@ -366,30 +313,19 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
                 if k + 1 < len(plan):
                     nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[k + 1][1],
                                            plan[k + 1][2], cuda)
-                start, stop = spec.layout.shard_range(index)
-                if b0 == start:
-                    buffers = shard_buffers(spec, index)
-                    stats = {}
-                    shard_tokens = 0  # real tokens of the shard's earlier batches (per-token outputs)
+                if b0 == spec.layout.shard_range(index)[0]:
+                    rows = ShardRows.start(spec, index)
                     batch_jobs: list[Future] = []
                     report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
-                token0 = index * per_shard + shard_tokens  # the batch's first token row
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
-                    outs = _forward(spec, net, x, b0, b1 - b0, device)
-                    if on_device:
-                        outs = device_stage(spec, outs, kept.get(TOKEN_MASK), b0, token0)
-                if TOKEN_MASK in kept:
-                    shard_tokens += int(kept[TOKEN_MASK].sum())
+                    values, span = rows.forward(net, x, kept, b0, b1, device, on_device)
                 report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
-                # on CUDA: starts the copies, returns at once
-                host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
-                job = _in_task_context(pool, "encode", _store_batch, spec, host, b0, b1, start, token0, buffers,
-                                       stats)
+                host = offload.to_host(values)  # on CUDA: starts the copies, returns at once
+                job = _in_task_context(pool, "encode", rows.store, host, span)
                 waiting.append(job)
                 batch_jobs.append(job)
                 if last:
-                    fut = _in_task_context(pool, "write", _write_checked_shard, batch_jobs, spec, arrays, index,
-                                           buffers, stats, report)
+                    fut = _in_task_context(pool, "write", _write_checked_shard, batch_jobs, arrays, rows, report)
                     waiting.append(fut)
                     writes.append(fut)
                 while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
@@ -406,24 +342,23 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
     return receipts
 
 
-def probe(spec: TaskSpec, model: Any, dataset: Any, n: int,
-          on: torch.device | None = None) -> dict[str, tuple[tuple[int, ...], str, float]]:
-    """Run A on the first samples (one small batch) on a worker (or on device ``on``: the
-    online reader's, outside Dask).
-
-    Returns, per array, the per-sample shape and dtype every batch must keep and the share of
-    bytes zstd saves on this batch as stored (what ``compression="auto"`` decides on).
+def probe(spec: TaskSpec, model: Any, dataset: Any, n: int, on: torch.device | None = None) -> Probe:
+    """Run A on the first samples (one small batch) on a worker, or on device ``on`` (the
+    teacher in the loop's, outside Dask): per array, the per-sample shape and dtype every batch
+    must keep and the share of bytes zstd saves on this batch as stored (what
+    ``compression="auto"`` decides on); with per-token outputs, the mean real tokens per sample.
     """
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() if on is None else contextlib.nullcontext(on) as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        x, kept = _collate(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
-        outs = _forward(spec, net, x, 0, rows, device)
-    out: dict[str, tuple[tuple[int, ...], str, float]] = {}
+        x, kept = collate_inputs(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
+        outs = forward(spec, net, x, 0, rows, device)
+    out: dict[str, ArrayProbe] = {}
+    tokens = 0.0
     if spec.tokens is not None:
         mask = kept.pop(TOKEN_MASK)
         outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
-        out[PROBE_TOKENS] = ((), "float64", float(mask.sum()) / max(rows, 1))
+        tokens = float(mask.sum()) / max(rows, 1)
         kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
     for name, t in {**outs, **kept}.items():
         if name in outs and is_parts_codec(spec.outputs[name]):
@@ -433,18 +368,18 @@ def probe(spec: TaskSpec, model: Any, dataset: Any, n: int,
             saving = zstd_saving(codec.cast(t))
         except InvalidInput:  # an unstorable dtype: the driver reports it with the array's name
             saving = 1.0
-        out[name] = (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
-    return out
+        out[name] = ArrayProbe(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
+    return Probe(out, tokens)
 
 
-def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], str, float]]:
+def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, ArrayProbe]:
     """zstd's saving on each part of an output stored in parts (none where the codec cannot
     encode the probe batch: the driver raises that error with the whole story)."""
     try:
         parts, _ = codec.encode(t, 0, name)
     except InvalidInput:
         return {}
-    return {part_array(name, p): (tuple(a.shape[1:]), str(a.dtype), zstd_saving(a)) for p, a in parts.items()}
+    return {part_array(name, p): ArrayProbe(tuple(a.shape[1:]), str(a.dtype), zstd_saving(a)) for p, a in parts.items()}
 
 
 def release_models(run_key: str) -> None:

@@ -109,6 +109,7 @@ def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, star
 
 
 def open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
+    """The claimed version's Zarr arrays (of ``spec``'s view), opened for :func:`write_shard`."""
     try:
         return open_for_write(group_store(spec.storage, spec.key, spec.layout.spread, read_only=False), spec.arrays)
     except FileNotFoundError:  # zarr's "array not found": the claim's arrays are gone
@@ -133,25 +134,37 @@ def tokens_per_shard(spec: TaskSpec) -> int:
     return 0 if a is None else spec.layout.of(a).samples_per_shard
 
 
-def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                 buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
-    start, stop = spec.layout.shard_range(index)
-    digests = {}
-    if TOKEN_START in buffers:  # each sample's first token row, now that the shard's counts are in
+def finish_buffers(spec: TaskSpec, index: int, buffers: dict[str, Any], stats: dict[str, dict]) -> None:
+    """A shard's buffers once all its batches are in, as they are stored: each per-token array's
+    batches joined into one array of the shard's token rows, and each sample's first token row
+    (``token_start``), now that the shard's counts are known. Idempotent."""
+    if TOKEN_START in buffers:
         buffers[TOKEN_START][:] = index * tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
         stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
     for name, buf in buffers.items():
-        if isinstance(buf, list):  # a per-token array: the shard's tokens, packed from its first row
+        if isinstance(buf, list):
             a = spec.arrays[name]
-            buf = np.concatenate(buf) if buf else np.empty((0, *a.shape), dtype=a.dtype)
+            buffers[name] = np.concatenate(buf) if buf else np.empty((0, *a.shape), dtype=a.dtype)
+
+
+def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
+                buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
+    """Store shard ``index``'s rows (``buffers``, as :class:`~featstore.compute.ShardRows` built
+    them) into ``arrays``, then its receipt (digests and ``stats``): the receipt is written last,
+    it is the marker that the shard is stored."""
+    start, stop = spec.layout.shard_range(index)
+    digests = {}
+    finish_buffers(spec, index, buffers, stats)
+    for name, buf in buffers.items():
+        a = spec.arrays[name]
+        if a.ragged:  # a per-token array: the shard's tokens, packed from its first row
             t0 = index * tokens_per_shard(spec)
             # a shard without a single token still stores one (padding) row: every shard of
             # every array is an object, which is what commit and resume check
             arrays[name][t0:t0 + max(len(buf), 1)] = buf if len(buf) else np.zeros((1, *a.shape), dtype=a.dtype)
-            buffers[name] = buf
         else:
             arrays[name][start:stop] = buf
-        digests[name] = shard_digest(buffers[name])
+        digests[name] = shard_digest(buf)
     receipt = ShardReceipt(index, start, stop, digests, stats, view=spec.view)
     # The receipt is written only after every array of the shard is stored: it is the marker.
     write_receipt(spec.storage, spec.key, receipt)

@@ -9,7 +9,8 @@ The names are imported when first used: this package's modules import torch.
 from featstore._lazy import lazy_exports
 
 _NAMES = {
-    "Teacher": "_reading", "OnlineDataset": "_reading", "online_dataset": "_reading", "plan_teacher": "_reading",
+    "Teacher": "_teacher", "Planned": "_teacher", "plan_teacher": "_teacher",
+    "OnlineDataset": "_reading", "online_dataset": "_reading",
     "Advice": "_advise", "Costs": "_advise", "Workload": "_advise", "advise": "_advise", "MODES": "_advise",
     "bound": "_advise", "predict": "_advise", "recommend": "_advise", "terms": "_advise",
 }

@@ -188,7 +188,7 @@ def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s
     """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
     the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
     version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
-    from featstore.compute._extends import _Prefix
+    from featstore.compute._extends import DatasetPrefix
 
     tag = uuid.uuid4().hex[:12]
     opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
@@ -196,7 +196,7 @@ def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s
     name = f"advise/compute-{tag}"
     t0 = time.perf_counter()
     try:
-        store.compute(name, model=teacher.model, dataset=_Prefix(teacher.dataset, n), input_key=teacher.input_key,
+        store.compute(name, model=teacher.model, dataset=DatasetPrefix(teacher.dataset, n), input_key=teacher.input_key,
                       keep=teacher.keep, outputs=teacher.outputs, batch_size=teacher.batch_size,
                       samples_per_shard=layout.samples_per_shard, options=opts)
         took = time.perf_counter() - t0
@@ -210,25 +210,24 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
     """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
     and its stored bytes per sample."""
     from featstore.online._fill import FillState, try_commit
-    from featstore.compute._extends import _Prefix
+    from featstore.compute._extends import DatasetPrefix
     from featstore.online._inputs import InputPrefetch
     from featstore.online._reading import plan_teacher, shard_batches, shard_buffers
     from featstore.compute._shard_task import worker_model
-    from featstore.compute._shard_writing import open_arrays as _open_arrays
-    from featstore.compute._shard_writing import write_shard as _write_shard
+    from featstore.compute._shard_writing import open_arrays, write_shard
 
     tag = uuid.uuid4().hex[:12]
     # the real layout's shards (the write's cost per shard is part of its rate)
     opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
                                model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
-    scratch = dataclasses.replace(teacher, dataset=_Prefix(teacher.dataset, n), fill=True, options=opts,
+    scratch = dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=opts,
                                   samples_per_shard=layout.samples_per_shard)
     planned = plan_teacher(store, f"advise/scratch-{tag}", scratch)
     try:
         spec, device = planned.spec, scratch.torch_device()
         net = worker_model(scratch.model, spec.model_key, 0, device)
         shard_buffers(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
-        arrays = _open_arrays(spec)
+        arrays = open_arrays(spec)
         shards = range(spec.layout.n_shards)
         inputs = InputPrefetch()  # A's inputs read a batch ahead, as the online reader reads them
         inputs.plan(scratch.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
@@ -236,7 +235,7 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
         computed = [shard_buffers(spec, net, scratch.dataset, shard, device, inputs) for shard in shards]
         t1 = time.perf_counter()
         for shard, (buffers, stats) in zip(shards, computed, strict=True):
-            _write_shard(spec, arrays, shard, buffers, stats)
+            write_shard(spec, arrays, shard, buffers, stats)
         t_teacher, t_write = t1 - t0, time.perf_counter() - t1
         try_commit(store, planned, FillState(), [None])
         version = store.open(planned.version.ref)

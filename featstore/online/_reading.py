@@ -26,241 +26,35 @@ planned fingerprint records the fresh augmentation, so its id is no stored versi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from featstore._user_code import read_items
-from featstore.compute._decision import ComputePlan, _dataset_sample, _fingerprint_parts, _validate, views_spec
-from featstore.compute._driver import planned_arrays
-from featstore.compute._options import ComputeOptions
-from featstore.compute._shard_task import _collate, _forward, _seed_field, _store_batch, probe, worker_model
-from featstore.compute._shard_writing import device_stage, encodes_on_device
-from featstore.compute._shard_writing import open_arrays as _open_arrays
-from featstore.compute._shard_writing import shard_buffers as _shard_buffers
-from featstore.compute._shard_writing import write_shard as _write_shard
-from featstore.compute._transfer import Offloader
-from featstore.errors import DeviceSetupError, InvalidInput
-from featstore.format._manifests import Layout, Manifest
+from featstore.compute._shard_rows import compute_shard, shard_batches
+from featstore.compute._shard_task import worker_model
+from featstore.compute._shard_writing import open_arrays, write_shard
+from featstore.compute._task_spec import TaskSpec
+from featstore.errors import InvalidInput
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
+from featstore.online._teacher import Planned, Teacher, plan_teacher
 from featstore.online._inputs import InputPrefetch
 from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
 from featstore.versions._keys import receipt_key, view_key
-from featstore.versions._lifecycle import Claim
-from featstore.versions._views import SEED_FIELD, ViewDataset, Views, epoch_seeds, replay, views_arguments
-from featstore.versions._fingerprints import describe_key, fingerprint
 
 
-@dataclass(frozen=True, eq=False)
-class Teacher:
-    """Model A in the loop: what ``store.dataset(name, teacher=Teacher(...))`` runs in the
-    consuming process (see :mod:`featstore.online`). The arguments are ``store.compute``'s.
-
-    Attributes:
-        model: an ``nn.Module`` or a zero-argument factory (built once per process).
-        dataset: the map-style dataset A runs on.
-        outputs: ``{output name: codec}``, as for ``compute``.
-        input_key: which field of an item goes into A.
-        keep: per-sample fields carried beside A's outputs.
-        device: where A runs in the consuming process: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
-            (CUDA cannot be used in forked DataLoader workers: use ``num_workers=0``, or the
-            ``spawn`` start method).
-        fill: also write the shards computed into the version, which commits once every shard
-            is written; later epochs, runs and students read it (:mod:`featstore.online._fill`).
-        batch_size: samples per forward of A (the stored reader's ``batch_size`` is B's).
-        samples_per_shard: rows per shard, as for ``compute`` (None: chosen the same way).
-        options: :class:`~featstore.ComputeOptions` (ids, autocast, compression, collate, ...).
-        views: :class:`~featstore.Views` (K replayable augmented views, stored with ``fill``),
-            as for ``compute``. (``views=K`` with ``augment=fn, augment_seed=S`` still works for
-            one release, with a ``DeprecationWarning``.)
-        augment: without ``views``: a fresh augmentation every epoch, ``fn(item, generator)``
-            (online only, never stored; the reader's ``source=`` join replays it for B).
-        augment_seed: deprecated, with ``views=K`` only: the views' seed.
-
-    >>> teacher = featstore.Teacher(model=model_a, dataset=train_set, outputs={"features": "float16"})
-    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=teacher)         # online
-    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=replace(teacher, fill=True))
-    """
-
-    model: Any
-    dataset: Any
-    outputs: Mapping[str, str] | None = None
-    input_key: Any = "input"
-    keep: Sequence[Any] | Mapping[str, Any] = ()
-    device: str = "cpu"
-    fill: bool = False
-    batch_size: int = 256
-    samples_per_shard: int | None = None
-    options: ComputeOptions | None = None
-    views: Views | int | None = None
-    augment: Any = None
-    augment_seed: int | None = None
-    _views: tuple[int | None, Any, int] = field(init=False, repr=False, compare=False, default=(None, None, 0))
-
-    def __post_init__(self) -> None:
-        if self.views is None:
-            if self.augment_seed is not None:
-                raise InvalidInput("augment_seed= names the seed of views: pass "
-                                   "views=featstore.Views(k=K, augment=fn, seed=S) (augment= alone is a fresh "
-                                   "augmentation every epoch, which has no seed of its own).")
-            resolved = (None, self.augment, 0)
-        else:
-            k, augment, seed = views_arguments(self.views, self.augment, self.augment_seed, caller="Teacher",
-                                               stacklevel=5)
-            resolved = (k, augment, seed or 0)
-        object.__setattr__(self, "_views", resolved)
-        if not isinstance(self.fill, bool):
-            raise InvalidInput(f"fill must be True or False, got {self.fill!r}.")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.") from None
-        if device.type not in ("cpu", "cuda"):
-            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
-        if self.fresh and self.fill:
-            raise InvalidInput(
-                "fill=True with a fresh augmentation (augment= without views=) would store outputs of one "
-                "random draw as if they could be replayed; they are never stored. Compute K replayable "
-                "views instead (views=K with augment=fn draws from the generator it is given), or keep fill=False.")
-
-    @property
-    def fresh(self) -> bool:
-        """Whether A sees a fresh (non-replayable) augmentation every epoch."""
-        return self.augment is not None and self.views is None
-
-    @property
-    def view_count(self) -> int | None:
-        """K, the views per sample (None without views)."""
-        return self._views[0]
-
-    @property
-    def view_augment(self) -> Any:
-        """The augment: the views' (with views), else the fresh one (or None)."""
-        return self._views[1]
-
-    @property
-    def view_seed(self) -> int:
-        """The views' seed (0 without views)."""
-        return self._views[2]
-
-    def torch_device(self) -> torch.device:
-        """The device A runs on; :class:`DeviceSetupError` for CUDA where there is none."""
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceSetupError(f"Teacher(device={self.device!r}) asks for CUDA, but torch sees no GPU here; "
-                                   "pass device='cpu', or run where a GPU is visible.")
-        return device
-
-
-@dataclass(frozen=True, eq=False)
-class Planned:
-    """The version a teacher's outputs make (not committed): what the reader reads and the
-    fill writes and commits."""
-
-    teacher: Teacher
-    plan: ComputePlan
-    version: Version
-    spec: Any  # the shard tasks' TaskSpec (arrays, layout, dtypes), view None
-    claim: Claim | None  # with fill: the version folder's claim
-
-    @property
-    def vid(self) -> str:
-        return self.plan.vid
-
-    @property
-    def req(self) -> Any:
-        return self.plan.req
-
-    @property
-    def parts(self) -> dict[str, Any]:
-        return self.plan.parts
-
-    @property
-    def fp(self) -> str:
-        return self.plan.fingerprint
-
-
-def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
-    """The version ``store.compute(name, ...)`` would commit for the teacher's arguments, planned
-    without computing it: the committed one itself if it exists and ``fill`` is asked."""
-    from featstore.compute._task_spec import TaskSpec
-    from featstore.monitor._events import TOPIC
-
-    options = teacher.options or ComputeOptions(progress=False)
-    device = teacher.torch_device()
-    fresh = teacher.fresh
-    req = _validate(name, teacher.dataset, teacher.input_key, teacher.keep, teacher.outputs, teacher.batch_size,
-                    teacher.samples_per_shard, options, teacher.view_count, None if fresh else teacher.view_augment,
-                    teacher.view_seed)
-    parts = _fingerprint_parts(req, teacher.model, teacher.dataset, options)
-    if fresh:  # outputs of one epoch's draw: an id no stored version has
-        parts["fresh_augment"] = describe_key(teacher.augment)
-    fp = fingerprint(parts)
-    plan = ComputePlan(req, parts, fp, None, _dataset_sample(parts, teacher.dataset))
-    vid = plan.vid
-    if teacher.fill and (existing := catalog.committed(name, vid)) is not None:
-        return existing
-    base = TaskSpec(catalog.storage, name, vid, f"{vid}-online-{os.getpid()}-{id(teacher):x}", req.input_key, req.keep,
-                    req.outputs, {}, Layout(req.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast,
-                    0, TOPIC, tune_allocator=False, collate=options.collate,
-                    view=None if req.views is None else 0, augment=req.augment, augment_seed=req.augment_seed)
-    probed = probe(base, teacher.model, teacher.dataset, req.n, device)
-    layout, arrays = planned_arrays(catalog, plan, probed, options)
-    claim = None
-    if teacher.fill:
-        claim = catalog.claim(name, vid, layout, arrays, (), req.views)
-        layout, arrays = claim.layout, claim.arrays
-    dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
-    spec = replace(base, arrays=arrays, layout=layout, dtypes=dtypes, view=None)
-    manifest = Manifest(id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=layout, arrays=arrays,
-                        stats={}, created_at="", timings={}, libraries={}, views=views_spec(req))
-    return Planned(teacher, plan, Version(catalog.storage, manifest), spec, claim)
-
-
-class FreshAugment(torch.utils.data.Dataset):
-    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
-    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
-
-    def __init__(self, dataset: Any, augment: Any, seed: int, epoch: int) -> None:
-        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
-
-
-def shard_batches(spec: Any, index: int) -> list[tuple[int, int]]:
-    """The batches ``[b0, b1)`` A runs on for shard ``index`` (``compute``'s: ``spec.batch_size``
-    rows from the shard's first)."""
-    start, stop = spec.layout.shard_range(index)
-    return [(b0, min(b0 + spec.batch_size, stop)) for b0 in range(start, stop, spec.batch_size)]
-
-
-def shard_buffers(spec: Any, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
+def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
                   inputs: InputPrefetch | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-    """Shard ``index`` as ``compute`` stores it: every array's rows (stored dtype) and their
-    statistics, A run in ``compute``'s batches (:func:`shard_batches`); ``inputs``: where A's
-    inputs were planned to be read ahead."""
-    buffers, stats = _shard_buffers(spec, index), {}
-    start, _ = spec.layout.shard_range(index)
-    offload, on_device = Offloader(device), encodes_on_device(device)
-    for b0, b1 in shard_batches(spec, index):
-        items = inputs.get(dataset, b0, b1) if inputs is not None else read_items(dataset, range(b0, b1))
-        x, kept = _collate(spec, items, b0, pinned=device.type == "cuda")
-        outs = _forward(spec, net, x, b0, b1 - b0, device)
-        if on_device:
-            outs = device_stage(spec, outs, None, b0, 0)
-        host = offload.to_host({**outs, **kept, **_seed_field(spec, b0, b1)})
-        _store_batch(spec, host, b0, b1, start, 0, buffers, stats)
-    return buffers, stats
+    """Shard ``index`` as ``compute`` stores it (:func:`featstore.compute.compute_shard`): every
+    array's rows (stored dtype) and their statistics; ``inputs``: where A's inputs were planned
+    to be read ahead."""
+    rows = compute_shard(spec, net, dataset, index, device, None if inputs is None else inputs.get)
+    return rows.buffers, rows.stats
 
 
 @dataclass
@@ -388,12 +182,7 @@ class OnlineDataset(FeatureDataset):
 
     def _seen(self, epoch: int) -> Any:
         """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
-        t, view = self.teacher, self._viewing.view
-        if view is not None:
-            return ViewDataset(t.dataset, t.view_augment, t.view_seed, view)
-        if t.fresh:
-            return FreshAugment(t.dataset, t.augment, self.options.seed, epoch)
-        return t.dataset
+        return self._planned.seen(self._viewing.view, epoch, self.options.seed)
 
     def _window_rows(self, st: _Online, spec: Any, seen: Any, window: tuple[Piece, ...],
                 mine: list[bool]) -> dict[str, np.ndarray]:
@@ -425,8 +214,8 @@ class OnlineDataset(FeatureDataset):
         buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device, st.inputs)
         if write:
             if spec.view not in st.writers:
-                st.writers[spec.view] = _open_arrays(spec)
-            self._written(st, st.writes.submit((spec.view, shard), _write_shard, spec, st.writers[spec.view], shard,
+                st.writers[spec.view] = open_arrays(spec)
+            self._written(st, st.writes.submit((spec.view, shard), write_shard, spec, st.writers[spec.view], shard,
                                                buffers, stats))
         else:
             self._written(st, st.writes.finished())
@@ -456,6 +245,9 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any
     if "@" in name:
         raise InvalidInput(f"with teacher=, name the feature set ({name.split('@')[0]!r}), not a version: the "
                            "teacher's arguments decide the version.")
+    if teacher.tokens is not None:  # planned as compute plans it (plan_teacher), not read online yet
+        raise InvalidInput("a teacher with tokens= (per-token outputs) is not read online yet: compute the version "
+                           "with store.compute(..., tokens=...) and read it with store.dataset(name).")
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, Version):
         return FeatureDataset(planned, **options)

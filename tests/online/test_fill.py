@@ -181,20 +181,20 @@ def test_a_failed_shard_write_fails_the_epoch_and_commits_nothing(reference, tmp
     # loop, not be lost with the thread (a disk full or a denied PUT cannot be made on demand here)
     from featstore.online import _reading
 
-    real = _reading._write_shard
+    real = _reading.write_shard
 
     def fails_on_shard_3(spec, arrays, index, buffers, stats):
         if index == 3:
             raise OSError(28, "No space left on device")
         return real(spec, arrays, index, buffers, stats)
 
-    monkeypatch.setattr(_reading, "_write_shard", fails_on_shard_3)
+    monkeypatch.setattr(_reading, "write_shard", fails_on_shard_3)
     store = featstore.open_store(tmp_path / "store")
     ds = store.dataset("fill/err", batch_size=20, seed=1, teacher=fill_teacher())
     with pytest.raises(OSError, match="No space left"):
         epoch(ds, 0)
     assert store.versions("fill/err") == [] and ds.committed() is None
-    monkeypatch.setattr(_reading, "_write_shard", real)
+    monkeypatch.setattr(_reading, "write_shard", real)
     again = store.dataset("fill/err", batch_size=20, seed=1, teacher=fill_teacher())
     assert_same_batches(epoch(again, 0), epoch(reference.dataset(batch_size=20, seed=1), 0))
     assert_is_reference(again.committed(), reference)

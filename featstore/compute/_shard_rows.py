@@ -1,0 +1,172 @@
+"""One shard's rows as compute stores them: Model A run on the shard's batches (``batch_size``
+rows from the shard's first), each batch's outputs checked, encoded with their codecs and
+copied into the shard's buffers, with their statistics (:class:`ShardRows`).
+
+Two callers run the same steps: the shard task (:mod:`featstore.compute`, which overlaps them
+on three threads: fetch, A's forward, encode and write) and :func:`compute_shard` (the same
+steps one after the other, in the calling process: what the teacher in the loop reads and
+fills). From the same floats both give the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from featstore._user_code import describe, read_items, user_error
+from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
+from featstore.codecs._statistics import merge_stats
+from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
+from featstore.compute._shard_writing import (check_batch, device_stage, encode_batch, encodes_on_device,
+                                              finish_buffers, shard_buffers, tokens_per_shard, unstage)
+from featstore.compute._task_spec import TaskSpec
+from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
+from featstore.errors import FeatstoreError
+from featstore.versions._views import SEED_FIELD, view_seeds
+
+#: ``items(dataset, b0, b1)``: the dataset's items ``b0 .. b1 - 1`` (default: read them now).
+ItemReader = Callable[[Any, int, int], list[Any]]
+
+
+def collate_inputs(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The input batch for A (in pinned memory if ``pinned``) and the kept fields (with
+    per-token outputs, the batch's real-token mask and each sample's token count)."""
+    x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
+    if spec.tokens is not None:
+        try:
+            kept[TOKEN_MASK] = batch_mask(spec.tokens, x, len(items), start)
+        except FeatstoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's mask function raises anything
+            raise user_error(exc, f"Tokens(mask={describe(spec.tokens.mask)}) on samples [{start}, "
+                             f"{start + len(items)})", "fix it, then rerun.") from exc
+        kept[TOKEN_LENGTH] = kept[TOKEN_MASK].sum(1).to(torch.int32)
+    return (pin(x) if pinned else x), kept
+
+
+def forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: int,
+            device: torch.device) -> dict[str, torch.Tensor]:
+    """Model A on one input batch, under ``inference_mode`` (and ``autocast`` if asked), its
+    outputs by name; what A raises names the samples."""
+    x = to_device(x, device)
+    try:
+        with torch.inference_mode():
+            if spec.autocast:
+                with torch.autocast(device.type, dtype=getattr(torch, spec.autocast)):
+                    out = model(x)
+            else:
+                out = model(x)
+    except Exception as exc:  # noqa: BLE001
+        raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
+                         f"on samples [{start}, {start + rows})") from exc
+    return as_outputs(out, list(spec.outputs))
+
+
+def shard_batches(spec: TaskSpec, index: int) -> list[tuple[int, int]]:
+    """The batches ``[b0, b1)`` A runs on for shard ``index``: ``spec.batch_size`` rows from
+    the shard's first (the last one shorter)."""
+    start, stop = spec.layout.shard_range(index)
+    return [(b0, min(b0 + spec.batch_size, stop)) for b0 in range(start, stop, spec.batch_size)]
+
+
+@dataclass(frozen=True)
+class BatchSpan:
+    """Where one batch of a shard goes: samples ``[b0, b1)``, and its first token row (per-token
+    outputs: what ``sample:S`` seeds its draws with, like a sample index)."""
+
+    b0: int
+    b1: int
+    token0: int = 0
+
+
+@dataclass
+class ShardRows:
+    """Shard ``index``'s rows being built, batch by batch: every array's rows in its stored dtype
+    (a list of batches' token rows for a per-token array, until :meth:`finish`) and their
+    statistics.
+
+    :meth:`forward` runs on A's thread, :meth:`store` wherever the encoding runs (the shard
+    task's write thread); called in batch order, then :meth:`finish`, they give what
+    ``compute`` stores.
+    """
+
+    spec: TaskSpec
+    index: int
+    buffers: dict[str, Any]
+    stats: dict[str, dict] = field(default_factory=dict)
+    tokens: int = 0  # real tokens in the batches forwarded so far
+
+    @classmethod
+    def start(cls, spec: TaskSpec, index: int) -> ShardRows:
+        """Empty buffers for shard ``index``."""
+        return cls(spec, index, shard_buffers(spec, index))
+
+    def forward(self, net: torch.nn.Module, x: Any, kept: dict[str, torch.Tensor], b0: int, b1: int,
+                device: torch.device, on_device: bool) -> tuple[dict[str, torch.Tensor], BatchSpan]:
+        """A on the batch ``[b0, b1)`` of this shard (``on_device``: the sparse codecs' device
+        half staged on A's device); the values to copy to the host (outputs and kept fields)
+        and where they go."""
+        span = BatchSpan(b0, b1, self.index * tokens_per_shard(self.spec) + self.tokens)
+        outs = forward(self.spec, net, x, b0, b1 - b0, device)
+        mask = kept.get(TOKEN_MASK)
+        if on_device:
+            outs = device_stage(self.spec, outs, mask, b0, span.token0)
+        if mask is not None:
+            self.tokens += int(mask.sum())
+        return {**outs, **kept}, span
+
+    def store(self, batch: HostBatch, span: BatchSpan) -> None:
+        """Check, encode and copy one batch into the shard's buffers, once its device->host
+        copies have landed."""
+        spec, start = self.spec, self.spec.layout.shard_range(self.index)[0]
+        values = batch.wait()
+        if spec.view is not None:  # each row's replay seed, stored beside the outputs
+            values[SEED_FIELD] = torch.from_numpy(view_seeds(spec.augment_seed, spec.view,
+                                                             np.arange(span.b0, span.b1)))
+        mask = values.pop(TOKEN_MASK, None)
+        staged = unstage(values)
+        for name in spec.ragged:
+            if name in values:
+                values[name] = pack(values[name], mask, name)[0]
+        check_batch(spec, values, span.b1 - span.b0, span.b0)  # a staged output was checked on the device
+        enc, st = encode_batch(spec, {**values, **staged}, span.b0, span.token0)
+        for n, arr in enc.items():
+            if isinstance(self.buffers[n], list):
+                self.buffers[n].append(arr)
+            else:
+                self.buffers[n][span.b0 - start:span.b1 - start] = arr
+            self.stats[n] = merge_stats(self.stats.get(n), st[n])
+
+    def finish(self) -> ShardRows:
+        """The rows as stored, once every batch is in: each per-token array one array of the
+        shard's token rows, and ``token_start`` filled in."""
+        finish_buffers(self.spec, self.index, self.buffers, self.stats)
+        return self
+
+
+def _read_now(dataset: Any, b0: int, b1: int) -> list[Any]:
+    return read_items(dataset, range(b0, b1))
+
+
+def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
+                  items: ItemReader | None = None) -> ShardRows:
+    """Shard ``index`` as ``compute`` stores it, computed here: A (``net``, on ``device``) run
+    on the shard's batches of ``dataset`` (as A sees it: with views, the view's items), each
+    batch encoded as the shard task encodes it; the same bytes as the task's from the same
+    floats. ``items``: where the batches' items come from (e.g. read ahead on a thread).
+
+    Write it with :func:`~featstore.compute.write_shard` (the task's write: objects, digests
+    and receipt).
+    """
+    rows = ShardRows.start(spec, index)
+    offload, on_device = Offloader(device), encodes_on_device(device)
+    read = items or _read_now
+    for b0, b1 in shard_batches(spec, index):
+        x, kept = collate_inputs(spec, read(dataset, b0, b1), b0, pinned=device.type == "cuda")
+        values, span = rows.forward(net, x, kept, b0, b1, device, on_device)
+        rows.store(offload.to_host(values), span)
+    return rows.finish()

@@ -1,0 +1,171 @@
+"""Model A in the loop, planned: :class:`Teacher` (a compute request plus where A runs and whether
+to fill) and :func:`plan_teacher`, the version ``store.compute`` would commit for the same
+arguments, planned by compute's own planner (:func:`featstore.compute.decide`, the same
+fingerprint, id, views, ``extends`` and ``views_of`` decisions, per-token outputs) and sized by
+compute's probe and layout, run on the teacher's device.
+
+``augment=fn`` without ``views`` (and without ``views_of``) is a *fresh* augmentation: each
+epoch A sees ``fn(dataset[i], generator)`` seeded from (reader seed, epoch, index); those
+outputs are never stored, and the planned fingerprint records the fresh augmentation, so its id
+is no stored version's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.data import Dataset
+
+from featstore.compute._decision import ComputePlan, decide
+from featstore.compute._request import ComputeRequest
+from featstore.compute._shard_task import probe
+from featstore.compute._task_spec import TaskSpec
+from featstore.errors import DeviceSetupError, InvalidInput
+from featstore.versions._catalog import Catalog
+from featstore.versions._committed import Version
+from featstore.versions._lifecycle import Claim
+from featstore.versions._views import Augment, ViewDataset, epoch_seeds, replay
+
+
+@dataclass(frozen=True, eq=False)
+class Teacher(ComputeRequest):
+    """Model A in the loop: what ``store.dataset(name, teacher=Teacher(...))`` runs in the
+    consuming process (see :mod:`featstore.online`). It takes ``store.compute``'s keywords
+    (:class:`~featstore.compute.ComputeRequest`) and plans the version that compute would
+    commit of them; ``device`` and ``fill`` say where A runs and whether its outputs are stored.
+
+    Attributes:
+        device: where A runs in the consuming process: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+            (CUDA cannot be used in forked DataLoader workers: use ``num_workers=0``, or the
+            ``spawn`` start method).
+        fill: also write the shards computed into the version, which commits once every shard
+            is written; later epochs, runs and students read it (:mod:`featstore.online._fill`).
+            Not with a fresh augmentation (never stored) nor with ``extends`` (the parent's
+            shards are referenced, not written: compute the child with ``store.compute``).
+
+    ``augment`` without ``views`` (and without ``views_of``) is a fresh augmentation every epoch
+    (online only, never stored; the reader's ``source=`` join replays it for B).
+    ``batch_size`` is A's (the stored reader's ``batch_size`` is B's).
+
+    >>> teacher = featstore.Teacher(model=model_a, dataset=train_set, outputs={"features": "float16"})
+    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=teacher)         # online
+    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=replace(teacher, fill=True))
+    """
+
+    device: str = field(default="cpu", kw_only=True)
+    fill: bool = field(default=False, kw_only=True)
+
+    caller: ClassVar[str] = "Teacher"
+
+    def __post_init__(self) -> None:
+        if self.views is None and self.views_of is None and self.augment_seed is not None:
+            raise InvalidInput("augment_seed= names the seed of views: pass "
+                               "views=featstore.Views(k=K, augment=fn, seed=S) (augment= alone is a fresh "
+                               "augmentation every epoch, which has no seed of its own).")
+        super().__post_init__()
+        if not isinstance(self.fill, bool):
+            raise InvalidInput(f"fill must be True or False, got {self.fill!r}.")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.") from None
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
+        if self.fresh and self.fill:
+            raise InvalidInput(
+                "fill=True with a fresh augmentation (augment= without views=) would store outputs of one "
+                "random draw as if they could be replayed; they are never stored. Compute K replayable "
+                "views instead (views=K with augment=fn draws from the generator it is given), or keep fill=False.")
+        if self.extends is not None and self.fill:
+            raise InvalidInput("fill=True with extends= is not supported: the child references its parent's shards "
+                               "instead of writing them. Compute it with store.compute(..., extends=...), or read "
+                               "it online (fill=False).")
+
+    @property
+    def fresh(self) -> bool:
+        """Whether A sees a fresh (non-replayable) augmentation every epoch."""
+        return self.augment is not None and self.views is None and self.views_of is None
+
+    def torch_device(self) -> torch.device:
+        """The device A runs on; :class:`DeviceSetupError` for CUDA where there is none."""
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceSetupError(f"Teacher(device={self.device!r}) asks for CUDA, but torch sees no GPU here; "
+                                   "pass device='cpu', or run where a GPU is visible.")
+        return device
+
+
+class FreshAugment(Dataset):
+    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
+    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
+
+    def __init__(self, dataset: Any, augment: Augment, seed: int, epoch: int) -> None:
+        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
+
+
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """The version a teacher's outputs make (not committed): what the reader reads and the
+    fill writes and commits."""
+
+    teacher: Teacher
+    plan: ComputePlan
+    version: Version
+    spec: TaskSpec  # the shard tasks' spec (arrays, layout, dtypes), view None
+    claim: Claim | None  # with fill: the version folder's claim
+
+    @property
+    def vid(self) -> str:
+        return self.plan.vid
+
+    @property
+    def req(self) -> ComputePlan:
+        """The plan (its ``name`` and ``n``, as the reader and the fill read them)."""
+        return self.plan
+
+    @property
+    def parts(self) -> dict[str, object]:
+        return self.plan.parts
+
+    @property
+    def fp(self) -> str:
+        return self.plan.fingerprint
+
+    def seen(self, view: int | None, epoch: int, seed: int) -> Any:
+        """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
+        ``views_of``'s), or, under a fresh augmentation, epoch ``epoch``'s draw for the reader's
+        ``seed``, or the items as they are."""
+        dataset, views, fresh = self.teacher.dataset, self.plan.views, self.teacher.augment
+        if view is not None and views is not None:
+            return ViewDataset(dataset, views.augment, views.seed, view)
+        if self.teacher.fresh and fresh is not None:
+            return FreshAugment(dataset, fresh, seed, epoch)
+        return dataset
+
+
+def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
+    """The version ``store.compute(name, ...)`` would commit for the teacher's arguments, planned
+    without computing it (compute's :func:`~featstore.compute.decide`, its probe on the
+    teacher's device and its layout): the committed one itself if it exists and ``fill`` is
+    asked."""
+    plan = decide(catalog, name, teacher, fresh=teacher.fresh)
+    if teacher.fill and (existing := catalog.committed(name, plan.vid)) is not None:
+        return existing
+    base = TaskSpec.of(plan, catalog.storage, f"{plan.vid}-online-{os.getpid()}-{id(teacher):x}")
+    probed = probe(base, teacher.model, teacher.dataset, plan.n, teacher.torch_device())
+    layout, arrays = plan.layout(probed, catalog.storage.is_local)
+    claim = None
+    if teacher.fill:
+        claim = catalog.claim(name, plan.vid, layout, arrays, plan.bases, plan.view_count)
+        layout, arrays = claim.layout, claim.arrays
+    spec = replace(base.planned(layout, arrays, probed), view=None)
+    return Planned(teacher, plan, Version(catalog.storage, plan.manifest(layout, arrays)), spec, claim)
