@@ -35,9 +35,9 @@ from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, part
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, Tokens, token_layout
 from featstore.compute._shard_task import PROBE_TOKENS, REUSED, probe, release_models, run_shards
 from featstore.compute._task_spec import TaskSpec
-from featstore.versions._catalog import Catalog
-from featstore.versions._lifecycle import Claim
-from featstore.versions._committed import Version
+from featstore.versions._catalog import Catalog, Ref
+from featstore.versions._commits import Claim
+from featstore.versions._committed import StoredVersion
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._receipts import ReceiptRuns
 from featstore.versions._views import SEED_FIELD
@@ -170,13 +170,13 @@ def _libraries() -> dict[str, str]:
 def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
             keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
             batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-            options: ComputeOptions | None = None, extends: str | Version | None = None,
+            options: ComputeOptions | None = None, extends: Ref | None = None,
             views: int | None = None, augment: Any = None, augment_seed: int | None = 0,
-            tokens: Tokens | None = None, views_of: str | Version | None = None) -> Version:
+            tokens: Tokens | None = None, views_of: Ref | None = None) -> StoredVersion:
     """Compute Model A's outputs over ``dataset`` with Dask and commit them as one version.
 
     Args:
-        catalog: the store the version goes to (a :class:`~featstore.FeatureStore`).
+        catalog: the catalog of the store the version goes to (``store.catalog``).
         name: the feature set (``"resnet50/imagenet-train"``).
         model: an ``nn.Module`` or a zero-argument factory that builds it on each worker.
         dataset: a map-style dataset; items may be tensors, tuples or dicts.
@@ -245,23 +245,23 @@ def compute(catalog: Catalog, name: str, *, model: Any, dataset: Any, input_key:
 
 
 def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequence[ShardReceipt],
-               timings: Mapping[str, Any]) -> Version:
+               timings: Mapping[str, Any]) -> StoredVersion:
     """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
     others are read from the store), its records, statistics and manifest. What ``compute``
     and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""
     name = plan.req.name
-    receipts = catalog.collect_receipts(name, plan.vid, claim.layout, fresh, plan.inherited, plan.req.views)
+    receipts = catalog.commits.collect_receipts(name, plan.vid, claim.layout, fresh, plan.inherited, plan.req.views)
     manifest = Manifest(
         id=plan.vid, name=name, fingerprint=plan.fingerprint, fingerprint_parts=dict(plan.parts), layout=claim.layout,
         arrays=claim.arrays, stats=plan.stats(receipts, claim.arrays),
-        records=catalog.write_records(name, plan.vid, receipts, list(claim.arrays)),
+        records=catalog.commits.write_records(name, plan.vid, receipts, list(claim.arrays)),
         bases=plan.bases, dataset_sample=plan.dataset_sample,
         created_at=_dt.datetime.now(_dt.UTC).isoformat(),
         timings=dict(timings),
         libraries=_libraries(),
         views=plan.views,
     )
-    return catalog.commit(manifest)
+    return catalog.commits.commit(manifest)
 
 
 
@@ -320,7 +320,7 @@ def _claim(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple
     """The arrays the probe found, their layout, and the claim (which may adopt a concurrent
     run's layout and compression, or, growing a parent, must be the parent's)."""
     layout, arrays = planned_arrays(catalog, plan, probed, options)
-    return catalog.claim(plan.req.name, plan.vid, layout, arrays, plan.bases, plan.req.views)
+    return catalog.commits.claim(plan.req.name, plan.vid, layout, arrays, plan.bases, plan.req.views)
 
 
 def planned_arrays(catalog: Catalog, plan: ComputePlan, probed: Mapping[str, tuple[tuple[int, ...], str, float]],

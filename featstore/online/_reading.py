@@ -26,7 +26,7 @@ planned fingerprint records the fresh augmentation, so its id is no stored versi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,11 +50,14 @@ from featstore.online._inputs import InputPrefetch
 from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
+from featstore.versions._committed import HasStoredVersion, StoredVersion
 from featstore.versions._keys import receipt_key, view_key
-from featstore.versions._lifecycle import Claim
+from featstore.versions._commits import Claim
 from featstore.versions._views import SEED_FIELD, ViewDataset, Views, epoch_seeds, replay, views_arguments
 from featstore.versions._fingerprints import describe_key, fingerprint
+
+#: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
+PublicVersion = Callable[[StoredVersion], HasStoredVersion]
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +168,7 @@ class Planned:
 
     teacher: Teacher
     plan: ComputePlan
-    version: Version
+    version: StoredVersion
     spec: Any  # the shard tasks' TaskSpec (arrays, layout, dtypes), view None
     claim: Claim | None  # with fill: the version folder's claim
 
@@ -186,7 +189,7 @@ class Planned:
         return self.plan.fingerprint
 
 
-def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
+def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | StoredVersion:
     """The version ``store.compute(name, ...)`` would commit for the teacher's arguments, planned
     without computing it: the committed one itself if it exists and ``fill`` is asked."""
     from featstore.compute._task_spec import TaskSpec
@@ -214,13 +217,13 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Ver
     layout, arrays = planned_arrays(catalog, plan, probed, options)
     claim = None
     if teacher.fill:
-        claim = catalog.claim(name, vid, layout, arrays, (), req.views)
+        claim = catalog.commits.claim(name, vid, layout, arrays, (), req.views)
         layout, arrays = claim.layout, claim.arrays
     dtypes = {k: d for k, (_, d, _) in probed.items()} | ({} if req.views is None else {SEED_FIELD: "int64"})
     spec = replace(base, arrays=arrays, layout=layout, dtypes=dtypes, view=None)
     manifest = Manifest(id=vid, name=name, fingerprint=fp, fingerprint_parts=parts, layout=layout, arrays=arrays,
                         stats={}, created_at="", timings={}, libraries={}, views=views_spec(req))
-    return Planned(teacher, plan, Version(catalog.storage, manifest), spec, claim)
+    return Planned(teacher, plan, StoredVersion(catalog.storage, manifest), spec, claim)
 
 
 class FreshAugment(torch.utils.data.Dataset):
@@ -286,10 +289,10 @@ class OnlineDataset(FeatureDataset):
     True
     """
 
-    def __init__(self, planned: Planned, *, version_class: type[Version] = Version, **options: Any) -> None:
-        """``version_class``: what :meth:`committed` returns (the store's :class:`~featstore.Version`)."""
+    def __init__(self, planned: Planned, *, public: PublicVersion | None = None, **options: Any) -> None:
+        """``public``: wraps what :meth:`committed` returns (the face passes :class:`featstore.Version`)."""
         self._planned = planned
-        self._version_class = version_class
+        self._public = public
         self._online_state: _Online | None = None
         super().__init__(planned.version, **options)
         if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
@@ -303,12 +306,12 @@ class OnlineDataset(FeatureDataset):
     def filling(self) -> bool:
         return self._planned.teacher.fill
 
-    def committed(self) -> Version | None:
+    def committed(self) -> StoredVersion | HasStoredVersion | None:
         """The filled version once committed (None before, and always without ``fill``)."""
         if not self.filling:
             return None
         v = Catalog(self._proc.storage).committed(self.version.name, self.version.id)
-        return None if v is None else self._version_class(v.storage, v.manifest)
+        return v if v is None or self._public is None else self._public(v)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_online_state": None}
@@ -448,15 +451,17 @@ class OnlineDataset(FeatureDataset):
         return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
 
 
-def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any) -> FeatureDataset:
+def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: PublicVersion | None = None,
+                   **options: Any) -> FeatureDataset:
     """``store.dataset(name, teacher=...)``: an :class:`OnlineDataset`, or with ``fill`` a plain
-    :class:`~featstore.FeatureDataset` over the version once it is committed."""
+    :class:`~featstore.FeatureDataset` over the version once it is committed. ``public`` wraps
+    the version :meth:`OnlineDataset.committed` returns (the face passes :class:`featstore.Version`)."""
     if not isinstance(teacher, Teacher):
         raise InvalidInput("teacher= takes featstore.Teacher(model=..., dataset=..., outputs={...}).")
     if "@" in name:
         raise InvalidInput(f"with teacher=, name the feature set ({name.split('@')[0]!r}), not a version: the "
                            "teacher's arguments decide the version.")
     planned = plan_teacher(catalog, name, teacher)
-    if isinstance(planned, Version):
+    if isinstance(planned, StoredVersion):
         return FeatureDataset(planned, **options)
-    return OnlineDataset(planned, version_class=catalog.version_class, **options)
+    return OnlineDataset(planned, public=public, **options)
