@@ -31,7 +31,7 @@ from dataclasses import replace
 from featstore.format import Layout, ReceiptRun, ShardReceipt
 from featstore.read import UniformShards, consumer_plan
 from featstore import FeatureStore, open_store
-from featstore.versions import receipt_key, version_key
+from featstore.versions import receipt_key, stored, version_key
 from featstore.versions import compact_receipts, finished_shards, read_receipts, run_key, write_receipt
 from featstore.compute import choose_layout
 from featstore.compute import OBJECT_STORE_SHARD_BYTES
@@ -154,7 +154,7 @@ def billion_row(root: str, n_samples: int = 10**9) -> dict:
     vkey = version_key(m.name, m.id)
     records = sum(len(store.storage.read_bytes(k) or b"") for k in store.storage.find(f"{vkey}/_records"))
     t0 = time.perf_counter()
-    n_receipts = len(store.open(ref).shard_receipts())
+    n_receipts = len(stored(store.open(ref)).shard_receipts())
     read_records_s = time.perf_counter() - t0
     return {"n_samples": m.layout.n_samples, "samples_per_shard": m.layout.samples_per_shard,
             "chunk_rows": m.layout.chunk_rows, "shards": m.layout.n_shards,

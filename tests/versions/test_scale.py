@@ -92,7 +92,7 @@ def test_records_hold_every_shard_and_are_read_only_by_verify(tmp_path, monkeypa
     base = featstore.open_store(tmp_path / "store")
     m = synthetic_version(base, "scale/rec", 1010, samples_per_shard=4)
     store = counted(base.storage)
-    receipts = store.open(f"{m.name}@{m.id}").shard_receipts()
+    receipts = stored(store.open(f"{m.name}@{m.id}")).shard_receipts()
     assert [r.index for r in receipts] == list(range(m.layout.n_shards))
     assert receipts[-1].start == 4 * (m.layout.n_shards - 1) and set(receipts[7].stats) == set(m.arrays)
     assert len(store.storage.reads) == 1 + 2  # the manifest, then two records objects (concurrently)
