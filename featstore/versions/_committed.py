@@ -74,11 +74,11 @@ def read_manifest(storage: Storage, name: str, vid: str) -> Manifest | None:
     """The validated manifest of ``name@vid``, or None while it is not committed; one that
     cannot be read is :class:`IncompatibleFormat` saying how to remove that version."""
     key = f"{version_key(name, vid)}/{MANIFEST}"
-    obj = storage.read_json(key)
-    if obj is None:
-        return None
     where, ref = storage.child_url(key), f"{name}@{vid}"
     try:
+        obj = storage.read_json(key)
+        if obj is None:
+            return None
         m = Manifest.from_json(obj, where)
         if (m.name, m.id) != (name, vid):  # a manifest copied or planted under another path
             raise IncompatibleFormat(f"{where} describes {m.name}@{m.id}, not {ref}; the store is damaged.")
