@@ -263,7 +263,8 @@ class FeatureStore:
                                client=client, options=options, extends=extends, views=k, augment=augment,
                                augment_seed=augment_seed, tokens=tokens, views_of=views_of))
 
-    def dataset(self, ref: Ref | Mapping[str, Ref] | Sequence[Ref], *, teacher: Any = None, **options: Any) -> Any:
+    def dataset(self, ref: Ref | Mapping[str, Ref] | list[Ref] | tuple[Ref, ...], *, teacher: Any = None,
+                **options: Any) -> Any:
         """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
         several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
         ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
@@ -299,7 +300,7 @@ class FeatureStore:
             if isinstance(ref, Mapping):
                 return MultiTeacherDataset({label: self.catalog.open(r) for label, r in ref.items()}, **options)
             return MultiTeacherDataset([self.catalog.open(r) for r in ref], **options)
-        return FeatureDataset(self.catalog.open(ref), **options)  # type: ignore[arg-type]
+        return FeatureDataset(self.catalog.open(ref), **options)
 
     # -- listing, resolving, tags, delete, gc (the catalog's) -----------------------------
     def open(self, ref: Ref) -> Version:

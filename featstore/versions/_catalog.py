@@ -93,13 +93,8 @@ class Catalog:
         return sorted(out, key=lambda v: (v.manifest.created_at, v.id)), damaged
 
     def damaged(self, name: str | None = None) -> dict[str, str]:
-        """``{"name@id": what is wrong and what to do}`` for every version (of ``name``, or of every
-        feature set) whose manifest exists but cannot be read; remove one with :meth:`delete`
-        (``featstore delete URL name@id``) or all with ``gc(damaged=True)``.
-
-        >>> store.damaged()
-        {'cnn-a/train@0123456789abcdef': '.../manifest.json is not valid JSON (...) ...'}
-        """
+        """``{"name@id": what is wrong}`` for every version (of ``name``, or of every feature
+        set) whose manifest exists but cannot be read."""
         out = {}
         for n in [name] if name is not None else self.names():
             out.update({f"{n}@{vid}": str(exc) for vid, exc in self.scan(n)[1].items()})
@@ -141,11 +136,8 @@ class Catalog:
 
     # -- resolving ------------------------------------------------------------------------
     def open(self, ref: Ref) -> StoredVersion:
-        """Resolve ``"name"`` (newest version), ``"name@tag"`` or ``"name@<version id>"``.
-
-        >>> store.open("cnn-a/train@best").id
-        '3f2a9c0e1b7d4a55'
-        """
+        """Resolve ``"name"`` (newest version), ``"name@tag"``, ``"name@<version id>"`` or a
+        version (public or stored: :func:`~featstore.versions.stored`)."""
         if not isinstance(ref, str):
             try:
                 return stored(ref)
@@ -206,18 +198,11 @@ class Catalog:
         self.storage.delete(tag_key(name, tag))
 
     def delete(self, version: Ref) -> str:
-        """Delete a committed version: its tags first, then its manifest (it becomes invisible
-        at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data,
-        unless an incremental child still reads shards from it. A reader still streaming it gets
-        :class:`VersionNotFound` saying it was deleted.
-
-        Shared shards stay until no version references them: a parent's data is kept while a
-        child (committed or being computed) has a reference marker in it, and deleting the
-        last such child removes the parent's data too.
-
-        A version whose manifest is damaged (:meth:`damaged`) is deleted the same way when named by
-        id or tag (``"name@id"``). Returns the ``name@id`` deleted.
-        """
+        """Delete a committed version (or one whose manifest is damaged, named by id or tag) and
+        return its ``name@id``: its tags first, then its manifest (it becomes invisible at once),
+        its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data, unless a
+        child (committed or being computed) still has a reference marker in it; then each base
+        it extended loses its marker, and its data too once no live version reads it."""
         try:
             v = self.open(version)
         except IncompatibleFormat:
@@ -250,13 +235,15 @@ class Catalog:
             return None
         name, _, sel = ref.partition("@")
         vid = sel if is_version_id(sel) else self._tag(name, sel)
-        if vid is None:
-            return None
+        return (name, vid) if vid is not None and self._unreadable(name, vid) else None
+
+    def _unreadable(self, name: str, vid: str) -> bool:
+        """Whether the manifest of ``name@vid`` exists but cannot be read."""
         try:
             self.read_manifest(name, vid)
         except IncompatibleFormat:
-            return name, vid
-        return None
+            return True
+        return False
 
     def _untag_all(self, name: str, vid: str) -> None:
         for tag, target in self.tags(name).items():
@@ -276,27 +263,15 @@ class Catalog:
         return True
 
     def gc(self, older_than: float = 3600.0, dry_run: bool = False, damaged: bool = False) -> list[str]:
-        """Delete what no committed version needs, and return the keys deleted.
+        """Delete what no committed version needs (``store.gc``), and return the keys deleted:
+        uncommitted folders (never committed, or deleted while a child read them and no longer
+        read) whose newest object is older than ``older_than`` seconds, old ``*.partial``
+        objects, and with ``damaged`` every version whose manifest is damaged (not merely newer).
 
-        ``damaged=True`` also deletes every version whose manifest exists but is damaged (see
-        :meth:`damaged`; one written by a newer featstore is kept: upgrade to read it), as
-        :meth:`delete` would.
-
-        That is: folders of versions that were never committed (an interrupted ``compute``),
-        or were deleted while a child read shards from them and no longer are, whose newest
-        object is older than ``older_than`` seconds (younger ones may belong to a compute
-        still running, or waiting to be resumed), and temporary ``*.partial`` objects left by a
-        killed writer. Committed versions, tags, and folders a live child reads are never touched.
-
-        A compute still running in a folder gc deletes (``older_than=0``, or a run that paused
-        longer than ``older_than``) never commits missing data: gc marks the folder
-        (``_gc.json``) and checks it is still uncommitted before deleting; the commit checks
-        every object after writing its manifest, and withdraws it if a mark or a hole is there
-        (the compute then raises :class:`ComputeFailed`; rerunning it recomputes what was
-        deleted). See :meth:`Commits.commit`.
-
-        >>> store.gc(older_than=24 * 3600)
-        ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
+        A compute still running in a folder gc deletes never commits missing data: gc marks the
+        folder and checks it is still uncommitted before deleting
+        (:meth:`Commits.delete_uncommitted`); the commit checks every object after writing its
+        manifest, and withdraws it if a mark or a hole is there (:meth:`Commits.commit`).
         """
         listing = self.storage.find_modified("")
         now = time.time()  # after the listing: an object written while it ran is not "in the future"
@@ -332,10 +307,8 @@ class Catalog:
         newer than this featstore), else None."""
         name, _, vid = vkey.partition("/_versions/")
         try:
-            self.read_manifest(name, vid)
-            return None
-        except IncompatibleFormat:
-            pass
+            if not self._unreadable(name, vid):
+                return None
         except FeatstoreError:  # not a folder featstore named (a name it refuses): never touched
             return None
         try:
