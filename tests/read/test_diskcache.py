@@ -299,7 +299,7 @@ def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_
 
 def test_two_stores_two_versions_and_two_commits_never_share_a_scope(remote, tmp_path, moto_endpoint):
     _, proxy, v, _ = remote
-    here, there = store(remote).open(v.ref), store(remote, moto_endpoint).open(v.ref)
+    here, there = stored(store(remote).open(v.ref)), stored(store(remote, moto_endpoint).open(v.ref))
     other = StoredVersion(stored(v).storage, replace(v.manifest, id="0123456789abcdef"))
     recommitted = StoredVersion(stored(v).storage, replace(v.manifest, created_at="2000-01-01T00:00:00Z"))
     ids = {scope_identity(x) for x in (here, there, other, recommitted)}
