@@ -325,7 +325,10 @@ class StoredVersion:
         return self._read(field, slice(start, stop))
 
     def _read(self, field: str, selection: slice | np.ndarray) -> np.ndarray:
-        """Read a slice or row list, split by the folder each row's shard lives in."""
+        """Read a slice or row list, split by the folder each row's shard lives in (rows of a
+        per-token array are tokens: only a version without bases reads those here)."""
+        if not self.manifest.bases:
+            return self._read_home(field, self.data_key, len(self), selection)
         if isinstance(selection, slice):
             parts = [(home, n, slice(max(lo, selection.start), min(hi, selection.stop)))
                      for lo, hi, home, n in self.homes() if max(lo, selection.start) < min(hi, selection.stop)]
@@ -334,8 +337,6 @@ class StoredVersion:
                 return self._read_home(field, home, n, sel)
             return np.concatenate([self._read_home(field, home, n, sel) for home, n, sel in parts])
         rows = np.asarray(selection, dtype=np.int64).reshape(-1)
-        if not self.manifest.bases:
-            return self._read_home(field, self.data_key, len(self), rows)
         spec = self.manifest.arrays[field]
         out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
         for lo, hi, home, n in self.homes():
