@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from featstore.errors import InvalidInput
 from featstore.format._manifests import Manifest
 from featstore.storage import Storage
-from featstore.versions._catalog import Catalog, Ref
+from featstore.versions._catalog import Catalog
 from featstore.versions._committed import StoredVersion, verify_version
 from featstore.versions._views import Views, view_seed, views_arguments
 
@@ -206,6 +206,10 @@ class Version:
             return export_version(self._stored, os.fspath(url), options, verify=verify, progress=step)
 
 
+#: What names a version at the face: ``"name"`` (its newest), ``"name@tag"``, ``"name@<id>"``, or a Version.
+VersionRef = str | Version
+
+
 class FeatureStore:
     """A store root on any fsspec filesystem, holding versioned feature sets.
 
@@ -234,9 +238,9 @@ class FeatureStore:
     def compute(self, name: str, *, model: Any, dataset: Any, input_key: Any = "input",
                 keep: Sequence[Any] | Mapping[str, Any] = (), outputs: Mapping[str, str] | None = None,
                 batch_size: int = 256, samples_per_shard: int | None = None, client: Any = None,
-                options: ComputeOptions | None = None, extends: Ref | None = None,
+                options: ComputeOptions | None = None, extends: VersionRef | None = None,
                 views: Views | int | None = None, augment: Any = None, augment_seed: int | None = None,
-                tokens: Tokens | None = None, views_of: Ref | None = None) -> Version:
+                tokens: Tokens | None = None, views_of: VersionRef | None = None) -> Version:
         """Compute Model A's outputs over ``dataset`` once and commit them as a version.
 
         See :func:`featstore.compute.compute` for every argument. Augmented views are one
@@ -263,8 +267,8 @@ class FeatureStore:
                                client=client, options=options, extends=extends, views=k, augment=augment,
                                augment_seed=augment_seed, tokens=tokens, views_of=views_of))
 
-    def dataset(self, ref: Ref | Mapping[str, Ref] | list[Ref] | tuple[Ref, ...], *, teacher: Any = None,
-                **options: Any) -> Any:
+    def dataset(self, ref: VersionRef | Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
+                teacher: Any = None, **options: Any) -> Any:
         """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
         several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
         ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
@@ -303,7 +307,7 @@ class FeatureStore:
         return FeatureDataset(self.catalog.open(ref), **options)
 
     # -- listing, resolving, tags, delete, gc (the catalog's) -----------------------------
-    def open(self, ref: Ref) -> Version:
+    def open(self, ref: VersionRef) -> Version:
         """Resolve ``"name"`` (newest version), ``"name@tag"`` or ``"name@<version id>"``.
 
         >>> store.open("cnn-a/train@best").id
@@ -320,7 +324,7 @@ class FeatureStore:
         """Every feature set that has at least one committed version."""
         return self.catalog.names()
 
-    def tag(self, version: Ref, tag: str) -> None:
+    def tag(self, version: VersionRef, tag: str) -> None:
         """Point ``tag`` at a committed version (moving it if it pointed elsewhere). A tag never
         outlives its version: tagging one that is being deleted raises :class:`VersionNotFound`.
 
@@ -336,7 +340,7 @@ class FeatureStore:
         """``{tag: version id}`` for one feature set."""
         return self.catalog.tags(name)
 
-    def delete(self, version: Ref) -> str:
+    def delete(self, version: VersionRef) -> str:
         """Delete a committed version: its tags, its manifest (it becomes invisible at once),
         then its data, unless an incremental child still reads shards from it. A reader still
         streaming it gets :class:`VersionNotFound` saying it was deleted.
