@@ -26,6 +26,7 @@ import numpy as np
 
 import featstore
 from featstore.storage import S3Getter
+from featstore.versions import stored
 
 from . import diskcache_peers
 from .reader import BATCH, FIELDS, light_outputs, torch_threads, train_light, write_light
@@ -84,13 +85,13 @@ def epoch_s(ds: featstore.FeatureDataset, epoch: int) -> float:
 
 
 def _data_bytes(v: featstore.Version) -> int:
-    s = v.storage
-    return int(sum(s.fs.du(s.path(f"{v.key}/{f}"), total=True) for f in FIELDS))
+    s = stored(v).storage
+    return int(sum(s.fs.du(s.path(f"{stored(v).key}/{f}"), total=True) for f in FIELDS))
 
 
 def _local_copy(v: featstore.Version, root: str) -> featstore.Version:
     """The S3 version's store copied object by object into a local folder."""
-    s = v.storage
+    s = stored(v).storage
     for key in s.find(""):
         dest = os.path.join(root, key)
         os.makedirs(os.path.dirname(dest), exist_ok=True)

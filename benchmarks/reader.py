@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import featstore
+from featstore.versions import stored
 
 from .memory import Replay, ReplayData
 from .procfs import descendants
@@ -191,8 +192,8 @@ def s3_clients(v: featstore.Version, endpoint: str, concurrency: int = 4,
     client's CPU seconds."""
     import boto3
 
-    s = v.storage
-    keys = [p for f in FIELDS for p in s.fs.find(s.path(f"{v.key}/{f}/c"))]
+    s = stored(v).storage
+    keys = [p for f in FIELDS for p in s.fs.find(s.path(f"{stored(v).key}/{f}/c"))]
     bucket = keys[0].split("/", 1)[0]
     b3 = boto3.client("s3", endpoint_url=endpoint)
     getters = {"s3fs": lambda p: len(s.fs.cat_file(p)),
@@ -282,8 +283,8 @@ def crc_all(v: featstore.Version) -> float:
     checking every chunk on every epoch would add to an epoch."""
     import crc32c
 
-    s = v.storage
-    blobs = [s.fs.cat_file(p) for f in FIELDS for p in s.fs.find(s.path(f"{v.key}/{f}/c"))]
+    s = stored(v).storage
+    blobs = [s.fs.cat_file(p) for f in FIELDS for p in s.fs.find(s.path(f"{stored(v).key}/{f}/c"))]
     t0 = time.perf_counter()
     for b in blobs:
         crc32c.crc32c(b)
@@ -291,8 +292,8 @@ def crc_all(v: featstore.Version) -> float:
 
 
 def _bytes(v: featstore.Version) -> int:
-    s = v.storage
-    return int(sum(s.fs.du(s.path(f"{v.key}/{f}"), total=True) for f in FIELDS))
+    s = stored(v).storage
+    return int(sum(s.fs.du(s.path(f"{stored(v).key}/{f}"), total=True) for f in FIELDS))
 
 
 def run_reader(n: int, repeats: int, workdir: str, endpoint: str | None, say: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 import featstore
 from featstore.demo import ModelA, SyntheticImages
+from featstore.versions import stored
 
 from .measure import RssSampler, clock, dir_bytes
 from .workload import BATCH, CLASSES, LOGITS, TrainResult, read_only, train
@@ -275,8 +276,8 @@ def fs_compute(ctx: Ctx, store: featstore.FeatureStore) -> tuple[featstore.Versi
 
 def version_bytes(v: featstore.Version, field: str | None = None) -> int:
     """Bytes of the version's objects (chunks, metadata, receipts, manifest), or of one array."""
-    s = v.storage
-    key = v.key if field is None else f"{v.key}/{field}"
+    s = stored(v).storage
+    key = stored(v).key if field is None else f"{stored(v).key}/{field}"
     return int(sum(s.fs.du(s.path(key), total=False).values()))
 
 
@@ -323,9 +324,9 @@ def fs_read_rate(v: featstore.Version, workers: int = 0, server_pid: int | None 
 def raw_read_rate(v: featstore.Version, concurrency: int) -> tuple[float, int]:
     """Read every data object of the version whole (local read or one S3 GET each), with
     ``concurrency`` threads: (bytes/s, bytes). The ceiling for the reader's byte rate."""
-    s = v.storage
+    s = stored(v).storage
     fields = ("features", "logits", "target")
-    keys = [p for f in fields for p in s.fs.find(s.path(f"{v.key}/{f}/c"))]
+    keys = [p for f in fields for p in s.fs.find(s.path(f"{stored(v).key}/{f}/c"))]
 
     def get(path: str) -> int:
         return len(s.fs.cat_file(path))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from featstore.compute import tuned
+from featstore.versions import stored
 from . import diskcache, memory, reader, rows
 from .measure import memcopy_gbps
 from .peers import run_peers
@@ -129,7 +130,7 @@ def run(profile: Profile, out_dir: str, workdir: str) -> dict[str, Any]:
                 r[f"fs_{where}_server_cpu_s"] = rr["server_cpu_s"]
                 r[f"fs_{where}_raw_bps"], _ = rows.raw_read_rate(v, concurrency=4)
                 if where == "local":
-                    store.storage.delete(v.key, recursive=True)
+                    store.storage.delete(stored(v).key, recursive=True)
             res["reps"].append(r)
         res["reader"] = reader.run_reader(profile.reader_n, profile.repeats, workdir, endpoint, _say)
         _say("memory: the reader and a writer worker at N and 10 x N")

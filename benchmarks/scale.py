@@ -31,8 +31,7 @@ from dataclasses import replace
 from featstore.format import Layout, ReceiptRun, ShardReceipt
 from featstore.read import UniformShards, consumer_plan
 from featstore import FeatureStore, open_store
-from featstore.versions import Catalog
-from featstore.versions import receipt_key, version_key
+from featstore.versions import receipt_key, stored, version_key
 from featstore.versions import compact_receipts, finished_shards, read_receipts, run_key, write_receipt
 from featstore.compute import choose_layout
 from featstore.compute import OBJECT_STORE_SHARD_BYTES
@@ -86,15 +85,15 @@ def open_in_child(url: str, ref: str, plan: bool = False, repeats: int = 3) -> d
     return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
 
 
-def schema1_version(catalog: Catalog, name: str, n_shards: int, spp: int = 3584) -> str:
+def schema1_version(store: FeatureStore, name: str, n_shards: int, spp: int = 3584) -> str:
     """A metadata-only version in the old format (every shard's receipt inline)."""
-    m = synthetic_version(catalog, name, n_shards, samples_per_shard=spp, chunk_rows=512, with_records=False)
+    m = synthetic_version(store, name, n_shards, samples_per_shard=spp, chunk_rows=512, with_records=False)
     receipts = synthetic_receipts(m.layout, list(m.arrays))
     old = replace(m, shards=tuple(ShardReceipt(r.index, r.start, r.stop, r.digests) for r in receipts),
                   records=None)
     key = f"{version_key(m.name, m.id)}/manifest.json"
-    catalog.storage.delete(key)
-    catalog.storage.create_json(key, old.to_json())
+    store.storage.delete(key)
+    store.storage.create_json(key, old.to_json())
     return f"{m.name}@{m.id}"
 
 
@@ -155,7 +154,7 @@ def billion_row(root: str, n_samples: int = 10**9) -> dict:
     vkey = version_key(m.name, m.id)
     records = sum(len(store.storage.read_bytes(k) or b"") for k in store.storage.find(f"{vkey}/_records"))
     t0 = time.perf_counter()
-    n_receipts = len(store.open(ref).shard_receipts())
+    n_receipts = len(stored(store.open(ref)).shard_receipts())
     read_records_s = time.perf_counter() - t0
     return {"n_samples": m.layout.n_samples, "samples_per_shard": m.layout.samples_per_shard,
             "chunk_rows": m.layout.chunk_rows, "shards": m.layout.n_shards,

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import featstore
+from featstore.versions import stored
 
 from .measure import Stat
 from .reader import (BATCH, FIELDS, featstore_batches, light_outputs, load_note, read_only, s3_clients, torch_threads,
@@ -80,14 +81,14 @@ def _cpu(pid: int) -> float:
 
 
 def _objects(v: featstore.Version) -> list[str]:
-    s = v.storage
-    return [p for f in FIELDS for p in s.fs.find(s.path(f"{v.key}/{f}/c"))]
+    s = stored(v).storage
+    return [p for f in FIELDS for p in s.fs.find(s.path(f"{stored(v).key}/{f}/c"))]
 
 
 def raw_put_rate(v: featstore.Version, threads: int = WRITE_THREADS) -> float:
     """Bytes/s of PUTs of the version's data objects' bytes (read first) to a scratch prefix of
     the same bucket, through s3fs, ``threads`` at a time."""
-    s = v.storage
+    s = stored(v).storage
     blobs = [s.fs.cat_file(p) for p in _objects(v)]
     scratch = f"{s.root}/_raw-{uuid.uuid4().hex[:8]}"
     t0 = time.perf_counter()
@@ -99,8 +100,8 @@ def raw_put_rate(v: featstore.Version, threads: int = WRITE_THREADS) -> float:
 
 
 def _stored(v: featstore.Version) -> int:
-    s = v.storage
-    return int(sum(s.fs.du(s.path(f"{v.key}/{f}"), total=True) for f in FIELDS))
+    s = stored(v).storage
+    return int(sum(s.fs.du(s.path(f"{stored(v).key}/{f}"), total=True) for f in FIELDS))
 
 
 def _fresh_store(endpoint: str) -> featstore.FeatureStore:

@@ -12,7 +12,7 @@ import struct
 
 from featstore.format import create_arrays
 from featstore.format import RECORDS_PER_OBJECT, ArraySpec, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.versions import Catalog
+from featstore.store import FeatureStore
 from featstore.versions import version_key
 
 ARRAYS = {"features": ArraySpec("float16", "float16", (512,), "output"),
@@ -31,7 +31,7 @@ def synthetic_receipts(layout: Layout, fields: list[str]) -> list[ShardReceipt]:
     return out
 
 
-def synthetic_version(catalog: Catalog, name: str, n_shards: int, samples_per_shard: int = 16384,
+def synthetic_version(store: FeatureStore, name: str, n_shards: int, samples_per_shard: int = 16384,
                       arrays: dict[str, ArraySpec] | None = None, chunk_rows: int = 1024,
                       with_records: bool = True) -> Manifest:
     """Commit a metadata-only version of ``n_shards`` shards; return its manifest.
@@ -44,10 +44,10 @@ def synthetic_version(catalog: Catalog, name: str, n_shards: int, samples_per_sh
     fp = hashlib.sha256(f"{name}/{n_shards}/{samples_per_shard}".encode()).hexdigest()
     vid = fp[:16]
     key = version_key(name, vid)
-    create_arrays(catalog.storage.zarr_store(key, read_only=False), layout, arrays, key)
-    catalog.storage.write_bytes(f"{key}/_pending.json", b"{}")
+    create_arrays(store.storage.zarr_store(key, read_only=False), layout, arrays, key)
+    store.storage.write_bytes(f"{key}/_pending.json", b"{}")
     if with_records:
-        records = catalog.write_records(name, vid, synthetic_receipts(layout, list(arrays)), list(arrays))
+        records = store.catalog.commits.write_records(name, vid, synthetic_receipts(layout, list(arrays)), list(arrays))
     else:
         n_objects = -(-layout.n_shards // RECORDS_PER_OBJECT)
         records = ShardRecords(tuple(arrays), RECORDS_PER_OBJECT,
@@ -58,6 +58,6 @@ def synthetic_version(catalog: Catalog, name: str, n_shards: int, samples_per_sh
         stats={f: {"count": layout.n_samples, "nan": 0, "inf": 0, "min": -1.0, "max": 1.0, "mean": 0.0}
                for f in arrays},
         created_at="2026-01-01T00:00:00+00:00", timings={}, libraries={}, records=records)
-    # Written directly, not through Catalog.commit, which checks that every shard object exists.
-    catalog.storage.create_json(f"{key}/manifest.json", manifest.to_json())
+    # Written directly, not through Commits.commit, which checks that every shard object exists.
+    store.storage.create_json(f"{key}/manifest.json", manifest.to_json())
     return manifest

@@ -30,6 +30,7 @@ import featstore
 from featstore import ComputeOptions, Tokens
 from featstore.ragged import attention_mask
 from featstore.ragged import pad_sequences as pad
+from featstore.versions import stored
 
 from .procfs import dir_bytes
 from .sections import write_marked
@@ -122,11 +123,11 @@ def measure(p: Profile) -> dict[str, Any]:
                               options=ComputeOptions(collate=pad, progress=False),
                               tokens=Tokens(mask=attention_mask, max_tokens=p.max_len))
             compute_s = time.perf_counter() - t0
-            stored = dir_bytes(v.storage.path(v.key))
+            on_disk = dir_bytes(stored(v).storage.path(stored(v).key))
             read_s, read_tokens = read_epoch(store, v.ref)
             assert read_tokens == tokens, (read_tokens, tokens)
             error = {k: s.get("codec_error") for k, s in v.manifest.stats.items() if s.get("codec_error")}
-            rows.append({"codec": codec, "bytes": stored, "bytes_per_token": stored / tokens,
+            rows.append({"codec": codec, "bytes": on_disk, "bytes_per_token": on_disk / tokens,
                          "compute_s": compute_s, "compute_tokens_per_s": tokens / compute_s,
                          "vs_own_loop": compute_s / own_s, "read_s": read_s, "read_tokens_per_s": tokens / read_s,
                          "codec_error": error})

@@ -40,6 +40,7 @@ from torch import nn  # noqa: E402
 
 import featstore  # noqa: E402
 from featstore.versions import epoch_seeds, replay  # noqa: E402
+from featstore.versions import stored
 
 from .sections import write_marked
 
@@ -211,7 +212,7 @@ def evaluate(student: nn.Module, teacher: nn.Module, test: Digits) -> tuple[floa
 
 
 def stored_bytes(version: featstore.Version) -> int:
-    fs, root = version.storage.fs, version.url
+    fs, root = stored(version).storage.fs, version.url
     return int(sum(fs.du(root, total=False).values())) if hasattr(fs, "du") else 0
 
 

@@ -1,28 +1,37 @@
-"""The public face: :class:`FeatureStore` (compute, read, list, tag) and :func:`open_store`.
+"""The public face: :class:`FeatureStore` (compute, read, list, tag), :class:`Version` and
+:func:`open_store`.
 
 It sits on top of both sides: the versions core (:mod:`featstore.versions`), the compute side
 (:mod:`featstore.compute`) and the read side (:mod:`featstore.read`), the last two imported when
 first used (torch and Dask are not needed to list, verify or tag). Nothing below imports it.
+Each class holds the objects that do the work: a :class:`FeatureStore` its
+:class:`~featstore.versions.Catalog`, a :class:`Version` its
+:class:`~featstore.versions.StoredVersion`; below this face every layer takes the latter.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from featstore.compute._request import ComputeCall, keywords_of
 from featstore.errors import InvalidInput
+from featstore.format._manifests import Manifest
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version as CoreVersion
+from featstore.versions._committed import StoredVersion, verify_version
+from featstore.versions._views import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
+    import torch
+    import zarr.abc.store
+
     from featstore.read._dataset import FeatureDataset
     from featstore.versions._export import Exported
 
 
-class Version(CoreVersion):
+class Version:
     """One committed, immutable version of a feature set: random access, ``load()``,
     ``verify()``, and :meth:`dataset` to stream it.
 
@@ -33,12 +42,116 @@ class Version(CoreVersion):
     torch.Size([10, 512])
     """
 
+    __slots__ = ("_stored",)
+
+    def __init__(self, stored: StoredVersion) -> None:
+        self._stored = stored
+
+    def __featstore_version__(self) -> StoredVersion:
+        """The stored version behind this one (:func:`featstore.versions.stored`)."""
+        return self._stored
+
+    def __reduce__(self) -> tuple[type[Version], tuple[StoredVersion]]:
+        return Version, (self._stored,)
+
+    def __repr__(self) -> str:
+        return f"<Version {self.ref} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
+
+    def __eq__(self, other: object) -> bool:
+        return self._stored.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+        """Random access: ``v[i]``, ``v[a:b]``, ``v[[rows]]`` give a dict of tensors (one per
+        array) plus ``index``; ``v[view, rows]`` reads view ``view`` of a version with views
+        (and adds ``view``)."""
+        return self._stored[index]
+
+    @property
+    def id(self) -> str:
+        """The version id: the first 16 hex digits of its fingerprint."""
+        return self._stored.id
+
+    @property
+    def name(self) -> str:
+        """The feature set's name (``"cnn-a/train"``)."""
+        return self._stored.name
+
+    @property
+    def ref(self) -> str:
+        """``name@id``: how errors and logs name this version, and what ``store.open`` takes."""
+        return self._stored.ref
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of everything that decides the stored outputs (Model A, the dataset, the config)."""
+        return self._stored.fingerprint
+
+    @property
+    def manifest(self) -> Manifest:
+        """The version's manifest: layout, arrays, statistics, timings, libraries."""
+        return self._stored.manifest
+
+    @property
+    def url(self) -> str:
+        """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr,
+        unless its shard objects are spread over prefixes (``ComputeOptions.spread_prefixes``):
+        then use :meth:`zarr_store`."""
+        return self._stored.storage.child_url(self._stored.key)
+
+    # -- augmented views ----------------------------------------------------------------
+    @property
+    def views(self) -> int | None:
+        """How many augmented views per sample the version holds (None: computed without views)."""
+        return self._stored.views
+
+    def view(self, view: int) -> Version:
+        """This version reading view ``view``: ``version.view(2)[10:20]``, ``.load()``, ...
+
+        Views are laid out like a version without views, so everything that reads one works.
+        """
+        return Version(self._stored.view(view))
+
+    def view_seed(self, index: int, view: int) -> int:
+        """The seed of view ``view`` of sample ``index``: Model A ran on exactly
+        ``augment(dataset[index], torch.Generator().manual_seed(version.view_seed(index, view)))``.
+
+        >>> v.view_seed(10, 3)
+        5812337108410417153
+        """
+        spec = self.manifest.views
+        if spec is None:
+            raise InvalidInput(f"{self.ref} was computed without views; it has no view seeds.")
+        if not 0 <= view < spec.count or not 0 <= index < len(self):
+            raise IndexError(f"(index {index}, view {view}) is out of range for {len(self)} samples "
+                             f"and {spec.count} views")
+        return view_seed(spec.seed, index, view)
+
     @property
     def views_of(self) -> str | None:
         """``"name@id"`` of the version whose views this one was computed on (``views_of=``), or None."""
         from featstore.versions._alignment import views_of
 
-        return views_of(self)
+        return views_of(self._stored)
+
+    # -- reading ------------------------------------------------------------------------
+    def load(self) -> dict[str, torch.Tensor]:
+        """The whole version in RAM as tensors (the classic in-memory cache, from the store)."""
+        return self._stored[0:len(self)]
+
+    def verify(self, progress: bool = False) -> list[str]:
+        """Read every shard of every array and compare it with the digest recorded at compute
+        time; return one line per bad shard (empty when the version is intact).
+
+        >>> store.open("cnn-a/train").verify()
+        []
+        """
+        return verify_version(self._stored, progress)
 
     def dataset(self, **options: Any) -> FeatureDataset:
         """A :class:`~featstore.FeatureDataset` over this version (see :class:`ReaderOptions`).
@@ -47,7 +160,27 @@ class Version(CoreVersion):
         """
         from featstore.read._dataset import FeatureDataset
 
-        return FeatureDataset(self, **options)
+        return FeatureDataset(self._stored, **options)
+
+    def zarr_store(self) -> zarr.abc.store.Store:
+        """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
+        which finds spread shard objects under their prefixes: plain Zarr reads a version
+        through it. Not for an incremental version (``extends=``), whose inherited shards lie in
+        its parents' folders: that raises :class:`InvalidInput` (read it with featstore, or
+        ``load()`` it), rather than give a store in which they would read as zeros.
+
+        >>> group = zarr.open_group(version.zarr_store(), mode="r")
+        >>> group["features"][:10].shape
+        (10, 512)
+        """
+        from featstore.versions._keys import group_store
+
+        v = self._stored
+        if v.manifest.bases:
+            raise InvalidInput(f"{v.ref} extends {v.manifest.bases[0].name}@{v.manifest.bases[0].id}: "
+                               "its first shards lie in that version's folder, so no single Zarr group holds it. "
+                               "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
+        return group_store(v.storage, v.data_key, v.spread, read_only=True)
 
     def export(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
                verify: bool = True, progress: bool = False) -> Exported:
@@ -60,19 +193,23 @@ class Version(CoreVersion):
         """
         from featstore.versions._export import export_version
 
+        options = dict(storage_options or {}) or None
         if not progress:
-            return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify)
+            return export_version(self._stored, os.fspath(url), options, verify=verify)
         from tqdm.auto import tqdm
 
         with tqdm(desc=f"export {self.ref}", unit="shard") as bar:
             def step(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
-            return export_version(self, os.fspath(url), dict(storage_options or {}) or None, verify=verify,
-                                  progress=step)
+            return export_version(self._stored, os.fspath(url), options, verify=verify, progress=step)
 
 
-class FeatureStore(Catalog):
+#: What names a version at the face: ``"name"`` (its newest), ``"name@tag"``, ``"name@<id>"``, or a Version.
+VersionRef = str | Version
+
+
+class FeatureStore:
     """A store root on any fsspec filesystem, holding versioned feature sets.
 
     >>> store = featstore.open_store("./feats")     # or "s3://bucket/feats", storage_options={...}
@@ -80,7 +217,22 @@ class FeatureStore(Catalog):
     ['cnn-a/train']
     """
 
-    version_class = Version
+    def __init__(self, storage: Storage) -> None:
+        #: The versions and tags, with the commit protocol (``catalog.commits``): the internals' entry.
+        self.catalog = Catalog(storage)
+
+    def __repr__(self) -> str:
+        return f"FeatureStore({self.url!r})"
+
+    @property
+    def storage(self) -> Storage:
+        """The store root's :class:`~featstore.storage.Storage`."""
+        return self.catalog.storage
+
+    @property
+    def url(self) -> str:
+        """The store root's URL."""
+        return self.catalog.url
 
     @keywords_of(ComputeCall)
     def compute(self, name: str, *args: Any, **keywords: Any) -> Version:
@@ -110,10 +262,10 @@ class FeatureStore(Catalog):
         """
         from featstore.compute._driver import run_compute
 
-        return run_compute(self, name, ComputeCall(*args, **keywords))
+        return Version(run_compute(self.catalog, name, ComputeCall(*args, **keywords)))
 
-    def dataset(self, ref: str | CoreVersion | Mapping[str, str | CoreVersion] | Sequence[str | CoreVersion],
-                *, teacher: Any = None, **options: Any) -> Any:
+    def dataset(self, ref: VersionRef | Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
+                teacher: Any = None, **options: Any) -> Any:
         """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
         several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
         ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
@@ -141,15 +293,94 @@ class FeatureStore(Catalog):
                 raise InvalidInput("with teacher=, name the feature set (a str): the teacher decides the version.")
             from featstore.online import online_dataset
 
-            return online_dataset(self, ref, teacher, **options)
+            return online_dataset(self.catalog, ref, teacher, public=Version, **options)
 
         if isinstance(ref, Mapping) or isinstance(ref, (list, tuple)):
             from featstore.read._multiread import MultiTeacherDataset
 
             if isinstance(ref, Mapping):
-                return MultiTeacherDataset({label: self.open(r) for label, r in ref.items()}, **options)
-            return MultiTeacherDataset([self.open(r) for r in ref], **options)
-        return FeatureDataset(self.open(ref), **options)
+                return MultiTeacherDataset({label: self.catalog.open(r) for label, r in ref.items()}, **options)
+            return MultiTeacherDataset([self.catalog.open(r) for r in ref], **options)
+        return FeatureDataset(self.catalog.open(ref), **options)
+
+    # -- listing, resolving, tags, delete, gc (the catalog's) -----------------------------
+    def open(self, ref: VersionRef) -> Version:
+        """Resolve ``"name"`` (newest version), ``"name@tag"`` or ``"name@<version id>"``.
+
+        >>> store.open("cnn-a/train@best").id
+        '3f2a9c0e1b7d4a55'
+        """
+        return Version(self.catalog.open(ref))
+
+    def versions(self, name: str) -> list[Version]:
+        """Committed versions of ``name``, oldest first (uncommitted ones are invisible; one whose
+        manifest cannot be read is left out and logged: see :meth:`damaged`)."""
+        return [Version(v) for v in self.catalog.versions(name)]
+
+    def names(self) -> list[str]:
+        """Every feature set that has at least one committed version."""
+        return self.catalog.names()
+
+    def tag(self, version: VersionRef, tag: str) -> None:
+        """Point ``tag`` at a committed version (moving it if it pointed elsewhere). A tag never
+        outlives its version: tagging one that is being deleted raises :class:`VersionNotFound`.
+
+        >>> store.tag("cnn-a/train@3f2a9c0e1b7d4a55", "best")
+        """
+        self.catalog.tag(version, tag)
+
+    def untag(self, name: str, tag: str) -> None:
+        """Remove a tag (the version stays)."""
+        self.catalog.untag(name, tag)
+
+    def tags(self, name: str) -> dict[str, str]:
+        """``{tag: version id}`` for one feature set."""
+        return self.catalog.tags(name)
+
+    def delete(self, version: VersionRef) -> str:
+        """Delete a committed version: its tags, its manifest (it becomes invisible at once),
+        then its data, unless an incremental child still reads shards from it. A reader still
+        streaming it gets :class:`VersionNotFound` saying it was deleted.
+
+        Shared shards stay until no version references them: a parent's data is kept while a
+        child (committed or being computed) has a reference marker in it, and deleting the
+        last such child removes the parent's data too.
+
+        A version whose manifest is damaged (:meth:`damaged`) is deleted the same way when named by
+        id or tag (``"name@id"``). Returns the ``name@id`` deleted.
+        """
+        return self.catalog.delete(version)
+
+    def gc(self, older_than: float = 3600.0, dry_run: bool = False, damaged: bool = False) -> list[str]:
+        """Delete what no committed version needs, and return the keys deleted.
+
+        That is: folders of versions that were never committed (an interrupted ``compute``),
+        or were deleted while a child read shards from them and no longer are, whose newest
+        object is older than ``older_than`` seconds (younger ones may belong to a compute
+        still running, or waiting to be resumed), and temporary ``*.partial`` objects left by a
+        killed writer. Committed versions, tags, and folders a live child reads are never touched.
+        ``damaged=True`` also deletes every version whose manifest exists but is damaged (see
+        :meth:`damaged`; one written by a newer featstore is kept: upgrade to read it), as
+        :meth:`delete` would.
+
+        A compute still running in a folder gc deletes (``older_than=0``, or a run that paused
+        longer than ``older_than``) never commits missing data: its commit raises
+        :class:`ComputeFailed`, and rerunning it recomputes what was deleted.
+
+        >>> store.gc(older_than=24 * 3600)
+        ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
+        """
+        return self.catalog.gc(older_than, dry_run, damaged)
+
+    def damaged(self, name: str | None = None) -> dict[str, str]:
+        """``{"name@id": what is wrong and what to do}`` for every version (of ``name``, or of every
+        feature set) whose manifest exists but cannot be read; remove one with :meth:`delete`
+        (``featstore delete URL name@id``) or all with ``gc(damaged=True)``.
+
+        >>> store.damaged()
+        {'cnn-a/train@0123456789abcdef': '.../manifest.json is not valid JSON (...) ...'}
+        """
+        return self.catalog.damaged(name)
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,

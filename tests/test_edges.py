@@ -22,6 +22,7 @@ import featstore
 from featstore import (ComputeFailed, ComputeOptions, InvalidInput, OutputMismatch, StoreFull,
                        StorePermissionDenied, VersionNotFound)
 from featstore.versions._fingerprints import class_code, code_digest
+from featstore.versions import stored
 
 from . import tmpfs
 from .models import DoubleLin, ReluLin, SlowData, TinyA, VectorData
@@ -238,15 +239,15 @@ def test_commit_and_gc_handshake(local_store, dask_client):
     v = local_store.compute("edge/hs", dataset=VectorData(64), **kw)
     assert local_store.gc(older_than=0) == []  # committed: untouched
     manifest = v.manifest
-    local_store.storage.delete(f"{v.key}/manifest.json")  # back to "all shards done, not committed"
-    local_store.storage.write_bytes(f"{v.key}/{GC_MARK}", b"{}")  # a gc is deleting this folder
+    local_store.storage.delete(f"{stored(v).key}/manifest.json")  # back to "all shards done, not committed"
+    local_store.storage.write_bytes(f"{stored(v).key}/{GC_MARK}", b"{}")  # a gc is deleting this folder
     with pytest.raises(ComputeFailed, match="gc"):
-        local_store.commit(manifest)
+        local_store.catalog.commits.commit(manifest)
     assert local_store.versions("edge/hs") == []
-    local_store.storage.delete(f"{v.key}/{GC_MARK}")
-    local_store.storage.delete(f"{v.key}/logits/c/1/0")  # a gc that finished before the commit
+    local_store.storage.delete(f"{stored(v).key}/{GC_MARK}")
+    local_store.storage.delete(f"{stored(v).key}/logits/c/1/0")  # a gc that finished before the commit
     with pytest.raises(ComputeFailed, match="logits/c/1/0"):
-        local_store.commit(manifest)
+        local_store.catalog.commits.commit(manifest)
     assert local_store.versions("edge/hs") == []
     v2 = local_store.compute("edge/hs", dataset=VectorData(64), **kw)  # recomputes shard 1 only
     assert v2.manifest.timings["shards_computed"] == 1 and v2.verify() == []

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
+from featstore.versions import stored
 
 DATA = pathlib.Path(__file__).parent / "data"
 FIXTURE = DATA / "store-0.1.0"
@@ -121,6 +122,6 @@ def test_legacy_versions_export_to_a_standard_copy_that_opens_silently(tmp_path)
             warnings.simplefilter("always")
             group, ds = zarr.open_group(out.url, mode="r"), xr.open_zarr(out.url)
             for field in v.manifest.arrays:
-                np.testing.assert_array_equal(group[field][...], v.read_rows(field, 0, len(v)), strict=True)
-                np.testing.assert_array_equal(ds[field].values, v.read_rows(field, 0, len(v)), strict=True)
+                np.testing.assert_array_equal(group[field][...], stored(v).read_rows(field, 0, len(v)), strict=True)
+                np.testing.assert_array_equal(ds[field].values, stored(v).read_rows(field, 0, len(v)), strict=True)
         assert [str(w.message) for w in caught] == []

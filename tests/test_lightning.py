@@ -18,6 +18,7 @@ import pytest
 
 import featstore
 from featstore import ComputeOptions
+from featstore.versions import stored
 
 from .lightning_child import CASES
 from .models import TinyA, VectorData
@@ -54,7 +55,7 @@ def runs(version, tmp_path_factory):
     def run(strategy: str) -> Path:
         if strategy not in done:
             out = tmp_path_factory.mktemp(strategy)
-            _run(["-m", "tests.lightning_child", strategy, version.storage.url, version.ref, str(out),
+            _run(["-m", "tests.lightning_child", strategy, stored(version).storage.url, version.ref, str(out),
                   *([str(STEPS)] if strategy == "ddp" else [])])
             done[strategy] = out
         return done[strategy]
@@ -101,7 +102,7 @@ def test_lightning_data_module_resumes_a_mid_epoch_checkpoint_exactly_once(runs)
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_from_the_environment_and_the_process_group(version, tmp_path):
     _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tests.torchrun_child",
-          version.storage.url, version.ref, str(tmp_path)])
+          stored(version).storage.url, version.ref, str(tmp_path)])
     ranks = _ranks(tmp_path)
     for case in ("early-persistent", "late"):
         for epoch in (0, 1):

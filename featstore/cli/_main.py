@@ -177,7 +177,7 @@ def cmd_list(args: argparse.Namespace) -> Result:
     rows, lines = [], []
     for name in [args.name] if args.name else store.names():
         tags = store.tags(name)
-        versions, damaged = store.scan(name)
+        versions, damaged = store.catalog.scan(name)
         for v in versions:
             r = {**_version_json(v, tags), "damaged": None}
             rows.append(r)

@@ -27,7 +27,7 @@ from featstore._user_code import dataset_length, read_item
 from featstore.codecs._statistics import summarize
 from featstore.compute._extends import Growth, plan_growth
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion
 from featstore.versions._views import (SEED_FIELD, SEED_POLICY, VIEW_FIELD, Augment, Views, check_replayable, replay,
                                       view_seed)
 
@@ -117,7 +117,7 @@ def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: d
     }
 
 
-def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
+def _check_parent_spread(parent: StoredVersion, options: ComputeOptions) -> None:
     """A child reads its parent's shards where the parent's spread put them, with its own
     spread: so it keeps the parent's (leave ``spread_prefixes`` out, or give the same)."""
     spread = parent.manifest.layout.spread
@@ -126,8 +126,8 @@ def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:
                            f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
 
 
-def _adopt_base(base: Version, parent: Version | None, views: int | None, augment: Any, augment_seed: int | None,
-                samples_per_shard: int | None) -> tuple[int | None, int, int]:
+def _adopt_base(base: StoredVersion, parent: StoredVersion | None, views: int | None, augment: Any,
+                augment_seed: int | None, samples_per_shard: int | None) -> tuple[int | None, int, int]:
     """``views_of``: the base's views, seed and shard size (what is given must agree)."""
     if parent is not None:
         raise InvalidInput("views_of= and extends= do not combine: compute the version on the whole dataset "
@@ -141,7 +141,7 @@ def _adopt_base(base: Version, parent: Version | None, views: int | None, augmen
     return views, augment_seed, spp
 
 
-def _check_views_extends(parent: Version | None, views: int | None) -> None:
+def _check_views_extends(parent: StoredVersion | None, views: int | None) -> None:
     """Views and ``extends`` do not combine yet: refuse before anything runs."""
     if parent is None:
         return

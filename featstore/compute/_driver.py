@@ -35,8 +35,8 @@ from featstore.format._manifests import ShardReceipt
 from featstore.monitor._events import is_event, run_started
 from featstore.monitor._run_state import RunState
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
-from featstore.versions._lifecycle import Claim
+from featstore.versions._commits import Claim
+from featstore.versions._committed import StoredVersion
 
 __all__ = ["choose_layout", "commit_run", "compute", "run_compute"]  # choose_layout: imported from here by tests
 
@@ -86,9 +86,9 @@ def _libraries() -> dict[str, str]:
 # The driver.
 # ---------------------------------------------------------------------------------------------
 @keywords_of(ComputeCall)
-def compute(catalog: Catalog, name: str, *args: Any, **keywords: Any) -> Version:
+def compute(catalog: Catalog, name: str, *args: Any, **keywords: Any) -> StoredVersion:
     """Compute Model A's outputs over ``dataset`` once and commit them as one version (in
-    ``catalog``: a :class:`~featstore.FeatureStore`). The keywords are
+    ``catalog``: ``store.catalog``). The keywords are
     :class:`~featstore.compute.ComputeRequest`'s, and ``client`` (:class:`~featstore.compute.ComputeCall`).
 
     Returns the committed :class:`Version`; if a version with the same fingerprint is already
@@ -101,7 +101,7 @@ def compute(catalog: Catalog, name: str, *args: Any, **keywords: Any) -> Version
     return run_compute(catalog, name, ComputeCall(*args, **keywords))
 
 
-def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> Version:
+def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> StoredVersion:
     """:func:`compute` of one :class:`~featstore.compute.ComputeCall`: decide, then (unless
     that version is committed already) run and commit it."""
     t0 = time.perf_counter()
@@ -117,16 +117,17 @@ def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> Version:
 
 
 def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequence[ShardReceipt],
-               timings: Mapping[str, Any]) -> Version:
+               timings: Mapping[str, Any]) -> StoredVersion:
     """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
     others are read from the store), its records, statistics and manifest. What ``compute``
     and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""
-    receipts = catalog.collect_receipts(plan.name, plan.vid, claim.layout, fresh, plan.inherited, plan.view_count)
+    commits = catalog.commits
+    receipts = commits.collect_receipts(plan.name, plan.vid, claim.layout, fresh, plan.inherited, plan.view_count)
     manifest = replace(plan.manifest(claim.layout, claim.arrays), stats=plan.stats(receipts, claim.arrays),
-                       records=catalog.write_records(plan.name, plan.vid, receipts, list(claim.arrays)),
+                       records=commits.write_records(plan.name, plan.vid, receipts, list(claim.arrays)),
                        created_at=_dt.datetime.now(_dt.UTC).isoformat(), timings=dict(timings),
                        libraries=_libraries())
-    return catalog.commit(manifest)
+    return commits.commit(manifest)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _run(catalog: Catalog, plan: ComputePlan, runner: ShardRunner) -> _RunResult
         layout, arrays = plan.layout(probed, catalog.storage.is_local)
         # the claim may adopt a concurrent run's layout and compression, or, growing a parent,
         # must be the parent's
-        claim = catalog.claim(plan.name, plan.vid, layout, arrays, plan.bases, plan.view_count)
+        claim = catalog.commits.claim(plan.name, plan.vid, layout, arrays, plan.bases, plan.view_count)
         spec = base.planned(claim.layout, claim.arrays, probed)
         todo, done = _units(claim, plan.view_count)
         log.info("computing %s@%s: %d shards to do, %d already finished", plan.name, plan.vid, len(todo), len(done))

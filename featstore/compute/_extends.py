@@ -19,7 +19,7 @@ from featstore.errors import DatasetMismatch, IncompatibleFormat, InvalidInput
 from featstore.versions._fingerprints import sampled_digest
 from featstore.format._manifests import ArraySpec, Base, Layout, ShardReceipt
 from featstore.codecs._statistics import NONFINITE_KEPT, summarize
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion
 
 #: Fingerprint parts a child must share with its parent (all but the dataset's identity).
 #: Fingerprint parts a child must share with its parent (``collate`` and ``tokens`` only where
@@ -46,7 +46,7 @@ class DatasetPrefix:
 class Growth:
     """How a child grows its parent: which shards it references and which it computes."""
 
-    parent: Version
+    parent: StoredVersion
     layout: Layout  # the parent's: the child's rows per shard and chunk rows
     bases: tuple[Base, ...]
     first_own: int  # the first shard the child computes and stores itself
@@ -83,7 +83,7 @@ def _describe(arrays: Mapping[str, ArraySpec]) -> str:
     return ", ".join(f"{n}: {a.codec} {a.dtype}{list(a.shape)}" for n, a in sorted(arrays.items()))
 
 
-def plan_growth(parent: Version, dataset: Any, parts: Mapping[str, Any], n: int) -> Growth:
+def plan_growth(parent: StoredVersion, dataset: Any, parts: Mapping[str, Any], n: int) -> Growth:
     """Check that ``dataset`` extends ``parent`` and plan the child (a typed error otherwise).
 
     The child must share the parent's model, fields, outputs and codecs (its fingerprint
@@ -117,7 +117,7 @@ def plan_growth(parent: Version, dataset: Any, parts: Mapping[str, Any], n: int)
     return _growth(parent)
 
 
-def _growth(parent: Version) -> Growth:
+def _growth(parent: StoredVersion) -> Growth:
     m = parent.manifest
     full = len(parent) // m.layout.samples_per_shard  # the parent's last shard may be partial
     own = m.own_shards

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch and Dask only where a compute runs
     from distributed.deploy import Cluster as DaskCluster
     from torch.nn import Module
 
-    from featstore.versions._committed import Version
+    from featstore.versions._catalog import Ref
 
 
 class MapDataset(Protocol):
@@ -182,12 +182,12 @@ class ComputeRequest:
     batch_size: int = 256
     samples_per_shard: int | None = None
     options: ComputeOptions | None = None
-    extends: str | Version | None = None
+    extends: Ref | None = None
     views: Views | int | None = None
     augment: Augment | None = None
     augment_seed: int | None = None
     tokens: Tokens | None = None
-    views_of: str | Version | None = None
+    views_of: Ref | None = None
     # (K, augment, seed) as given, resolved from Views or the deprecated keywords
     _views: tuple[int | None, Augment | None, int | None] = field(init=False, repr=False, default=(None, None, None))
 

@@ -297,7 +297,7 @@ class Manifest:
     timings: dict[str, float]
     libraries: dict[str, str]
     #: Schema 1 only: every shard's receipt inline (~400 bytes of JSON per shard). None in
-    #: schema 2, where :class:`ShardRecords` points at them (``Version.shard_receipts()``).
+    #: schema 2, where :class:`ShardRecords` points at them (``StoredVersion.shard_receipts()``).
     shards: tuple[ShardReceipt, ...] | None = None
     records: ShardRecords | None = None
     #: Shards stored in other versions' folders (an incremental version's parents).

@@ -175,7 +175,7 @@ def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 
         raise InvalidInput(f"samples must be a positive int, got {samples!r}.")
     plain = dataclasses.replace(teacher, fill=False, views=None, augment=None)
     t0 = time.perf_counter()
-    real = plan_teacher(store, "advise/plan", plain)
+    real = plan_teacher(store.catalog, "advise/plan", plain)
     plan_s = time.perf_counter() - t0
     layout = real.version.manifest.layout
     n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
@@ -222,7 +222,7 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
                                model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
     scratch = dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=opts,
                                   samples_per_shard=layout.samples_per_shard)
-    planned = plan_teacher(store, f"advise/scratch-{tag}", scratch)
+    planned = plan_teacher(store.catalog, f"advise/scratch-{tag}", scratch)
     try:
         spec, device = planned.spec, scratch.torch_device()
         net = worker_model(scratch.model, spec.model_key, 0, device)
@@ -237,8 +237,8 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
         for shard, (buffers, stats) in zip(shards, computed, strict=True):
             write_shard(spec, arrays, shard, buffers, stats)
         t_teacher, t_write = t1 - t0, time.perf_counter() - t1
-        try_commit(store, planned, FillState(), [None])
-        version = store.open(planned.version.ref)
+        try_commit(store.catalog, planned, FillState(), [None])
+        version = store.catalog.open(planned.version.ref)
         # the shard objects' bytes (``<array>/c/<shard>/...``), not the version's few metadata objects
         stored = sum(size for key, size in store.storage.fs.du(store.storage.path(version.key), total=False).items()
                      if "/c/" in key)

@@ -31,7 +31,7 @@ from featstore.errors import ComputeFailed
 from featstore.read._assignment import Piece
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._receipts import finished_shards
 
@@ -65,7 +65,7 @@ class FillState:
     done: dict[int | None, set[int]] = field(default_factory=dict)  # view (None: no views) -> shards
     committed: bool = False
 
-    def refresh(self, storage: Storage, version: Version, views: Sequence[int | None]) -> None:
+    def refresh(self, storage: Storage, version: StoredVersion, views: Sequence[int | None]) -> None:
         """List the receipts of each of ``views``' groups (one LIST page per 1,000 shards) with
         this process's ``storage``."""
         for v in views:

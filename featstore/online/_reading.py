@@ -26,7 +26,7 @@ planned fingerprint records the fresh augmentation, so its id is no stored versi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,8 +44,11 @@ from featstore.online._inputs import InputPrefetch
 from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
 from featstore.read._dataset import FeatureDataset
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
+from featstore.versions._committed import HasStoredVersion, StoredVersion
 from featstore.versions._keys import receipt_key, view_key
+
+#: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
+PublicVersion = Callable[[StoredVersion], HasStoredVersion]
 
 
 def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
@@ -80,10 +83,10 @@ class OnlineDataset(FeatureDataset):
     True
     """
 
-    def __init__(self, planned: Planned, *, version_class: type[Version] = Version, **options: Any) -> None:
-        """``version_class``: what :meth:`committed` returns (the store's :class:`~featstore.Version`)."""
+    def __init__(self, planned: Planned, *, public: PublicVersion | None = None, **options: Any) -> None:
+        """``public``: wraps what :meth:`committed` returns (the face passes :class:`featstore.Version`)."""
         self._planned = planned
-        self._version_class = version_class
+        self._public = public
         self._online_state: _Online | None = None
         super().__init__(planned.version, **options)
         if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
@@ -97,12 +100,12 @@ class OnlineDataset(FeatureDataset):
     def filling(self) -> bool:
         return self._planned.teacher.fill
 
-    def committed(self) -> Version | None:
+    def committed(self) -> StoredVersion | HasStoredVersion | None:
         """The filled version once committed (None before, and always without ``fill``)."""
         if not self.filling:
             return None
         v = Catalog(self._proc.storage).committed(self.version.name, self.version.id)
-        return None if v is None else self._version_class(v.storage, v.manifest)
+        return v if v is None or self._public is None else self._public(v)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_online_state": None}
@@ -237,9 +240,11 @@ class OnlineDataset(FeatureDataset):
         return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
 
 
-def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any) -> FeatureDataset:
+def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: PublicVersion | None = None,
+                   **options: Any) -> FeatureDataset:
     """``store.dataset(name, teacher=...)``: an :class:`OnlineDataset`, or with ``fill`` a plain
-    :class:`~featstore.FeatureDataset` over the version once it is committed."""
+    :class:`~featstore.FeatureDataset` over the version once it is committed. ``public`` wraps
+    the version :meth:`OnlineDataset.committed` returns (the face passes :class:`featstore.Version`)."""
     if not isinstance(teacher, Teacher):
         raise InvalidInput("teacher= takes featstore.Teacher(model=..., dataset=..., outputs={...}).")
     if "@" in name:
@@ -249,6 +254,6 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, **options: Any
         raise InvalidInput("a teacher with tokens= (per-token outputs) is not read online yet: compute the version "
                            "with store.compute(..., tokens=...) and read it with store.dataset(name).")
     planned = plan_teacher(catalog, name, teacher)
-    if isinstance(planned, Version):
+    if isinstance(planned, StoredVersion):
         return FeatureDataset(planned, **options)
-    return OnlineDataset(planned, version_class=catalog.version_class, **options)
+    return OnlineDataset(planned, public=public, **options)

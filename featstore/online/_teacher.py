@@ -25,8 +25,8 @@ from featstore.compute._shard_task import probe
 from featstore.compute._task_spec import TaskSpec
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.versions._catalog import Catalog
-from featstore.versions._committed import Version
-from featstore.versions._lifecycle import Claim
+from featstore.versions._commits import Claim
+from featstore.versions._committed import StoredVersion
 from featstore.versions._views import Augment, ViewDataset, epoch_seeds, replay
 
 
@@ -119,7 +119,7 @@ class Planned:
 
     teacher: Teacher
     plan: ComputePlan
-    version: Version
+    version: StoredVersion
     spec: TaskSpec  # the shard tasks' spec (arrays, layout, dtypes), view None
     claim: Claim | None  # with fill: the version folder's claim
 
@@ -152,7 +152,7 @@ class Planned:
         return dataset
 
 
-def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Version:
+def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | StoredVersion:
     """The version ``store.compute(name, ...)`` would commit for the teacher's arguments, planned
     without computing it (compute's :func:`~featstore.compute.decide`, its probe on the
     teacher's device and its layout): the committed one itself if it exists and ``fill`` is
@@ -165,7 +165,7 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Ver
     layout, arrays = plan.layout(probed, catalog.storage.is_local)
     claim = None
     if teacher.fill:
-        claim = catalog.claim(name, plan.vid, layout, arrays, plan.bases, plan.view_count)
+        claim = catalog.commits.claim(name, plan.vid, layout, arrays, plan.bases, plan.view_count)
         layout, arrays = claim.layout, claim.arrays
     spec = replace(base.planned(layout, arrays, probed), view=None)
-    return Planned(teacher, plan, Version(catalog.storage, plan.manifest(layout, arrays)), spec, claim)
+    return Planned(teacher, plan, StoredVersion(catalog.storage, plan.manifest(layout, arrays)), spec, claim)

@@ -34,7 +34,7 @@ from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_
 from featstore.read._ranks import Placement, resolve
 from featstore.read._resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state,
                                     rank_state, rotated, worker_state)
-from featstore.versions._committed import Version
+from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 from featstore.read._views import ViewReading
 from featstore.read._windows import InThread, WindowReader, spare_cores
 
@@ -96,12 +96,13 @@ class FeatureDataset(ShardReads, IterableDataset):
     under torchdata's ``StatefulDataLoader`` (see :mod:`featstore.read`).
     """
 
-    def __init__(self, version: Version, *, rank: int | None = None, world_size: int | None = None,
-                 options: ReaderOptions | None = None, source: Any = None, augment: Any = None,
-                 source_fields: Any = None, source_id: str | None = None, **option_fields: Any) -> None:
+    def __init__(self, version: StoredVersion | HasStoredVersion, *, rank: int | None = None,
+                 world_size: int | None = None, options: ReaderOptions | None = None, source: Any = None,
+                 augment: Any = None, source_fields: Any = None, source_id: str | None = None,
+                 **option_fields: Any) -> None:
         """``source``/``augment``/``source_fields``/``source_id``: see :class:`ViewReading`."""
         super().__init__()
-        self.version = version
+        self.version = version = stored(version)
         self.options = replace(options or ReaderOptions(), **option_fields)
         self._viewing = ViewReading(version, self.options, source, augment, source_fields, source_id)
         # an output stored in parts (``logits`` -> logits.ids, logits.values) is read whole

@@ -21,12 +21,12 @@ from featstore.errors import CorruptChunk
 from featstore.format._shard_decoder import ChunkRef, ShardFormat, shard_intact
 from featstore._json import canonical_json
 from featstore.storage import Storage
-from featstore.versions._committed import Version, deleted_while_reading
+from featstore.versions._committed import StoredVersion, missing_data_error
 
 T = TypeVar("T")
 
 
-def scope_identity(version: Version) -> str:
+def scope_identity(version: StoredVersion) -> str:
     """What names one commit of one version of one store, and nothing else: the store's URL and
     endpoint, the version's key and id, and its manifest's digest (a version deleted and
     recomputed under the same id has another manifest)."""
@@ -42,7 +42,7 @@ def entry_name(key: str) -> str:
 class DiskObjects:
     """One process's reads of a version's shard objects through the disk cache."""
 
-    def __init__(self, version: Version, storage: Storage, options: DiskCacheOptions, identity: str,
+    def __init__(self, version: StoredVersion, storage: Storage, options: DiskCacheOptions, identity: str,
                  maps: MappedFiles) -> None:
         self.version, self.storage, self.maps = version, storage, maps
         self.cache = DiskCache.open(options, identity, {"store": storage.url, "version": version.ref})
@@ -88,7 +88,5 @@ class DiskObjects:
                keep: bool) -> tuple[Any, bool]:
         data, cached = self.cache.fetch(name, lambda: self.storage.read_bytes(key), intact, self.maps, keep)
         if data is None or len(data) == 0:
-            if data is None and self.version.was_deleted():
-                raise deleted_while_reading(self.version.ref)
-            raise CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
+            raise missing_data_error(self.version, ref, data)
         return data, cached

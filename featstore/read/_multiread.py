@@ -42,21 +42,22 @@ from featstore.read._options import ReaderOptions
 from featstore.read._views import ViewReading
 from featstore.read._worker_share import in_worker
 from featstore.versions._alignment import check_aligned
-from featstore.versions._committed import Version
+from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 from featstore.versions._views import VIEW_FIELD
 
 MULTI_SCHEMA = "featstore.multi_teacher_state"
 #: Keys every teacher's batch has and the joined batch holds once.
 SHARED = ("index", VIEW_FIELD)
+Versionish = StoredVersion | HasStoredVersion
 
 
-def teacher_labels(versions: Mapping[str, Version] | Sequence[Version]) -> dict[str, Version]:
+def teacher_labels(versions: Mapping[str, Versionish] | Sequence[Versionish]) -> dict[str, StoredVersion]:
     """``{label: version}``: a mapping's keys (checked: a letter, then letters, digits or ``_``),
     or ``t0``, ``t1``, ... for a list."""
     if isinstance(versions, Mapping):
-        labelled = {check_field(label): v for label, v in versions.items()}
+        labelled = {check_field(label): stored(v) for label, v in versions.items()}
     elif isinstance(versions, Sequence) and not isinstance(versions, str):
-        labelled = {f"t{i}": v for i, v in enumerate(versions)}
+        labelled = {f"t{i}": stored(v) for i, v in enumerate(versions)}
     else:
         raise InvalidInput("several teachers are a dict {label: version or ref} or a list of them.")
     if len(labelled) < 1:
@@ -79,7 +80,7 @@ class MultiTeacherDataset(IterableDataset):
     ...     loss = kd.kd_loss(student(batch["input"]), kd.ensemble(batch, ["a/logits", "b/logits"]))
     """
 
-    def __init__(self, versions: Mapping[str, Version] | Sequence[Version], *, rank: int | None = None,
+    def __init__(self, versions: Mapping[str, Versionish] | Sequence[Versionish], *, rank: int | None = None,
                  world_size: int | None = None, options: ReaderOptions | None = None, source: Any = None,
                  augment: Any = None, source_fields: Any = None, source_id: str | None = None,
                  **option_fields: Any) -> None:

@@ -21,7 +21,7 @@ from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard
 from featstore.read._gather import ArenaRows, InPlace
 from featstore.codecs._ragged import (TOKEN_LENGTH, TOKEN_START, RaggedRows)
 from featstore.read._assignment import Piece
-from featstore.versions._committed import Version, deleted_while_reading
+from featstore.versions._committed import StoredVersion, missing_data_error
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ class ProcessState:
     loop-safe), the shard formats, mapped shard objects,
     and its handle on the shared cache."""
 
-    def __init__(self, version: Version) -> None:
+    def __init__(self, version: StoredVersion) -> None:
         self.pid = os.getpid()
         self.storage = version.storage.reopen()
         self.formats: dict[str, ShardFormat | None] = {}
@@ -146,9 +146,7 @@ class ShardReads:
         else:
             data = st.storage.read_bytes(key)
         if data is None or len(data) == 0:
-            if data is None and self.version.was_deleted():
-                raise deleted_while_reading(self.version.ref)
-            raise CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
+            raise missing_data_error(self.version, ref, data)
         return data
 
     def _object_key(self, ref: ChunkRef, shard: int) -> str:

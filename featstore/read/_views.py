@@ -14,7 +14,7 @@ import torch
 
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.versions._fingerprints import dataset_digest, describe_key
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion
 from featstore.versions._views import (VIEW_FIELD, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
                                        normalize_fields, view_seeds)
 
@@ -34,7 +34,7 @@ class ViewReading:
     :class:`SourceMismatch` if not.
     """
 
-    def __init__(self, version: Version, options: Any, source: Any, augment: Any,
+    def __init__(self, version: StoredVersion, options: Any, source: Any, augment: Any,
                  source_fields: Any, source_id: str | None) -> None:
         self.version = version
         self.mode = check_view_mode(options.view, version.views)
@@ -89,7 +89,7 @@ class ViewReading:
         return batch
 
 
-def check_source(version: Version, source: Any, source_id: str | None = None) -> None:
+def check_source(version: StoredVersion, source: Any, source_id: str | None = None) -> None:
     """Raise :class:`SourceMismatch` unless ``source`` is the dataset ``version`` was computed on.
 
     >>> check_source(store.open("cnn-a/train"), train_set)   # silent when they match

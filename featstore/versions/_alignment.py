@@ -30,7 +30,7 @@ from typing import Any
 
 from featstore.errors import InvalidInput, VersionsMisaligned
 from featstore.format._manifests import Manifest, ViewsSpec
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion
 
 #: The fingerprint parts' key of the link to the version whose views a compute reused.
 LINK = "views_of"
@@ -99,7 +99,8 @@ def _count(views: int | None) -> str:
 
 
 # -- a compute on another version's views --------------------------------------------------------
-def adopt_views(base: Version, views: int | None, augment: Any, augment_seed: int | None) -> tuple[int | None, int]:
+def adopt_views(base: StoredVersion, views: int | None, augment: Any,
+                augment_seed: int | None) -> tuple[int | None, int]:
     """The ``views`` and ``augment_seed`` of a compute with ``views_of=base``: the base's, and
     those given must agree (:class:`VersionsMisaligned` naming what differs). With views,
     ``augment`` must be given (a function cannot be read back from a store); whether it is the
@@ -127,7 +128,7 @@ def adopt_views(base: Version, views: int | None, augment: Any, augment_seed: in
     return spec.count, spec.seed
 
 
-def check_views_of(base: Version, new: Alignment) -> None:
+def check_views_of(base: StoredVersion, new: Alignment) -> None:
     """Raise :class:`VersionsMisaligned` unless a compute whose rows are ``new`` runs on exactly
     ``base``'s samples and views."""
     differs = Alignment.of(base.manifest).differs(new)
@@ -138,12 +139,12 @@ def check_views_of(base: Version, new: Alignment) -> None:
             "(same items, same order), or compute without views_of.", tuple(d.split(" (")[0] for d in differs))
 
 
-def link(base: Version) -> dict[str, str]:
+def link(base: StoredVersion) -> dict[str, str]:
     """The fingerprint parts' entry naming the version whose views a compute reused."""
     return {"name": base.name, "id": base.id}
 
 
-def views_of(version: Version) -> str | None:
+def views_of(version: StoredVersion) -> str | None:
     """``"name@id"`` of the version whose views ``version`` was computed on (None: no link).
 
     >>> views_of(store.open("teacher-b/train"))
@@ -154,7 +155,7 @@ def views_of(version: Version) -> str | None:
 
 
 # -- several versions read on the same rows ------------------------------------------------------
-def check_aligned(versions: Mapping[str, Version]) -> None:
+def check_aligned(versions: Mapping[str, StoredVersion]) -> None:
     """Raise :class:`VersionsMisaligned` unless every version holds outputs for the same rows as
     the first, laid out in the same shards (the reader's one plan walks the shards of all of them).
 

@@ -1,4 +1,4 @@
-"""The versions core: every store key, reading a committed version, and the version lifecycle.
+"""The catalog of a store's versions: list, resolve, tags, delete, gc (:class:`Catalog`).
 
 Layout under the store root (``_``-prefixed folders can never collide with a name segment)::
 
@@ -17,56 +17,41 @@ Layout under the store root (``_``-prefixed folders can never collide with a nam
 
 A version id is the first 16 hex digits of its fingerprint, so the same inputs always land on
 the same id and a second commit of it is recognised, not duplicated. The lifecycle of a version
-is: :meth:`Catalog.claim` (create ``_pending.json`` or join the run that did, create the arrays,
-find finished shards) -> shard tasks write data and :func:`write_receipt` -> :meth:`Catalog.commit`
+is: :meth:`Commits.claim` (create ``_pending.json`` or join the run that did, create the arrays,
+find finished shards) -> shard tasks write data and :func:`write_receipt` -> :meth:`Commits.commit`
 (durable data, then the manifest create-if-absent, adopting an identical concurrent winner).
-
-This module holds :class:`Catalog` (list, resolve, tags, delete, gc, claim, commit); the keys,
-receipts and the committed :class:`Version` are in their own modules beside it.
+The catalog holds that protocol as :attr:`Catalog.commits`; the keys, receipts and the
+committed :class:`StoredVersion` are in their own modules beside it.
 """
 
 from __future__ import annotations
 
 import logging
-import shlex
 import time
-from typing import Any
 
-
-from featstore.errors import (FeatstoreError, IncompatibleFormat, InvalidInput,
-                              VersionNotFound)
+from featstore.errors import FeatstoreError, IncompatibleFormat, InvalidInput, VersionNotFound
 from featstore.format._keys import logical_key
-from featstore._json import load_json
 from featstore.format._manifests import Manifest, newer_manifest
-from featstore.format._objects import gc_mark_json, ref_target, tag_json, tag_target
+from featstore.format._objects import tag_json, tag_target
 from featstore._allowed_names import check_name, check_tag, is_version_id
 from featstore.storage import Storage
-from featstore._lazy import lazy_module
+from featstore.versions._keys import MANIFEST, REFS, ref_key, split_version_key, spread_roots, tag_key, version_key
+from featstore.versions._committed import HasStoredVersion, StoredVersion, read_manifest, stored
+from featstore.versions._commits import Commits
 
-
-from featstore.versions._keys import (GC_MARK, MANIFEST, PENDING, REFS, ref_key,
-                                      split_version_key, spread_roots, tag_key,
-                                      version_key)
-from featstore.versions._receipts import read_many
-from featstore.versions._committed import Version
-from featstore.versions._lifecycle import Lifecycle
-
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 log = logging.getLogger("featstore")
 
+#: What names one version: ``"name"`` (its newest), ``"name@tag"``, ``"name@<id>"``, or a version.
+Ref = str | StoredVersion | HasStoredVersion
 
-# -- the catalog of a store: listing, resolving, tags, the lifecycle ---------------------------
-class Catalog(Lifecycle):
-    """The versions and tags of one store: list, resolve, tag, delete, gc, claim and commit.
 
-    ``version_class`` is what :meth:`open` and :meth:`versions` return (the public face
-    subclasses :class:`Version` to add conveniences).
-    """
-
-    version_class: type[Version] = Version
+class Catalog:
+    """The versions and tags of one store: list, resolve, tag, delete, gc; :attr:`commits` is
+    the commit protocol (claim, receipts, records, commit) that compute runs go through."""
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.commits = Commits(storage)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.storage.url!r})"
@@ -75,9 +60,6 @@ class Catalog(Lifecycle):
     def url(self) -> str:
         return self.storage.url
 
-    def _version(self, manifest: Manifest) -> Version:
-        return self.version_class(self.storage, manifest)
-
     # -- listing --------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Every feature set that has at least one committed version."""
@@ -85,7 +67,7 @@ class Catalog(Lifecycle):
         names = {k.split("/_versions/")[0] for k in found if k.endswith("/" + MANIFEST) and "/_versions/" in k}
         return sorted(names)
 
-    def versions(self, name: str) -> list[Version]:
+    def versions(self, name: str) -> list[StoredVersion]:
         """Committed versions of ``name``, oldest first (uncommitted ones are invisible; one whose
         manifest cannot be read is left out and logged: see :meth:`damaged`)."""
         found, damaged = self.scan(name)
@@ -93,7 +75,7 @@ class Catalog(Lifecycle):
             log.warning("skipping version %s@%s: %s", name, vid, exc)
         return found
 
-    def scan(self, name: str) -> tuple[list[Version], dict[str, IncompatibleFormat]]:
+    def scan(self, name: str) -> tuple[list[StoredVersion], dict[str, IncompatibleFormat]]:
         """``(committed versions oldest first, {version id: why its manifest cannot be read})``:
         a damaged manifest (or one of a newer featstore) affects only its own version."""
         base = f"{check_name(name)}/_versions"
@@ -107,49 +89,26 @@ class Catalog(Lifecycle):
                 damaged[vid] = exc
                 continue
             if m is not None:
-                out.append(self._version(m))
+                out.append(StoredVersion(self.storage, m))
         return sorted(out, key=lambda v: (v.manifest.created_at, v.id)), damaged
 
     def damaged(self, name: str | None = None) -> dict[str, str]:
-        """``{"name@id": what is wrong and what to do}`` for every version (of ``name``, or of every
-        feature set) whose manifest exists but cannot be read; remove one with :meth:`delete`
-        (``featstore delete URL name@id``) or all with ``gc(damaged=True)``.
-
-        >>> store.damaged()
-        {'cnn-a/train@0123456789abcdef': '.../manifest.json is not valid JSON (...) ...'}
-        """
+        """``{"name@id": what is wrong}`` for every version (of ``name``, or of every feature
+        set) whose manifest exists but cannot be read."""
         out = {}
         for n in [name] if name is not None else self.names():
             out.update({f"{n}@{vid}": str(exc) for vid, exc in self.scan(n)[1].items()})
         return out
 
-    def committed(self, name: str, vid: str) -> Version | None:
+    def committed(self, name: str, vid: str) -> StoredVersion | None:
         """``name@vid`` if it is committed, else None (no tag or "newest" resolution)."""
         m = self.read_manifest(name, vid)
-        return None if m is None else self._version(m)
+        return None if m is None else StoredVersion(self.storage, m)
 
     def read_manifest(self, name: str, vid: str) -> Manifest | None:
-        """The validated manifest of ``name@vid``, or None while it is not committed; one that
-        cannot be read is :class:`IncompatibleFormat` saying how to remove that version."""
-        try:
-            return self._read_manifest(name, vid)
-        except IncompatibleFormat as exc:
-            ref = f"{name}@{vid}"
-            raise IncompatibleFormat(
-                f"{exc} Only version {ref} is affected: `featstore delete {shlex.quote(self.url)} {ref}` (or "
-                f"store.delete({ref!r})) removes it; recompute it if you need it.") from exc
-
-    def _read_manifest(self, name: str, vid: str) -> Manifest | None:
-        key = f"{version_key(name, vid)}/{MANIFEST}"
-        obj = self.storage.read_json(key)
-        if obj is None:
-            return None
-        where = self.storage.child_url(key)
-        m = Manifest.from_json(obj, where)
-        if (m.name, m.id) != (name, vid):  # a manifest copied or planted under another path
-            raise IncompatibleFormat(f"{where} describes {m.name}@{m.id}, not {name}@{vid}; the store "
-                                     "is damaged.")
-        return m
+        """The validated manifest of ``name@vid``, or None while it is not committed (see
+        :func:`~featstore.versions._committed.read_manifest`)."""
+        return read_manifest(self.storage, name, vid)
 
     def _tag(self, name: str, tag: str) -> str | None:
         """The version id a tag points at (validated), or None if there is no such tag."""
@@ -176,16 +135,14 @@ class Catalog(Lifecycle):
         return out
 
     # -- resolving ------------------------------------------------------------------------
-    def open(self, ref: str | Version) -> Version:
-        """Resolve ``"name"`` (newest version), ``"name@tag"`` or ``"name@<version id>"``.
-
-        >>> store.open("cnn-a/train@best").id
-        '3f2a9c0e1b7d4a55'
-        """
-        if isinstance(ref, Version):
-            return ref
+    def open(self, ref: Ref) -> StoredVersion:
+        """Resolve ``"name"`` (newest version), ``"name@tag"``, ``"name@<version id>"`` or a
+        version (public or stored: :func:`~featstore.versions.stored`)."""
         if not isinstance(ref, str):
-            raise InvalidInput(f"expected 'name', 'name@tag' or 'name@id', got {ref!r}")
+            try:
+                return stored(ref)
+            except InvalidInput:
+                raise InvalidInput(f"expected 'name', 'name@tag', 'name@id' or a Version, got {ref!r}") from None
         name, at, sel = ref.partition("@")
         check_name(name)
         if at and not is_version_id(sel):
@@ -207,7 +164,7 @@ class Catalog(Lifecycle):
         vid = sel if is_version_id(sel) else self._tag(name, sel)
         m = self.read_manifest(name, vid) if vid is not None else None
         if m is not None:
-            return self._version(m)
+            return StoredVersion(self.storage, m)
         if vid is not None and not is_version_id(sel):  # a tag left behind by a deleted version
             raise VersionNotFound(f"tag {sel!r} points at version {vid}, which was deleted; move it "
                                   f"(store.tag) or remove it (store.untag({name!r}, {sel!r})).")
@@ -217,7 +174,7 @@ class Catalog(Lifecycle):
         )
 
     # -- tags, delete, gc -----------------------------------------------------------------
-    def tag(self, version: Version | str, tag: str) -> None:
+    def tag(self, version: Ref, tag: str) -> None:
         """Point ``tag`` at a committed version (moving it if it pointed elsewhere).
 
         A tag never outlives its version: the tag is written, then the manifest is checked
@@ -240,19 +197,12 @@ class Catalog(Lifecycle):
             raise VersionNotFound(f"{name!r} has no tag {tag!r}; tags: {sorted(self.tags(name))}")
         self.storage.delete(tag_key(name, tag))
 
-    def delete(self, version: Version | str) -> str:
-        """Delete a committed version: its tags first, then its manifest (it becomes invisible
-        at once), its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data,
-        unless an incremental child still reads shards from it. A reader still streaming it gets
-        :class:`VersionNotFound` saying it was deleted.
-
-        Shared shards stay until no version references them: a parent's data is kept while a
-        child (committed or being computed) has a reference marker in it, and deleting the
-        last such child removes the parent's data too.
-
-        A version whose manifest is damaged (:meth:`damaged`) is deleted the same way when named by
-        id or tag (``"name@id"``). Returns the ``name@id`` deleted.
-        """
+    def delete(self, version: Ref) -> str:
+        """Delete a committed version (or one whose manifest is damaged, named by id or tag) and
+        return its ``name@id``: its tags first, then its manifest (it becomes invisible at once),
+        its tags again (one a concurrent :meth:`tag` wrote meanwhile), then its data, unless a
+        child (committed or being computed) still has a reference marker in it; then each base
+        it extended loses its marker, and its data too once no live version reads it."""
         try:
             v = self.open(version)
         except IncompatibleFormat:
@@ -278,41 +228,30 @@ class Catalog(Lifecycle):
         self._untag_all(name, vid)
         return self._drop_if_unreferenced(vkey)
 
-    def _damaged_target(self, ref: Any) -> tuple[str, str] | None:
+    def _damaged_target(self, ref: Ref) -> tuple[str, str] | None:
         """``(name, id)`` when ``ref`` names one version by id or tag whose manifest exists but
         cannot be read (so :meth:`delete` can still remove it), else None."""
         if not isinstance(ref, str) or "@" not in ref:
             return None
         name, _, sel = ref.partition("@")
         vid = sel if is_version_id(sel) else self._tag(name, sel)
-        if vid is None:
-            return None
+        return (name, vid) if vid is not None and self._unreadable(name, vid) else None
+
+    def _unreadable(self, name: str, vid: str) -> bool:
+        """Whether the manifest of ``name@vid`` exists but cannot be read."""
         try:
             self.read_manifest(name, vid)
         except IncompatibleFormat:
-            return name, vid
-        return None
+            return True
+        return False
 
     def _untag_all(self, name: str, vid: str) -> None:
         for tag, target in self.tags(name).items():
             if target == vid:
                 self.storage.delete(tag_key(name, tag))
 
-    def live_refs(self, vkey: str) -> list[str]:
-        """``name@id`` of every version that reads shards from folder ``vkey`` and still exists
-        (committed, or claimed by a compute that may still commit)."""
-        out = []
-        keys = [f"{vkey}/{REFS}/{e}" for e in self.storage.list_dirs(f"{vkey}/{REFS}") if e.endswith(".json")]
-        for key, data in read_many(self.storage, keys).items():
-            if data is None:
-                continue
-            name, vid = ref_target(load_json(data, self.storage.child_url(key)), self.storage.child_url(key))
-            if self.storage.exists(f"{version_key(name, vid)}/{PENDING}") or self.committed(name, vid):
-                out.append(f"{name}@{vid}")
-        return out
-
     def _drop_if_unreferenced(self, vkey: str) -> bool:
-        refs = self.live_refs(vkey)
+        refs = self.commits.live_refs(vkey)
         if refs:
             log.info("keeping the data of %s: versions %s read shards from it", vkey, refs)
             return False
@@ -324,27 +263,15 @@ class Catalog(Lifecycle):
         return True
 
     def gc(self, older_than: float = 3600.0, dry_run: bool = False, damaged: bool = False) -> list[str]:
-        """Delete what no committed version needs, and return the keys deleted.
+        """Delete what no committed version needs (``store.gc``), and return the keys deleted:
+        uncommitted folders (never committed, or deleted while a child read them and no longer
+        read) whose newest object is older than ``older_than`` seconds, old ``*.partial``
+        objects, and with ``damaged`` every version whose manifest is damaged (not merely newer).
 
-        ``damaged=True`` also deletes every version whose manifest exists but is damaged (see
-        :meth:`damaged`; one written by a newer featstore is kept: upgrade to read it), as
-        :meth:`delete` would.
-
-        That is: folders of versions that were never committed (an interrupted ``compute``),
-        or were deleted while a child read shards from them and no longer are, whose newest
-        object is older than ``older_than`` seconds (younger ones may belong to a compute
-        still running, or waiting to be resumed), and temporary ``*.partial`` objects left by a
-        killed writer. Committed versions, tags, and folders a live child reads are never touched.
-
-        A compute still running in a folder gc deletes (``older_than=0``, or a run that paused
-        longer than ``older_than``) never commits missing data: gc marks the folder
-        (``_gc.json``) and checks it is still uncommitted before deleting; the commit checks
-        every object after writing its manifest, and withdraws it if a mark or a hole is there
-        (the compute then raises :class:`ComputeFailed`; rerunning it recomputes what was
-        deleted). See :meth:`commit`.
-
-        >>> store.gc(older_than=24 * 3600)
-        ['cnn-a/train/_versions/0123456789abcdef/logits/c/0/0', ...]
+        A compute still running in a folder gc deletes never commits missing data: gc marks the
+        folder and checks it is still uncommitted before deleting
+        (:meth:`Commits.delete_uncommitted`); the commit checks every object after writing its
+        manifest, and withdraws it if a mark or a hole is there (:meth:`Commits.commit`).
         """
         listing = self.storage.find_modified("")
         now = time.time()  # after the listing: an object written while it ran is not "in the future"
@@ -367,11 +294,11 @@ class Catalog(Lifecycle):
                     continue
                 old = sorted(k for k, t in members.items() if ".partial" in k and now - t > older_than)
             elif now - max(members.values()) > older_than and not (
-                    any(f"/{REFS}/" in k for k in members) and self.live_refs(vkey)):
+                    any(f"/{REFS}/" in k for k in members) and self.commits.live_refs(vkey)):
                 old = sorted(members)
             else:
                 continue
-            if dry_run or self._gc_folder(vkey, old):
+            if dry_run or self.commits.delete_uncommitted(vkey, old):
                 deleted.extend(old)
         return deleted
 
@@ -380,10 +307,8 @@ class Catalog(Lifecycle):
         newer than this featstore), else None."""
         name, _, vid = vkey.partition("/_versions/")
         try:
-            self.read_manifest(name, vid)
-            return None
-        except IncompatibleFormat:
-            pass
+            if not self._unreadable(name, vid):
+                return None
         except FeatstoreError:  # not a folder featstore named (a name it refuses): never touched
             return None
         try:
@@ -394,22 +319,3 @@ class Catalog(Lifecycle):
             log.warning("gc keeps %s@%s: its manifest is from a newer featstore (upgrade to read it)", name, vid)
             return None
         return name, vid
-
-    def _gc_folder(self, vkey: str, keys: list[str]) -> bool:
-        """Delete ``keys`` of one version folder unless it got committed meanwhile.
-
-        The mark comes first, the look at the manifest second (the commit does the reverse):
-        a commit that raced with this either saw the mark or is seen here.
-        """
-        if all(".partial" in k for k in keys):  # leftovers beside a committed version: no race
-            for key in keys:
-                self.storage.delete(key)
-            return True
-        self.storage.write_json(f"{vkey}/{GC_MARK}", gc_mark_json())
-        if self.storage.exists(f"{vkey}/{MANIFEST}"):
-            self.storage.delete(f"{vkey}/{GC_MARK}")
-            return False
-        for key in keys:
-            self.storage.delete(key)
-        self.storage.delete(f"{vkey}/{GC_MARK}")
-        return True

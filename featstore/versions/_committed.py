@@ -1,41 +1,92 @@
-"""One committed version: :class:`Version` (random access, ``load()``, arrays, views) and
-:func:`verify_version` (every shard object against the digest recorded at compute time).
+"""One committed version's storage plumbing: :class:`StoredVersion` (where its shards lie, rows,
+arrays, views), :func:`stored` (the :class:`StoredVersion` of a public :class:`featstore.Version`),
+:func:`read_manifest`, :func:`missing_data_error` (the one "deleted or damaged?" decision) and
+:func:`verify_version`.
+
+The user's :class:`featstore.Version` (the face, :mod:`featstore.store`) wraps a
+:class:`StoredVersion`; every layer below the face takes a :class:`StoredVersion` and turns what
+it is given into one with :func:`stored`, as ``os.fspath`` does for paths.
 """
 
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
-from collections.abc import Iterable, Mapping
+import shlex
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
-
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from featstore.codecs._dense import codec_by_name
-from featstore.errors import (CorruptChunk, FeatstoreError, InvalidInput,
-                              StoreUnavailable, VersionNotFound)
-from featstore.format._keys import chunk_key, shard_digest, view_path
-from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
-from featstore.format._manifests import (Manifest, ShardReceipt)
 from featstore.codecs._parts import assemble, parts_codec
 from featstore.codecs._ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets
+from featstore.errors import (CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreUnavailable,
+                              VersionNotFound)
+from featstore.format._keys import chunk_key, shard_digest, view_path
+from featstore.format._manifests import Manifest, ShardReceipt
+from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.storage import Storage
-from featstore.versions._views import view_seed
 from featstore._lazy import lazy_module
-
-
 from featstore.versions._keys import MANIFEST, RECORDS, group_store, object_key, version_key, view_key
 from featstore.versions._receipts import read_records
 
 if TYPE_CHECKING:  # zarr only where an array is opened (array()): list, info and verify never do
     import zarr
-    import zarr.abc.store
 
 torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
-log = logging.getLogger("featstore")
+
+#: ``[(first row, stop row, version folder key, that folder's n_samples), ...]``: see :meth:`StoredVersion.homes`.
+Home = tuple[int, int, str, int]
+
+
+class HasStoredVersion(Protocol):
+    """What :func:`stored` accepts besides a :class:`StoredVersion`: an object that names the
+    stored version it stands for (the public :class:`featstore.Version`)."""
+
+    def __featstore_version__(self) -> StoredVersion: ...
+
+
+def stored(version: StoredVersion | HasStoredVersion) -> StoredVersion:
+    """The :class:`StoredVersion` of ``version``: itself if it is one, else what its
+    ``__featstore_version__()`` returns (like ``os.fspath``); anything else is :class:`InvalidInput`.
+
+    >>> stored(store.open("cnn-a/train")).key
+    'cnn-a/train/_versions/3f2a9c0e1b7d4a55'
+    """
+    got = _as_stored(version)
+    if got is None:
+        raise InvalidInput(f"expected a featstore Version (store.open(ref)), got {type(version).__name__}: "
+                           f"{version!r:.80}")
+    return got
+
+
+def _as_stored(version: object) -> StoredVersion | None:
+    if isinstance(version, StoredVersion):
+        return version
+    protocol = getattr(type(version), "__featstore_version__", None)
+    got = None if protocol is None else protocol(version)
+    return got if isinstance(got, StoredVersion) else None
+
+
+def read_manifest(storage: Storage, name: str, vid: str) -> Manifest | None:
+    """The validated manifest of ``name@vid``, or None while it is not committed; one that
+    cannot be read is :class:`IncompatibleFormat` saying how to remove that version."""
+    key = f"{version_key(name, vid)}/{MANIFEST}"
+    where, ref = storage.child_url(key), f"{name}@{vid}"
+    try:
+        obj = storage.read_json(key)
+        if obj is None:
+            return None
+        m = Manifest.from_json(obj, where)
+        if (m.name, m.id) != (name, vid):  # a manifest copied or planted under another path
+            raise IncompatibleFormat(f"{where} describes {m.name}@{m.id}, not {ref}; the store is damaged.")
+    except IncompatibleFormat as exc:
+        raise IncompatibleFormat(
+            f"{exc} Only version {ref} is affected: `featstore delete {shlex.quote(storage.url)} {ref}` (or "
+            f"store.delete({ref!r})) removes it; recompute it if you need it.") from exc
+    return m
 
 
 def deleted_while_reading(ref: str) -> VersionNotFound:
@@ -44,24 +95,33 @@ def deleted_while_reading(ref: str) -> VersionNotFound:
                            "is gone. Open another version (store.versions(name)) and start the epoch again.")
 
 
-# -- one committed version ---------------------------------------------------------------------
-class Version:
-    """One committed, immutable version of a feature set.
+def deleted_or(version: StoredVersion, error: FeatstoreError) -> FeatstoreError:
+    """``error`` about ``version``'s data, unless the version was deleted (its manifest is gone:
+    ``store.delete`` removes it before the data): then :class:`VersionNotFound` saying so."""
+    return deleted_while_reading(version.ref) if version.was_deleted() else error
 
-    >>> v = store.open("cnn-a/train")
-    >>> len(v), v.id, sorted(v.manifest.arrays)
-    (20000, '3f2a9c0e1b7d4a55', ['features', 'logits', 'target'])
-    >>> v[10:20]["features"].shape
-    torch.Size([10, 512])
-    """
+
+def missing_data_error(version: StoredVersion, ref: ChunkRef, data: bytes | None) -> FeatstoreError:
+    """The one "deleted or damaged?" decision for a shard object read as ``data`` (None: there
+    is no such object): :class:`VersionNotFound` when the version was deleted while it was read,
+    else :class:`CorruptChunk` naming ``ref`` ("is missing" or "is empty")."""
+    return deleted_or(version, CorruptChunk.damaged(ref.version, ref.array, ref.chunk,
+                                                    "is missing" if data is None else "is empty"))
+
+
+# -- one committed version ---------------------------------------------------------------------
+class StoredVersion:
+    """One committed version as stored: its storage and manifest, where each shard lies (an
+    incremental version reads its bases' shards in place), and its rows. The plumbing behind
+    the user's :class:`featstore.Version`, which the readers and the compute side take."""
 
     def __init__(self, storage: Storage, manifest: Manifest) -> None:
         self.storage = storage
         self.manifest = manifest
-        self._arrays: dict[Any, zarr.Array] = {}
+        self._arrays: dict[tuple[str, str], zarr.Array] = {}
         self._pid = -1
         self._view: int | None = None  # the view this object reads (see view())
-        self._views: dict[int, Version] = {}
+        self._views: dict[int, StoredVersion] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage, "manifest": self.manifest, "view": self._view}
@@ -71,14 +131,21 @@ class Version:
         self._view = state.get("view")
 
     def __repr__(self) -> str:
-        return f"<Version {self.name}@{self.id} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
+        return f"<StoredVersion {self.ref} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
+
+    def _identity(self) -> tuple[str, str, str]:
+        return self.storage.url, self.name, self.id
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Version) and (self.storage.url, self.name, self.id) == (
-            other.storage.url, other.name, other.id)
+        """The same version of the same store (a public :class:`featstore.Version` of it too)."""
+        theirs = _as_stored(other)
+        return NotImplemented if theirs is None else self._identity() == theirs._identity()
 
     def __hash__(self) -> int:
-        return hash((self.storage.url, self.name, self.id))
+        return hash(self._identity())
+
+    def __len__(self) -> int:
+        return self.manifest.n_samples
 
     @property
     def id(self) -> str:
@@ -102,53 +169,23 @@ class Version:
         return version_key(self.name, self.id)
 
     @property
-    def url(self) -> str:
-        """The Zarr group's URL: ``zarr.open_group(version.url)`` reads it with plain zarr,
-        unless its shard objects are spread over prefixes (``ComputeOptions.spread_prefixes``):
-        then use :meth:`zarr_store`."""
-        return self.storage.child_url(self.key)
-
-    @property
     def spread(self) -> int:
         """How many prefixes the version's shard objects are spread over (1: its own folder)."""
         return self.manifest.layout.spread
-
-    def zarr_store(self) -> zarr.abc.store.Store:
-        """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
-        which finds spread shard objects under their prefixes: plain Zarr reads a version
-        through it. Not for an incremental version (``extends=``), whose inherited shards lie in
-        its parents' folders: that raises :class:`InvalidInput` (read it with featstore, or
-        ``load()`` it), rather than give a store in which they would read as zeros.
-
-        >>> group = zarr.open_group(version.zarr_store(), mode="r")
-        >>> group["features"][:10].shape
-        (10, 512)
-        """
-        if self.manifest.bases:
-            raise InvalidInput(f"{self.ref} extends {self.manifest.bases[0].name}@{self.manifest.bases[0].id}: "
-                               "its first shards lie in that version's folder, so no single Zarr group holds it. "
-                               "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
-        return group_store(self.storage, self.data_key, self.spread, read_only=True)
 
     @property
     def data_key(self) -> str:
         """The key of the group whose arrays this object reads: the version's, or its view's."""
         return view_key(self.key, self._view)
 
-    def __len__(self) -> int:
-        return self.manifest.n_samples
-
-    # -- augmented views ----------------------------------------------------------------
     @property
     def views(self) -> int | None:
         """How many augmented views per sample the version holds (None: computed without views)."""
         return None if self.manifest.views is None else self.manifest.views.count
 
-    def view(self, view: int) -> "Version":
-        """This version reading view ``view``: ``version.view(2)[10:20]``, ``.load()``, ...
-
-        Views are laid out like a version without views, so everything that reads one works.
-        """
+    def view(self, view: int) -> StoredVersion:
+        """This version reading view ``view`` (laid out like a version without views, so
+        everything that reads one works); cached, one object per view."""
         if self.views is None or isinstance(view, bool) or not isinstance(view, (int, np.integer)) \
                 or not 0 <= int(view) < self.views:
             raise InvalidInput(f"view {view!r} does not exist: {self.ref} has "
@@ -159,27 +196,18 @@ class Version:
             self._views[int(view)] = bound
         return self._views[int(view)]
 
-    def view_seed(self, index: int, view: int) -> int:
-        """The seed of view ``view`` of sample ``index``: Model A ran on exactly
-        ``augment(dataset[index], torch.Generator().manual_seed(version.view_seed(index, view)))``.
-
-        >>> v.view_seed(10, 3)
-        5812337108410417153
-        """
-        if self.manifest.views is None:
-            raise InvalidInput(f"{self.ref} was computed without views; it has no view seeds.")
-        if not 0 <= view < self.manifest.views.count or not 0 <= index < len(self):
-            raise IndexError(f"(index {index}, view {view}) is out of range for {len(self)} samples "
-                             f"and {self.manifest.views.count} views")
-        return view_seed(self.manifest.views.seed, index, view)
-
     # -- where shards live (an incremental version reads its bases' shards in place) ----
-    def homes(self) -> list[tuple[int, int, str, int]]:
+    def homes(self) -> list[Home]:
         """``[(first row, stop row, version key, that folder's n_samples), ...]`` in row order:
         the bases' shard ranges, then this version's own shards."""
         spp = self.manifest.layout.samples_per_shard
         out = [(b.first * spp, b.stop * spp, version_key(b.name, b.id), b.n_samples) for b in self.manifest.bases]
         return out + [(self.manifest.own_shards.start * spp, len(self), self.data_key, len(self))]
+
+    def _home(self, shard: int) -> tuple[str, int]:
+        """``(folder key, its n_samples)`` of the group that stores shard ``shard``."""
+        row = shard * self.manifest.layout.samples_per_shard
+        return next(((h, n) for a, b, h, n in self.homes() if a <= row < b), (self.data_key, len(self)))
 
     def shard_home(self, shard: int) -> str:
         """The key of the version folder that stores shard ``shard`` (the version's own folder
@@ -195,6 +223,25 @@ class Version:
         prefix's folder when the version is spread)."""
         return object_key(self.shard_home(shard), self.chunk_key(field, shard), self.spread)
 
+    def chunk_key(self, field: str, shard: int) -> str:
+        """The key of shard ``shard`` of ``field`` inside the version (one object per shard;
+        under ``_views/<v>/`` when this object reads a view)."""
+        key = chunk_key(field, shard, len(self.manifest.arrays[field].shape))
+        return key if self._view is None else f"{view_path(self._view)}/{key}"
+
+    def was_deleted(self) -> bool:
+        """Whether this version's manifest is gone (``store.delete`` removes it before the data).
+        Asked on error paths only, through a storage of this process's own."""
+        return not self.storage.reopen().exists(f"{self.key}/{MANIFEST}")
+
+    def shard_receipts(self) -> list[ShardReceipt]:
+        """Every shard's digests and statistics: inline in a schema 1 manifest, read from the
+        records objects (a few concurrent GETs) in schema 2. Only verify and compute need them."""
+        if self.manifest.shards is not None:
+            return list(self.manifest.shards)
+        return read_records(self.storage, self.key, self.manifest, self.ref)
+
+    # -- reading ------------------------------------------------------------------------
     def read_shard_rows(self, storage: Storage, field: str, fmt: ShardFormat, shard: int, lo: int, hi: int,
                         out: np.ndarray) -> None:
         """Rows ``[lo, hi)`` of one shard object, decoded into ``out`` (the reader's fast path).
@@ -207,16 +254,14 @@ class Version:
         key = self.object_key(field, shard)
         ref = ChunkRef(self.ref, field, self.chunk_key(field, shard))
         c0, c1 = lo // fmt.chunk_rows, -(-hi // fmt.chunk_rows)
-        if 2 * (c1 - c0) > fmt.chunks_per_shard:
-            data = storage.read_bytes(key)
-            if not data:
-                raise self._missing(ref, data)
+        whole = 2 * (c1 - c0) > fmt.chunks_per_shard
+        data = storage.read_bytes(key) if whole else storage.read_range(key, -shard_index_bytes(fmt))
+        if not data:
+            raise missing_data_error(self, ref, data)
+        if whole:
             decode_shard_rows(data, fmt, lo, hi, out, ref)
             return
-        tail = storage.read_range(key, -shard_index_bytes(fmt))
-        if not tail:
-            raise self._missing(ref, tail)
-        index = shard_index(tail, fmt, ref)
+        index = shard_index(data, fmt, ref)
         spans = index[c0:c1]
         start, stop = int(spans[:, 0].min()), int((spans[:, 0] + spans[:, 1]).max())
         if start > stop or stop > 2**62:  # an empty-chunk marker: decode_shard_rows names it
@@ -224,19 +269,6 @@ class Version:
         data = storage.read_range(key, start, stop) if stop > start else b""
         decode_shard_rows(data or b"", fmt, lo, hi, out, ref, index=index, base=start)
 
-    def _missing(self, ref: ChunkRef, data: bytes | None) -> FeatstoreError:
-        if data is None and self.was_deleted():
-            return deleted_while_reading(self.ref)
-        return CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
-
-    def shard_receipts(self) -> list[ShardReceipt]:
-        """Every shard's digests and statistics: inline in a schema 1 manifest, read from the
-        records objects (a few concurrent GETs) in schema 2. Only verify and compute need them."""
-        if self.manifest.shards is not None:
-            return list(self.manifest.shards)
-        return read_records(self.storage, self.key, self.manifest, self.ref)
-
-    # -- reading ------------------------------------------------------------------------
     def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array:
         """The Zarr array of one field, opened lazily once per process (fork/spawn safe).
 
@@ -261,53 +293,80 @@ class Version:
                     group_store(self.storage, home, self.spread, read_only=True), field, self.manifest.arrays[field],
                     layout, self.ref, lambda: self.storage.read_bytes(f"{home}/{field}/zarr.json", metadata=True))
             except CorruptChunk as exc:  # a missing zarr.json is a deleted version, not damaged data
-                if self.was_deleted():
-                    raise deleted_while_reading(self.ref) from exc
-                raise
+                self._raise(exc)
         return self._arrays[(home, field)]
+
+    def _raise(self, exc: CorruptChunk) -> NoReturn:
+        """Raise ``exc``, or :class:`VersionNotFound` if the version was deleted meanwhile."""
+        found = deleted_or(self, exc)
+        if found is exc:
+            raise exc
+        raise found from exc
+
+    def _guarded(self, field: str, read: Callable[[], np.ndarray], shard: Callable[[], int]) -> np.ndarray:
+        """``read()`` with what the store and Zarr raise turned into featstore's errors: a deleted
+        version is :class:`VersionNotFound`, bytes that do not decode a :class:`CorruptChunk`
+        naming the shard (``shard()``, asked on that error path only)."""
+        try:
+            return read()
+        except CorruptChunk as exc:
+            self._raise(exc)
+        except FeatstoreError:
+            raise
+        except (ConnectionError, TimeoutError, PermissionError) as exc:
+            raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
+            damaged = CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard()),
+                                           f"failed to decode ({type(exc).__name__}: {exc})")
+            raise deleted_or(self, damaged) from exc
 
     def read_rows(self, field: str, start: int, stop: int) -> np.ndarray:
         """Stored values of rows ``[start, stop)`` of ``field`` (numpy, stored dtype)."""
-        return self._read(field, slice(start, stop), start)
+        return self._read(field, slice(start, stop))
 
-    def _read(self, field: str, selection: Any, first_row: int) -> np.ndarray:
-        """Read a slice or row list, split by the folder each row's shard lives in."""
+    def _read(self, field: str, selection: slice | np.ndarray) -> np.ndarray:
+        """Read a slice or row list, split by the folder each row's shard lives in (rows of a
+        per-token array are tokens: only a version without bases reads those here)."""
         if not self.manifest.bases:
-            return self._read_home(field, self.data_key, len(self), selection, first_row)
+            return self._read_home(field, self.data_key, len(self), selection)
         if isinstance(selection, slice):
-            parts = [self._read_home(field, home, n, slice(max(lo, selection.start), min(hi, selection.stop)),
-                                     max(lo, selection.start))
+            parts = [(home, n, slice(max(lo, selection.start), min(hi, selection.stop)))
                      for lo, hi, home, n in self.homes() if max(lo, selection.start) < min(hi, selection.stop)]
-            if not parts:
-                return self._read_home(field, self.data_key, len(self), selection, first_row)
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(parts) <= 1:
+                home, n, sel = parts[0] if parts else (self.data_key, len(self), selection)
+                return self._read_home(field, home, n, sel)
+            return np.concatenate([self._read_home(field, home, n, sel) for home, n, sel in parts])
         rows = np.asarray(selection, dtype=np.int64).reshape(-1)
         spec = self.manifest.arrays[field]
         out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
         for lo, hi, home, n in self.homes():
             mask = (rows >= lo) & (rows < hi)
             if mask.any():
-                out[mask] = self._read_home(field, home, n, rows[mask], int(rows[mask].min()))
+                out[mask] = self._read_home(field, home, n, rows[mask])
         return out
 
-    def _read_home(self, field: str, home: str, n_samples: int, selection: Any, first_row: int) -> np.ndarray:
-        try:
+    def _read_home(self, field: str, home: str, n_samples: int, selection: slice | np.ndarray) -> np.ndarray:
+        def read() -> np.ndarray:
             arr = self.array(field, home, n_samples)
-            if isinstance(selection, slice):
-                return arr[selection]
-            return arr.oindex[selection]
-        except CorruptChunk as exc:
-            if self.was_deleted():
-                raise deleted_while_reading(self.ref) from exc
-            raise
-        except FeatstoreError:
-            raise
-        except (ConnectionError, TimeoutError, PermissionError) as exc:
-            raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
-            shard = self._bad_shard(field, selection, first_row)
-            raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard),
-                                       f"failed to decode ({type(exc).__name__}: {exc})") from exc
+            return arr[selection] if isinstance(selection, slice) else arr.oindex[selection]
+
+        return self._guarded(field, read, lambda: self._bad_shard(field, home, n_samples, selection))
+
+    def _bad_shard(self, field: str, home: str, n_samples: int, selection: slice | np.ndarray) -> int:
+        """On a failed multi-shard read, find the shard that fails on its own (error path only)."""
+        spp = self.manifest.layout.samples_per_shard
+        if isinstance(selection, slice):
+            shards: Iterable[int] = range(selection.start // spp, -(-selection.stop // spp))
+        else:
+            shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
+        first = None
+        for shard in shards:
+            first = shard if first is None else first
+            try:
+                self.array(field, home, n_samples)[shard * spp:min((shard + 1) * spp, len(self))]
+            except Exception:  # noqa: BLE001 - the failing one is what we are looking for
+                return shard
+        return first or 0
 
     def read_tokens(self, field: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Stored token rows of a per-token array for samples given by (``token_start``,
@@ -328,19 +387,8 @@ class Version:
         """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard`` (in a base's
         folder for an incremental version's inherited shard); damage is a :class:`CorruptChunk`
         naming that shard."""
-        spp = self.manifest.layout.samples_per_shard
-        home, n = next(((h, n) for a, b, h, n in self.homes() if a <= shard * spp < b), (self.data_key, len(self)))
-        try:
-            return self.array(field, home, n)[lo:hi]
-        except FeatstoreError:
-            raise
-        except (ConnectionError, TimeoutError, PermissionError) as exc:
-            raise StoreUnavailable(f"reading {self.ref}/{field} failed: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise plain errors on bad bytes
-            if self.was_deleted():
-                raise deleted_while_reading(self.ref) from exc
-            raise CorruptChunk.damaged(self.ref, field, self.chunk_key(field, shard),
-                                       f"failed to decode ({type(exc).__name__}: {exc})") from exc
+        home, n = self._home(shard)
+        return self._guarded(field, lambda: self.array(field, home, n)[lo:hi], lambda: shard)
 
     def token_span(self, shard: int) -> tuple[int, int]:
         """The token rows ``[lo, hi)`` shard ``shard`` stores in each per-token array."""
@@ -348,33 +396,6 @@ class Version:
         lengths = self.read_rows(TOKEN_LENGTH, start, stop)
         per_shard = next(a.tokens[0] for a in self.manifest.arrays.values() if a.ragged)
         return shard * per_shard, shard * per_shard + int(lengths.sum(dtype=np.int64))
-
-    def was_deleted(self) -> bool:
-        """Whether this version's manifest is gone (``store.delete`` removes it before the data).
-        Asked on error paths only, through a storage of this process's own."""
-        return not self.storage.reopen().exists(f"{self.key}/{MANIFEST}")
-
-    def _bad_shard(self, field: str, selection: Any, first_row: int) -> int:
-        """On a failed multi-shard read, find the shard that fails on its own (error path only)."""
-        spp = self.manifest.layout.samples_per_shard
-        if isinstance(selection, slice):
-            shards = range(selection.start // spp, -(-selection.stop // spp))
-        else:
-            shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
-        for shard in shards:
-            home = next(key for lo, hi, key, n in self.homes() if lo <= shard * spp < hi)
-            n = next(n for lo, hi, key, n in self.homes() if key == home)
-            try:
-                self.array(field, home, n)[shard * spp:min((shard + 1) * spp, len(self))]
-            except Exception:  # noqa: BLE001 - the failing one is what we are looking for
-                return shard
-        return first_row // spp
-
-    def chunk_key(self, field: str, shard: int) -> str:
-        """The key of shard ``shard`` of ``field`` inside the version (one object per shard;
-        under ``_views/<v>/`` when this object reads a view)."""
-        key = chunk_key(field, shard, len(self.manifest.arrays[field].shape))
-        return key if self._view is None else f"{view_path(self._view)}/{key}"
 
     def decode(self, field: str, stored: np.ndarray) -> torch.Tensor:
         """Stored values -> the tensor a reader gets (see :mod:`featstore.codecs`)."""
@@ -404,15 +425,13 @@ class Version:
             if step != 1:
                 return self[np.arange(start, stop, step)]
             rows = np.arange(start, max(start, stop))
-            stored = {f: self._read(f, slice(start, stop), start)
-                      for f, a in self.manifest.arrays.items() if not a.ragged}
+            selection: slice | np.ndarray = slice(start, stop)
         else:
             rows = np.asarray(index, dtype=np.int64).reshape(-1)
             if rows.size and (rows.min() < -n or rows.max() >= n):
                 raise IndexError(f"indices out of range for {n} samples")
-            rows = np.where(rows < 0, rows + n, rows)
-            first = int(rows.min()) if rows.size else 0
-            stored = {f: self._read(f, rows, first) for f, a in self.manifest.arrays.items() if not a.ragged}
+            rows = selection = np.where(rows < 0, rows + n, rows)
+        stored = {f: self._read(f, selection) for f, a in self.manifest.arrays.items() if not a.ragged}
         out = {f: self.decode(f, v) for f, v in stored.items() if f not in TOKEN_FIELDS}
         out.update(self._ragged(stored))
         out["index"] = torch.from_numpy(rows.astype(np.int64))
@@ -430,22 +449,15 @@ class Version:
             out[f"{name}.{OFFSETS}"] = torch.from_numpy(offsets(lengths))
         return out
 
-    def load(self) -> dict[str, torch.Tensor]:
-        """The whole version in RAM as tensors (the classic in-memory cache, from the store)."""
-        return self[0:len(self)]
 
-    def verify(self, progress: bool = False) -> list[str]:
-        """Check every stored shard against its compute-time digest; see :func:`verify_version`."""
-        return verify_version(self, progress)
-
-
-def verify_version(version: Version, progress: bool = False) -> list[str]:
+def verify_version(version: StoredVersion | HasStoredVersion, progress: bool = False) -> list[str]:
     """Read every shard of every array and compare it with the digest recorded at compute
     time; return one line per bad shard (empty when the version is intact).
 
     >>> verify_version(store.open("cnn-a/train"))
     []
     """
+    version = stored(version)
     problems = []
     try:
         receipts = version.shard_receipts()

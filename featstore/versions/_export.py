@@ -25,10 +25,11 @@ import zarr
 
 from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
 from featstore.format._arrays import consolidate, consolidated_groups
+from featstore.format._shard_decoder import ChunkRef
 from featstore.format._keys import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
 from featstore.codecs._ragged import TOKEN_LENGTH
 from featstore.storage import Storage
-from featstore.versions._committed import Version
+from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored
 from featstore.versions._keys import IO_THREADS
 
 GROUP_META = {"zarr_format": 3, "node_type": "group"}
@@ -45,8 +46,9 @@ class Exported:
     shards_checked: int
 
 
-def export_version(version: Version, url: str, storage_options: dict[str, Any] | None = None, *,
-                   verify: bool = True, progress: Callable[[int, int], None] | None = None) -> Exported:
+def export_version(version: StoredVersion | HasStoredVersion, url: str,
+                   storage_options: dict[str, Any] | None = None, *, verify: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> Exported:
     """Write ``version`` to ``url`` (a new or empty folder, any fsspec URL) as a standard,
     self-contained Zarr v3 group.
 
@@ -56,6 +58,7 @@ def export_version(version: Version, url: str, storage_options: dict[str, Any] |
 
     ``progress(done, total)`` is called as shard objects are copied.
     """
+    version = stored(version)
     dest = Storage(url, storage_options)
     if dest.find(""):
         raise StoreConflict(f"{dest.url} is not empty: export into a new folder.")
@@ -65,7 +68,7 @@ def export_version(version: Version, url: str, storage_options: dict[str, Any] |
     dest.write_bytes("zarr.json", _json({**GROUP_META, "attributes": attributes}))
     if version.views is not None:
         dest.write_bytes(f"{VIEWS_GROUP}/zarr.json", _json({**GROUP_META, "attributes": {}}))
-    copies: list[tuple[Version, str, str]] = []
+    copies: list[tuple[StoredVersion, str, str]] = []
     for view in groups:
         source = version if view is None else version.view(view)
         prefix = "" if view is None else f"{view_path(view)}/"
@@ -87,7 +90,7 @@ def _json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True).encode()
 
 
-def _array_metadata(version: Version, source: Version, field: str) -> dict[str, Any]:
+def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -> dict[str, Any]:
     """The array's ``zarr.json`` with the default chunk key encoding, as Zarr must see it."""
     key = f"{source.data_key}/{field}/zarr.json"
     raw = version.storage.read_bytes(key, metadata=True)
@@ -102,19 +105,18 @@ def _shard_rows(meta: dict[str, Any]) -> int:
     return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
 
 
-def _copy_objects(version: Version, dest: Storage, copies: list[tuple[Version, str, str]],
+def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[StoredVersion, str, str]],
                   progress: Callable[[int, int], None] | None) -> int:
     """Copy every shard object from wherever it lies (its folder, a parent's, a spread prefix)
     to its default key in ``dest``, concurrently; the bytes copied."""
     storage = version.storage.reopen()
 
-    def copy(item: tuple[Version, str, str]) -> int:
+    def copy(item: tuple[StoredVersion, str, str]) -> int:
         source, field, key = item
         shard = int(key.split("/c/", 1)[1].split("/", 1)[0])
         data = storage.read_bytes(source.object_key(field, shard))
         if not data:
-            raise CorruptChunk.damaged(version.ref, field, source.chunk_key(field, shard),
-                                       "is missing" if data is None else "is empty")
+            raise missing_data_error(version, ChunkRef(version.ref, field, source.chunk_key(field, shard)), data)
         dest.write_bytes(key, data)
         return len(data)
 
@@ -127,7 +129,7 @@ def _copy_objects(version: Version, dest: Storage, copies: list[tuple[Version, s
     return total
 
 
-def verify_export(version: Version, dest: Storage) -> int:
+def verify_export(version: StoredVersion, dest: Storage) -> int:
     """Read an export back with plain zarr and compare every shard of every array with the
     digest recorded at compute time; return the number of shards checked, or raise
     :class:`CorruptChunk` naming the first that differs."""

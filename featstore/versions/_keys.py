@@ -6,25 +6,20 @@ lie under the store root (the layout is in :mod:`featstore.versions`' docstring)
 from __future__ import annotations
 
 import hashlib
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_folder, spread_key, view_path
 from featstore._allowed_names import check_name, check_tag, check_version_id
 from featstore.storage import Storage
-from featstore._lazy import lazy_module
 
 if TYPE_CHECKING:
     import zarr.abc.store
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-log = logging.getLogger("featstore")
-
 
 MANIFEST = "manifest.json"
 PENDING = "_pending.json"
-#: Written by ``gc`` while it deletes an uncommitted version folder (see :meth:`Catalog.gc`).
+#: Written by ``gc`` while it deletes an uncommitted version folder (see :meth:`Commits.delete_uncommitted`).
 GC_MARK = "_gc.json"
 RECEIPTS = "_receipts"
 RECORDS = "_records"

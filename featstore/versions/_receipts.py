@@ -6,7 +6,6 @@ schema 2: what a resume and the commit read to know which shards are done.
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,13 +16,9 @@ from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ShardRece
                                          encode_records)
 from featstore.format._objects import ReceiptRun
 from featstore.storage import Storage
-from featstore._lazy import lazy_module
 
 
 from featstore.versions._keys import IO_THREADS, RECEIPTS, RECORDS, RUN_EVERY, receipt_key
-
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-log = logging.getLogger("featstore")
 
 
 # -- receipts ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from featstore import ComputeOptions, InvalidInput, Tokens, kd
 from featstore.format._shard_decoder import shard_format, shard_index
 from featstore.ragged import RaggedRows, RaggedWindow, attention_mask, gather_rows, offsets, pack, padded, token_layout
 from featstore.ragged import pad_sequences as pad_tokens
+from featstore.versions import stored
 
 from tests.models import TinyLM, TokenSeqs, drop_a_token
 
@@ -64,7 +65,7 @@ def test_only_real_tokens_are_stored_and_plain_zarr_reads_them(local_store):
     v = _compute(local_store)
     spec = v.manifest.arrays["logits"]
     assert spec.ragged and spec.shape == (VOCAB,)
-    g = zarr.open_group(v.storage.path(v.key), mode="r")
+    g = zarr.open_group(stored(v).storage.path(stored(v).key), mode="r")
     start, length = g["token_start"][:], g["token_length"][:]
     lengths = [len(TokenSeqs(N)[i]["input"]) for i in range(N)]
     assert length.tolist() == lengths
@@ -75,12 +76,12 @@ def test_only_real_tokens_are_stored_and_plain_zarr_reads_them(local_store):
     torch.testing.assert_close(got, flat, atol=0.02, rtol=0.01)
     # each shard object holds only the chunks that cover its samples' tokens
     per_shard, chunk = spec.tokens
-    fmt = shard_format(v.array("logits"))
+    fmt = shard_format(stored(v).array("logits"))
     for s, (a, b) in enumerate(v.manifest.layout.shard_range(i) for i in range(v.manifest.layout.n_shards)):
-        raw = (v.storage.path(v.key) + f"/logits/c/{s}/0")
+        raw = (stored(v).storage.path(stored(v).key) + f"/logits/c/{s}/0")
         index = shard_index(open(raw, "rb").read(), fmt)
-        stored = int((index[:, 0] != np.uint64(2**64 - 1)).sum())
-        assert stored == -(-int(length[a:b].sum()) // chunk)
+        kept = int((index[:, 0] != np.uint64(2**64 - 1)).sum())
+        assert kept == -(-int(length[a:b].sum()) // chunk)
         assert start[a] == s * per_shard
 
 
@@ -158,7 +159,7 @@ def _check_draws(got, flat, draws: int) -> None:
 
 def test_a_flipped_byte_in_a_token_shard_is_found_by_verify_and_the_reader(local_store):
     v = _compute(local_store)
-    path = v.storage.path(v.key) + "/logits/c/1/0"
+    path = stored(v).storage.path(stored(v).key) + "/logits/c/1/0"
     data = bytearray(open(path, "rb").read())
     data[100] ^= 0x10
     open(path, "wb").write(bytes(data))

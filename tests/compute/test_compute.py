@@ -14,6 +14,7 @@ import zarr
 import featstore
 from featstore import ComputeOptions, InvalidInput, VersionNotFound
 from featstore.compute._driver import choose_layout
+from featstore.versions import stored
 
 from tests.models import CountingA, TinyA, VectorData, assert_close_across_processes
 from tests.servers import ALL_STORES
@@ -91,7 +92,7 @@ def test_compression_choice_is_recorded_and_reads_back_exactly(store, dask_clien
         want = compression if compression != "auto" else codecs.choose_compression(
             "auto", codecs.zstd_saving(first[name]), local=store.storage.is_local)
         assert spec.compression == want, name
-        chain = [c.__class__.__name__ for c in v.array(name).metadata.codecs[0].codecs]
+        chain = [c.__class__.__name__ for c in stored(v).array(name).metadata.codecs[0].codecs]
         assert chain == (["BytesCodec", "ZstdCodec", "Crc32cCodec"] if want == "zstd"
                          else ["BytesCodec", "Crc32cCodec"])
     assert v.manifest.arrays["target"].compression == ("none" if compression == "none" else "zstd")
@@ -176,15 +177,15 @@ def test_tags_listing_delete(store, dask_client):
 
 def test_uncommitted_version_is_invisible(local_store, dask_client):
     v = compute(local_store, dask_client)
-    manifest = local_store.storage.read_bytes(f"{v.key}/manifest.json")
-    local_store.storage.delete(f"{v.key}/manifest.json")  # as if the commit never happened
+    manifest = local_store.storage.read_bytes(f"{stored(v).key}/manifest.json")
+    local_store.storage.delete(f"{stored(v).key}/manifest.json")  # as if the commit never happened
     assert local_store.versions("tiny/train") == []
     with pytest.raises(VersionNotFound):
         local_store.open("tiny/train")
     with pytest.raises(VersionNotFound):
         local_store.dataset("tiny/train")
     assert local_store.names() == []
-    local_store.storage.write_bytes(f"{v.key}/manifest.json", manifest)
+    local_store.storage.write_bytes(f"{stored(v).key}/manifest.json", manifest)
     assert local_store.open("tiny/train") == v
 
 
@@ -208,7 +209,7 @@ def test_manifest_records_layout_and_libraries(local_store, dask_client):
     assert {"torch", "zarr", "dask", "featstore"} <= set(m.libraries)
     assert m.fingerprint_parts["outputs"] == OUTPUTS
     assert m.fingerprint_parts["dataset"]["length"] == 300
-    shards = v.shard_receipts()
+    shards = stored(v).shard_receipts()
     assert m.shards is None and m.schema_version == 2  # per-shard records live outside the manifest
     assert len(shards) == 5 and all(set(s.digests) == {"features", "logits", "target"} for s in shards)
     assert m.timings["shards_computed"] == 5
@@ -278,7 +279,8 @@ def test_allocator_setting_is_scoped_and_changes_no_value(local_store, dask_clie
     a = compute(local_store, dask_client, name="tiny/tuned", data=data)
     b = compute(featstore.open_store(local_store.storage.url + "-plain"), dask_client, name="tiny/tuned",
                 data=data, options=ComputeOptions(progress=False, tune_allocator=False))
-    assert a.id == b.id and [s.digests for s in a.shard_receipts()] == [s.digests for s in b.shard_receipts()]
+    assert a.id == b.id
+    assert [s.digests for s in stored(a).shard_receipts()] == [s.digests for s in stored(b).shard_receipts()]
 
 
 def test_allocator_leaves_a_warmed_up_heap():

@@ -13,6 +13,7 @@ import zarr
 from torch.utils.data import DataLoader
 
 from featstore import ComputeOptions, DatasetMismatch, InvalidInput
+from featstore.versions import stored
 
 from tests.models import GrowingData, Tile, TinyA
 from tests.servers import ALL_STORES
@@ -56,7 +57,7 @@ def test_extends_computes_only_new_samples_and_shares_the_parent_shards(store, d
     # Only the parent's partial shard and the new ones were computed; no parent shard was copied:
     # every array's folder holds exactly shards 3-5 (1-D arrays too, whose keys end in /c/N).
     assert m.timings["shards_computed"] == 6 - 3 and child.id != parent.id
-    assert shards_in(store, child.key) == {a: {3, 4, 5} for a in m.arrays}
+    assert shards_in(store, stored(child).key) == {a: {3, 4, 5} for a in m.arrays}
     got, want = child.load(), parent.load()
     for k in want:  # the shared range is the parent's stored bytes
         torch.testing.assert_close(got[k][:96], want[k][:96], rtol=0, atol=0)
@@ -84,7 +85,7 @@ def test_deleting_or_gcing_the_parent_never_breaks_the_child(store, dask_client)
     store.delete(parent)
     # A leftover of a killed writer beside a committed version: the one thing gc may remove (and
     # must: so its answer cannot be right by being empty). The parent's shards the others read stay.
-    leftover = f"{grandchild.key}/features/c/0/.0.partial"
+    leftover = f"{stored(grandchild).key}/features/c/0/.0.partial"
     store.storage.write_bytes(leftover, b"half a shard")
     assert store.gc(older_than=0) == [leftover]
     assert [v.id for v in store.versions("grow/set")] == [child.id, grandchild.id]
@@ -108,9 +109,9 @@ def test_plain_zarr_never_reads_a_childs_inherited_shards_as_zeros(local_store, 
     child = run(local_store, 170, dask_client, extends=parent.ref)
     # the parent is a whole Zarr group; the child's folder lacks the inherited shards, so its
     # arrays declare a chunk key encoding plain Zarr refuses, instead of reading those as zeros
-    plain = zarr.open_group(parent.storage.zarr_store(parent.key, read_only=True), mode="r")
-    np.testing.assert_array_equal(plain["features"][:], parent.read_rows("features", 0, 100))
-    folder = zarr.open_group(child.storage.zarr_store(child.key, read_only=True), mode="r")
+    plain = zarr.open_group(stored(parent).storage.zarr_store(stored(parent).key, read_only=True), mode="r")
+    np.testing.assert_array_equal(plain["features"][:], stored(parent).read_rows("features", 0, 100))
+    folder = zarr.open_group(stored(child).storage.zarr_store(stored(child).key, read_only=True), mode="r")
     with pytest.raises(ValueError, match="chunk key encoding"):
         folder["features"][:]
     with pytest.raises(InvalidInput, match="extends"):
@@ -123,7 +124,7 @@ def test_deleting_the_child_keeps_a_committed_parent_whole(local_store, dask_cli
     child = run(local_store, 130, dask_client, extends=parent.ref)
     local_store.delete(child)
     assert local_store.open(parent.ref).verify() == []
-    assert objects_under(local_store, child.key) == []
+    assert objects_under(local_store, stored(child).key) == []
 
 
 def test_extends_refuses_a_dataset_that_does_not_start_with_the_parent(local_store, dask_client):
@@ -140,7 +141,7 @@ def test_extends_refuses_a_dataset_that_does_not_start_with_the_parent(local_sto
 def test_a_child_resumes_without_recomputing_the_parent(local_store, dask_client):
     parent = run(local_store, 96, dask_client)
     child = run(local_store, 160, dask_client, extends=parent.ref)
-    local_store.storage.delete(f"{child.key}/manifest.json")  # as if killed right before the commit
+    local_store.storage.delete(f"{stored(child).key}/manifest.json")  # as if killed right before the commit
     again = run(local_store, 160, dask_client, extends=parent.ref)
     assert again.id == child.id and again.manifest.timings["shards_computed"] == 0
     assert again.verify() == [] and np.array_equal(again.load()["features"], child.load()["features"])

@@ -20,6 +20,7 @@ import pytest
 import featstore
 from featstore import ComputeOptions
 from featstore.compute._shard_task import PROBE_ROWS
+from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
 from tests.servers import ALL_STORES, new_bucket
@@ -62,7 +63,7 @@ def kill_when(proc: subprocess.Popen, done: callable, at_least: int, extra_delay
 @pytest.fixture(scope="module")
 def clean_digests(tmp_path_factory, dask_client):
     v = compute(featstore.open_store(tmp_path_factory.mktemp("clean") / "s"), dask_client, VectorData(N))
-    return v.id, [s.digests for s in v.shard_receipts()], v.load()
+    return v.id, [s.digests for s in stored(v).shard_receipts()], v.load()
 
 
 def receipts_of(store) -> set[int]:
@@ -100,14 +101,14 @@ def test_sigkill_at_random_points_then_resume(backend, tmp_path, dask_client, cl
         # only the probe's first batch (shapes and compression) may be re-read
         assert set(read) & finished_rows <= set(range(min(16, PROBE_ROWS)))
         assert v.id == clean_id
-        assert [s.digests for s in v.shard_receipts()] == clean_shards  # bit-identical per shard
+        assert [s.digests for s in stored(v).shard_receipts()] == clean_shards  # bit-identical per shard
         assert v.verify() == []  # and the stored bytes match those digests
         if attempt == 0:
             got = v.load()
             for k in got:
                 np.testing.assert_array_equal(got[k].numpy(), clean_values[k].numpy())
         if attempt == 0:  # a killed writer's temp file, as zarr or featstore leaves one (S3 has none of its own)
-            store.storage.write_bytes(f"{v.key}/features/c/0/0.{os.getpid()}.partial", b"torn")
+            store.storage.write_bytes(f"{stored(v).key}/features/c/0/0.{os.getpid()}.partial", b"torn")
         partials = sorted(k for k in store.storage.find("") if ".partial" in k)
         assert partials or attempt > 0
         leftovers = store.gc(older_than=0)

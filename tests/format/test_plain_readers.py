@@ -21,6 +21,7 @@ from featstore import ComputeOptions, Tokens
 from featstore.cli._main import main
 from featstore.ragged import TOKEN_LENGTH, TOKEN_START, attention_mask, gather_rows
 from featstore.ragged import pad_sequences as pad_tokens
+from featstore.versions import stored
 
 from tests.augments import noisy_flip
 from tests.models import MULTI_OUTPUTS, GrowingData, MultiA, TinyA, TinyLM, TokenSeqs, VectorData
@@ -88,7 +89,8 @@ def _loudly(fn):
 
 def _featstore_batch(source, n):
     """Every sample in order, through featstore's own reader (its shard decoder, not zarr)."""
-    ds = source.dataset(batch_size=n, shuffle=False, **({} if source._view is None else {"view": source._view}))
+    view = stored(source)._view
+    ds = source.dataset(batch_size=n, shuffle=False, **({} if view is None else {"view": view}))
     return next(iter(ds))
 
 
@@ -103,7 +105,7 @@ def _as_batch(version, plain: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
             continue
         if spec[field].ragged:  # each sample's real tokens, sample after sample
             values = values[gather_rows(plain[TOKEN_START], plain[TOKEN_LENGTH])]
-        out[field] = version.decode(field, values)
+        out[field] = stored(version).decode(field, values)
     return assemble(spec, out)
 
 
@@ -114,7 +116,7 @@ def _check_reads_bit_for_bit(version, root: str) -> None:
             plain, said = _loudly(lambda r=reader, g=group: _read_all(r, root, g, version.manifest.arrays))
             assert said == [], (reader, said)
             for field, values in plain.items():  # the stored values themselves, dtype included
-                np.testing.assert_array_equal(values, source.read_rows(field, 0, len(values)), strict=True)
+                np.testing.assert_array_equal(values, stored(source).read_rows(field, 0, len(values)), strict=True)
             got = _as_batch(version, plain)
             for key, tensor in got.items():
                 assert torch.equal(tensor, want[key]), (reader, group, key)
@@ -153,8 +155,8 @@ def test_plain_readers_refuse_versions_whose_shards_lie_elsewhere_and_read_their
 def test_featstore_export_command_writes_a_standard_copy(versions, tmp_path, capsys):
     v = versions["views"]
     dest = tmp_path / "views.zarr"
-    assert main(["export", v.storage.url, v.ref, str(dest)]) == 0
+    assert main(["export", stored(v).storage.url, v.ref, str(dest)]) == 0
     assert f"exported {v.ref} to" in capsys.readouterr().out
     _check_reads_bit_for_bit(v, str(dest))
     assert zarr.open_group(str(dest), mode="r").attrs["featstore"]["exported_from"] == v.ref
-    assert main(["export", v.storage.url, v.ref, str(dest)]) == 6  # not an empty folder: a conflict
+    assert main(["export", stored(v).storage.url, v.ref, str(dest)]) == 6  # not an empty folder: a conflict

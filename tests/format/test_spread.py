@@ -17,6 +17,7 @@ from featstore import ComputeOptions, CorruptChunk, InvalidInput
 from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_key, spread_prefix
 from featstore.format._manifests import Layout, Manifest
 from featstore.versions._keys import receipt_key
+from featstore.versions import stored
 
 from tests.augments import noisy_flip
 from tests.models import GrowingData, TinyA, VectorData
@@ -38,7 +39,7 @@ def compute(store, name="sp/set", spread=SPREAD, data=None, **kw):
 
 def shard_objects(store, version) -> list[str]:
     """Store keys of every shard object of ``version``, wherever it lies."""
-    return [k for k in store.storage.find("") if logical_key(k).startswith(f"{version.key}/") and "/c/" in k]
+    return [k for k in store.storage.find("") if logical_key(k).startswith(f"{stored(version).key}/") and "/c/" in k]
 
 
 def prefixes(keys) -> Counter:
@@ -74,13 +75,13 @@ def test_layout_json_omits_spread_1_and_old_manifests_read_as_unspread():
 def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store, tmp_path):
     v = compute(store)
     plain = compute(featstore.open_store(tmp_path / "plain"), spread=None)
-    assert v.id == plain.id and v.spread == SPREAD and plain.spread == 1  # same fingerprint, same id
+    assert v.id == plain.id and stored(v).spread == SPREAD and stored(plain).spread == 1  # same fingerprint, same id
     objects = shard_objects(store, v)
     n_shards = v.manifest.layout.n_shards
     assert len(objects) == 3 * n_shards and all(k.startswith(f"{SPREAD_FOLDER}/") for k in objects)
     assert sorted(prefixes(objects).values()) == [3 * 1, 3 * 1, 3 * 2, 3 * 2]  # 6 shards on 4 prefixes
-    assert {k for k in store.storage.find(v.key) if "/c/" in k} == set()  # none left in the folder
-    assert store.storage.read_json(f"{v.key}/manifest.json")["layout"]["spread"] == SPREAD
+    assert {k for k in store.storage.find(stored(v).key) if "/c/" in k} == set()  # none left in the folder
+    assert store.storage.read_json(f"{stored(v).key}/manifest.json")["layout"]["spread"] == SPREAD
     got, want = v.load(), plain.load()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(v[10:40]["features"], want["features"][10:40])
@@ -89,21 +90,22 @@ def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store
     batches = list(store.open(v.ref).dataset(batch_size=10, shuffle=False))
     assert torch.equal(torch.cat([b["features"] for b in batches]), want["features"])
     group = zarr.open_group(v.zarr_store(), mode="r")  # plain Zarr, through the mapping store
-    np.testing.assert_array_equal(group["logits"][:], plain.read_rows("logits", 0, N))
+    np.testing.assert_array_equal(group["logits"][:], stored(plain).read_rows("logits", 0, N))
     assert sorted(group.array_keys()) == ["features", "logits", "target"]
     # Zarr opening the version's folder itself never reads the shards as fill values (zeros):
     # the arrays declare a chunk key encoding only featstore's mapping store understands
-    folder = zarr.open_group(v.storage.zarr_store(v.key, read_only=True), mode="r")
+    folder = zarr.open_group(stored(v).storage.zarr_store(stored(v).key, read_only=True), mode="r")
     with pytest.raises(ValueError, match="chunk key encoding"):
         folder["logits"][:]
-    meta = store.storage.read_json(f"{v.key}/logits/zarr.json")
+    meta = store.storage.read_json(f"{stored(v).key}/logits/zarr.json")
     assert meta["chunk_key_encoding"]["name"] == "featstore.mapped"
-    assert plain.storage.read_json(f"{plain.key}/logits/zarr.json")["chunk_key_encoding"]["name"] == "default"
+    meta = stored(plain).storage.read_json(f"{stored(plain).key}/logits/zarr.json")
+    assert meta["chunk_key_encoding"]["name"] == "default"
 
 
 def test_a_flipped_byte_in_a_spread_shard_is_detected(store):
     v = compute(store)
-    key = v.object_key("logits", 2)
+    key = stored(v).object_key("logits", 2)
     assert key.startswith(f"{SPREAD_FOLDER}/") and key in shard_objects(store, v)
     data = bytearray(store.storage.read_bytes(key))
     data[len(data) // 3] ^= 0x20
@@ -120,14 +122,14 @@ def test_resume_skips_finished_spread_shards_and_adopts_the_claimed_spread(store
     v = compute(store)
     want = v.load()
     st = store.storage
-    st.delete(f"{v.key}/manifest.json")  # killed before the commit...
+    st.delete(f"{stored(v).key}/manifest.json")  # killed before the commit...
     for shard in (4, 5):  # ...with shards 4 and 5 unfinished
-        st.delete(receipt_key(v.key, shard))
+        st.delete(receipt_key(stored(v).key, shard))
         for field in ("features", "logits", "target"):
-            st.delete(v.object_key(field, shard))
-    st.delete(v.object_key("features", 1))  # and shard 1's object gone (gc) though its receipt is there
+            st.delete(stored(v).object_key(field, shard))
+    st.delete(stored(v).object_key("features", 1))  # and shard 1's object gone (gc) though its receipt is there
     again = compute(store, spread=2)  # a resume adopts the claim's spread
-    assert again.spread == SPREAD and again.manifest.timings["shards_computed"] == 3
+    assert stored(again).spread == SPREAD and again.manifest.timings["shards_computed"] == 3
     assert again.verify() == [] and len(shard_objects(store, again)) == 3 * 6
     got = again.load()
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -137,14 +139,14 @@ def test_delete_and_gc_remove_spread_objects_and_never_a_live_versions(store):
     live = compute(store, name="sp/live")
     doomed = compute(store, name="sp/doomed", data=VectorData(48))
     abandoned = compute(store, name="sp/abandoned", data=VectorData(48))
-    store.storage.delete(f"{abandoned.key}/manifest.json")  # an interrupted compute, never committed
+    store.storage.delete(f"{stored(abandoned).key}/manifest.json")  # an interrupted compute, never committed
     assert store.gc(older_than=3600) == []  # too young: may still be resumed
     deleted = store.gc(older_than=0)
     assert any(k.startswith(f"{SPREAD_FOLDER}/") for k in deleted)
-    assert all(abandoned.key in logical_key(k) for k in deleted)
+    assert all(stored(abandoned).key in logical_key(k) for k in deleted)
     assert shard_objects(store, abandoned) == []
     store.delete(doomed)
-    assert shard_objects(store, doomed) == [] and store.storage.find(doomed.key) == []
+    assert shard_objects(store, doomed) == [] and store.storage.find(stored(doomed).key) == []
     assert len(shard_objects(store, live)) == 3 * 6 and store.open(live.ref).verify() == []
     assert store.gc(older_than=0) == []
 
@@ -157,8 +159,9 @@ def test_extends_a_spread_parent(store):
                       batch_size=16, options=options(spread=2), extends=parent)
     child = store.compute("sp/grow", model=TinyA(), dataset=GrowingData(96), keep=["target"], outputs=OUT,
                           batch_size=16, options=options(spread=None), extends=parent)
-    assert child.spread == SPREAD and [b.id for b in child.manifest.bases] == [parent.id]
-    assert child.object_key("features", 0) == parent.object_key("features", 0)  # read in the parent's place
+    assert stored(child).spread == SPREAD and [b.id for b in child.manifest.bases] == [parent.id]
+    # read in the parent's place
+    assert stored(child).object_key("features", 0) == stored(parent).object_key("features", 0)
     assert prefixes(shard_objects(store, child)) and child.verify() == []
     want = parent.load()
     store.delete(parent)  # the child keeps the parent's spread shards alive
@@ -180,7 +183,7 @@ def test_views_of_a_spread_version(local_store, tmp_path):
         got, want = v.view(view).load(), plain.view(view).load()
         assert all(torch.equal(got[k], want[k]) for k in want)
         group = zarr.open_group(v.view(view).zarr_store(), mode="r")
-        np.testing.assert_array_equal(group["features"][:], plain.view(view).read_rows("features", 0, 64))
+        np.testing.assert_array_equal(group["features"][:], stored(plain.view(view)).read_rows("features", 0, 64))
     assert v.verify() == []
     local_store.delete(v)
     assert shard_objects(local_store, v) == []
@@ -188,8 +191,8 @@ def test_views_of_a_spread_version(local_store, tmp_path):
 
 def test_an_unspread_manifest_keeps_its_bytes(local_store):
     v = compute(local_store, spread=1)
-    stored = local_store.storage.read_json(f"{v.key}/manifest.json")
-    assert "spread" not in stored["layout"] and "spread" not in local_store.storage.read_json(
-        f"{v.key}/_pending.json")["layout"]
-    assert Manifest.from_json(stored).layout.spread == 1
+    written = local_store.storage.read_json(f"{stored(v).key}/manifest.json")
+    assert "spread" not in written["layout"] and "spread" not in local_store.storage.read_json(
+        f"{stored(v).key}/_pending.json")["layout"]
+    assert Manifest.from_json(written).layout.spread == 1
     assert not any(k.startswith(f"{SPREAD_FOLDER}/") for k in local_store.storage.find(""))

@@ -145,7 +145,7 @@ def test_teacher_bad_input_is_a_clear_error(stored):
     assert seen[0].filename == __file__  # the warning names the caller's line
     new = teacher(views=featstore.Views(k=2, augment=noisy_flip, seed=3))
     assert (old.view_count, old.view_augment, old.view_seed) == (new.view_count, new.view_augment, new.view_seed)
-    assert plan_teacher(store, "tiny/v", old).vid == plan_teacher(store, "tiny/v", new).vid
+    assert plan_teacher(store.catalog, "tiny/v", old).vid == plan_teacher(store.catalog, "tiny/v", new).vid
     if not torch.cuda.is_available():
         with pytest.raises(DeviceSetupError, match="CUDA"):
             store.dataset("tiny/ds", teacher=teacher(device="cuda"))

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
 from featstore.read._memory_cache import CacheOptions, SharedCache, sweep_stale
+from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
 
@@ -93,7 +94,7 @@ def own_copy(versions: _Versions, kind: str, tmp_path: Path) -> featstore.Versio
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=versions.endpoint)
-    src, prefix = v.storage.url[len("s3://"):].split("/", 1)
+    src, prefix = stored(v).storage.url[len("s3://"):].split("/", 1)
     dst = f"cache-copy-{uuid.uuid4().hex[:10]}"
     s3.create_bucket(Bucket=dst)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=src):
@@ -105,9 +106,9 @@ def own_copy(versions: _Versions, kind: str, tmp_path: Path) -> featstore.Versio
 def delete_shard_objects(v: featstore.Version) -> int:
     """Delete every stored shard object of ``v`` (local or S3); from then on only a cache can
     serve its batches. Returns how many were deleted."""
-    keys = [k for k in v.storage.find(v.key) if "/c/" in k[len(v.key):]]
-    v.storage.delete_many(keys)
-    assert not [k for k in v.storage.find(v.key) if "/c/" in k[len(v.key):]]
+    keys = [k for k in stored(v).storage.find(stored(v).key) if "/c/" in k[len(stored(v).key):]]
+    stored(v).storage.delete_many(keys)
+    assert not [k for k in stored(v).storage.find(stored(v).key) if "/c/" in k[len(stored(v).key):]]
     return len(keys)
 
 
@@ -199,7 +200,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
 def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_path):
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(src.storage.root, root)
+    shutil.copytree(stored(src).storage.root, root)
     v = featstore.open_store(root).open(f"c/ds@{src.id}")
     plain = v.dataset(batch_size=16, seed=2)
     plain.set_epoch(1)
@@ -210,7 +211,7 @@ def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_p
     folder = folder_of(ds)
     n_shards = -(-N // SPP)
     assert entries(folder) == sorted(f"{f}.{s}" for f in ("features", "logits", "target") for s in range(n_shards))
-    for chunks in Path(v.storage.path(v.key)).glob("*/c"):
+    for chunks in Path(stored(v).storage.path(stored(v).key)).glob("*/c"):
         shutil.rmtree(chunks)  # from now on, only the cache can serve
     ds.set_epoch(1)
     assert same(batches(ds, workers=2), want)  # new worker processes, other shards each
@@ -226,7 +227,7 @@ def test_compressed_objects_not_kept_mapped_once_cached(versions, tmp_path):
     assert same(batches(ds), want)  # decoded and inserted
     ds.set_epoch(0)
     assert same(batches(ds), want)  # served from the cache
-    folder = os.path.realpath(v.storage.path(v.key))
+    folder = os.path.realpath(stored(v).storage.path(stored(v).key))
     with open("/proc/self/maps") as f:
         mapped = [ln for ln in f if folder in ln]
     assert mapped == []
@@ -258,7 +259,7 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(src.storage.root, root)
+    shutil.copytree(stored(src).storage.root, root)
     v = featstore.open_store(root).open(f"c/ds@{src.id}")
     plain = {k: v for k, v in RANK_OPTIONS.items() if not k.startswith("cache")}
     want, shards = {}, {}
@@ -293,14 +294,14 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
 def private_copy(v, tmp_path: Path) -> featstore.Version:
     """The version in a store of its own: a cache folder no other test (or this process) uses."""
-    shutil.copytree(v.storage.root, tmp_path / "store")
+    shutil.copytree(stored(v).storage.root, tmp_path / "store")
     return featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
 
 
 @pytest.mark.parametrize("mode", ["normal", "kill-worker"])
 def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(v.storage.root, f"c/ds@{v.id}", mode)
+    proc = child(stored(v).storage.root, f"c/ds@{v.id}", mode)
     folder = Path(proc.stdout.readline().strip())
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
@@ -314,7 +315,7 @@ def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
 
 def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(v.storage.root, f"c/ds@{v.id}", "hang")
+    proc = child(stored(v).storage.root, f"c/ds@{v.id}", "hang")
     folder = Path(proc.stdout.readline().strip())
     assert proc.stdout.readline().startswith("samples") and proc.stdout.readline().strip() == "ready"
     assert entries(folder)  # decoded shards in shared memory
@@ -346,11 +347,11 @@ def flip(path: Path, at: float = 0.3) -> None:
 
 def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
     src = versions["raw"]
-    shutil.copytree(src.storage.root, tmp_path / "store")
+    shutil.copytree(stored(src).storage.root, tmp_path / "store")
     store = featstore.open_store(tmp_path / "store")
     v = store.open(f"c/ds@{src.id}")
     assert v.manifest.arrays["logits"].compression == "none"
-    flip(Path(v.storage.path(v.key)) / "logits" / "c" / "4" / "0")
+    flip(Path(stored(v).storage.path(stored(v).key)) / "logits" / "c" / "4" / "0")
     with pytest.raises(CorruptChunk, match="logits/c/4/0"):
         list(v.dataset(batch_size=16, fields=("logits",)))
     with pytest.raises(CorruptChunk, match="logits/c/4/0"):
@@ -363,7 +364,7 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
     import featstore.format._shard_decoder as fmt
 
     src = versions["raw"]
-    shutil.copytree(src.storage.root, tmp_path / "store")
+    shutil.copytree(stored(src).storage.root, tmp_path / "store")
     v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
     checks: list[str] = []
     real = fmt._check_crc
@@ -378,7 +379,7 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
     # epoch 1: every chunk of every shard checked once (not only the shard indices); epoch 2: none
     n_chunks = sum(-(-(b - a) // 16) for a, b in map(v.manifest.layout.shard_range, range(v.manifest.layout.n_shards)))
     assert len(first_chunks) == n_chunks and chunk_checks == [] and len(second) == len(first)
-    obj = Path(v.storage.path(v.key)) / "logits" / "c" / "4" / "0"
+    obj = Path(stored(v).storage.path(stored(v).key)) / "logits" / "c" / "4" / "0"
     data = bytearray(obj.read_bytes())
     data[int(len(data) * 0.3)] ^= 0x08
     tmp = obj.with_name("0.new")
@@ -391,9 +392,9 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
 
 def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
     src = versions["zstd"]
-    shutil.copytree(src.storage.root, tmp_path / "store")
+    shutil.copytree(stored(src).storage.root, tmp_path / "store")
     v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
-    flip(Path(v.storage.path(v.key)) / "features" / "c" / "3" / "0", at=0.5)
+    flip(Path(stored(v).storage.path(stored(v).key)) / "features" / "c" / "3" / "0", at=0.5)
     ds = v.dataset(batch_size=16, cache="memory", cache_bytes=2**24)
     for _ in range(2):  # the second time too: nothing bad was kept
         with pytest.raises(CorruptChunk, match="features/c/3/0"):
@@ -485,9 +486,9 @@ def test_arena_slots_are_let_go_after_an_epoch_an_abandoned_one_and_an_error(ver
     assert _held_slots() > 0  # the windows in flight hold theirs
     it.close()
     assert _held_slots() == 0
-    shutil.copytree(v.storage.root, tmp_path / "store")
+    shutil.copytree(stored(v).storage.root, tmp_path / "store")
     bad = featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
-    flip(Path(bad.storage.path(bad.key)) / "features" / "c" / "7" / "0")
+    flip(Path(stored(bad).storage.path(stored(bad).key)) / "features" / "c" / "7" / "0")
     with pytest.raises(CorruptChunk, match="features/c/7/0"):
         list(bad.dataset(batch_size=16, seed=1))
     assert _held_slots() == 0

@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from featstore import ComputeOptions, InvalidInput
+from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
 
@@ -213,7 +214,7 @@ def test_fork_workers_after_parent_used_obstore(versions):
     ds = v.dataset(batch_size=40, seed=5)
     storage = ds._proc.storage
     assert storage._s3_getter() is not None or not s3get.usable()  # obstore in this process
-    key = v.object_key("logits", 0)
+    key = stored(v).object_key("logits", 0)
     assert storage.read_bytes(key)  # the runtime is started now (or was already)
     assert s3get._STARTED_IN is not None or not s3get.usable()
     expected = v.load()

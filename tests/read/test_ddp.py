@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions
+from featstore.versions import stored
 
 from tests.ddp_child import run
 from tests.models import TinyA, VectorData
@@ -76,7 +77,7 @@ def test_dataloader_matrix_on_s3(s3_version, workers, context, parent_used_s3):
         pytest.skip(f"this platform has no {context!r} start method ({multiprocessing.get_all_start_methods()})")
     s3_version, expected = s3_version
     # A fresh Version object each time: the "parent did not use S3" case must really not have.
-    version = featstore.open_store(s3_version.storage.url, s3_version.storage._options).open(
+    version = featstore.open_store(stored(s3_version).storage.url, stored(s3_version).storage._options).open(
         f"dl/s3@{s3_version.id}")
     if parent_used_s3:
         assert torch.equal(version.load()["features"], expected["features"])

@@ -29,6 +29,7 @@ from featstore.read._disk_cache import DiskCache, DiskCacheOptions, list_disk_ca
 from featstore.read._disk_tier import entry_name, scope_identity
 
 from featstore.testing import FaultProxy, Rule, wait_until
+from featstore.versions import StoredVersion, stored
 from tests.models import TinyA, VectorData
 
 N, SPP = 333, 32  # 11 shards x 3 arrays: zstd float16 features, raw float32 logits, zstd int64 target
@@ -45,7 +46,7 @@ def remote(dask_client, moto_endpoint):
         "d/ds", model=TinyA(), dataset=VectorData(N), keep=["target"], client=dask_client,
         outputs={"features": "float16", "logits": "float32"}, samples_per_shard=SPP, batch_size=32,
         options=ComputeOptions(progress=False, chunk_rows=16))
-    keys = [v.object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
+    keys = [stored(v).object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
     proxy = FaultProxy(moto_endpoint).start()
     yield url, proxy, v, keys
     proxy.stop()
@@ -69,7 +70,7 @@ def gets(proxy: FaultProxy, keys: list[str]) -> dict[str, int]:
 
 def sizes(remote) -> dict[str, int]:
     url, _, v, keys = remote
-    s = v.storage
+    s = stored(v).storage
     return {k: s.fs.size(s.path(k)) for k in keys}
 
 
@@ -176,7 +177,7 @@ def test_damaged_or_torn_entries_are_fetched_again_never_served(remote, tmp_path
     ref = batches(store(remote).dataset(v.ref, batch_size=16, seed=3))
     assert same(batches(ds), ref)
     folder = Path(ds._disk_objects().cache.folder)
-    flipped, torn, forged = (v.object_key("logits", 1), v.object_key("target", 2), v.object_key("features", 3))
+    flipped, torn, forged = (stored(v).object_key(f, s) for f, s in (("logits", 1), ("target", 2), ("features", 3)))
     with open(folder / entry_name(flipped), "r+b") as f:
         f.seek(5)
         b = f.read(1)
@@ -204,7 +205,7 @@ def test_a_reader_killed_mid_fetch_leaves_the_cache_usable_and_counted(remote, t
     dead one did not keep, and the folder's count is its files' sizes, with no temporary left."""
     url, _, v, keys = remote
     stall = FaultProxy(moto_endpoint, stall=60).start()
-    victim = v.object_key("features", 4)
+    victim = stored(v).object_key("features", 4)
     stall.set_rules(Rule("timeout", ops=("GET",), path=re.escape(victim) + r"\?", times=None))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([sys.executable, "-m", "tests.diskcache_child", "fetch", url, stall.url, v.ref,
@@ -298,9 +299,9 @@ def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_
 
 def test_two_stores_two_versions_and_two_commits_never_share_a_scope(remote, tmp_path, moto_endpoint):
     _, proxy, v, _ = remote
-    here, there = store(remote).open(v.ref), store(remote, moto_endpoint).open(v.ref)
-    other = type(v)(v.storage, replace(v.manifest, id="0123456789abcdef"))
-    recommitted = type(v)(v.storage, replace(v.manifest, created_at="2000-01-01T00:00:00Z"))
+    here, there = stored(store(remote).open(v.ref)), stored(store(remote, moto_endpoint).open(v.ref))
+    other = StoredVersion(stored(v).storage, replace(v.manifest, id="0123456789abcdef"))
+    recommitted = StoredVersion(stored(v).storage, replace(v.manifest, created_at="2000-01-01T00:00:00Z"))
     ids = {scope_identity(x) for x in (here, there, other, recommitted)}
     assert len(ids) == 4
     for s in (store(remote), store(remote, moto_endpoint)):

@@ -16,6 +16,7 @@ import featstore
 from featstore import InvalidInput, VersionsMisaligned, kd
 from featstore.read import MultiTeacherDataset
 from featstore.format._keys import view_path
+from featstore.versions import stored
 
 from ..aligned import K, N, copy_to_s3, teacher_a, teacher_b
 from ..augments import noisy_flip
@@ -132,7 +133,7 @@ def test_the_source_is_joined_once_and_the_ensemble_distils(teams):
 def test_an_epoch_reads_each_teachers_bytes_of_one_view_no_more(teams, monkeypatch):
     store, a, b = teams["s3"]
     reads: Counter = Counter()
-    backend = type(a.storage)  # the S3 backend's own reads (Storage is the interface)
+    backend = type(stored(a).storage)  # the S3 backend's own reads (Storage is the interface)
     read_bytes, read_range = backend.read_bytes, backend.read_range
 
     def counted(got, key):  # the bytes of every shard object read, by object
@@ -156,7 +157,7 @@ def test_an_epoch_reads_each_teachers_bytes_of_one_view_no_more(teams, monkeypat
         assert v_view == view
         alone.update(got)
     assert multi == alone  # the same objects, the same bytes: each teacher's one view, once
-    assert {k for k in multi if a.key in k} and {k for k in multi if b.key in k}
+    assert {k for k in multi if stored(a).key in k} and {k for k in multi if stored(b).key in k}
     assert all(f"/{view_path(view)}/" in k for k in multi), sorted(multi)[:3]
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import featstore
 from featstore import ComputeFailed, ComputeOptions
-from featstore.versions._catalog import Catalog
+from featstore.versions._commits import Commits
 from featstore.versions._keys import split_version_key, version_key
 from featstore.versions._receipts import finished_shards, forget_receipts, read_receipts, write_receipt
 
@@ -109,7 +109,7 @@ def test_commit_refuses_arrays_another_writer_laid_out_otherwise(local_store, da
     stored layout against the manifest first, so nothing unreadable becomes visible."""
     kw = dict(model=TinyA(), dataset=VectorData(128), keep=["target"], outputs={"features": "float16"},
               batch_size=32, samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
-    real = Catalog.collect_receipts
+    real = Commits.collect_receipts
 
     def other_writer_first(self, name, vid, layout, *args, **kwargs):
         def sixteen(meta):  # the other claim's layout: 16-row shards and chunks
@@ -118,12 +118,12 @@ def test_commit_refuses_arrays_another_writer_laid_out_otherwise(local_store, da
         _rewrite_json(Path(self.storage.path(f"{version_key(name, vid)}/features/zarr.json")), sixteen)
         return real(self, name, vid, layout, *args, **kwargs)
 
-    monkeypatch.setattr(Catalog, "collect_receipts", other_writer_first)
+    monkeypatch.setattr(Commits, "collect_receipts", other_writer_first)
     with pytest.raises(ComputeFailed, match="do not match the layout this run computed") as err:
         local_store.compute("layout/set", **kw)
     assert "32 samples per shard" in str(err.value) and "[16, 8]" in str(err.value)
     assert local_store.versions("layout/set") == []
-    monkeypatch.setattr(Catalog, "collect_receipts", real)
+    monkeypatch.setattr(Commits, "collect_receipts", real)
     # What the message says: delete the uncommitted folder (no other compute runs), rerun.
     local_store.storage.delete(split_version_key(local_store.storage.find("layout/set")[0])[0], recursive=True)
     v = local_store.compute("layout/set", **kw)

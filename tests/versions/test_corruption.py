@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore import ComputeOptions, CorruptChunk
 from featstore.cli._main import main as cli
+from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
 
@@ -39,7 +40,7 @@ def damaged(pristine, tmp_path):
     shutil.copytree(root, tmp_path / "store")
     store = featstore.open_store(tmp_path / "store")
     v = store.open(f"c/set@{vid}")
-    return store, v, Path(v.storage.path(v.key))
+    return store, v, Path(stored(v).storage.path(stored(v).key))
 
 
 def shard_objects(base: Path) -> list[Path]:
@@ -92,7 +93,7 @@ def test_every_single_bit_flip_of_one_shard_object_is_detected(damaged, field):
     rel = next(f.relative_to(base).as_posix() for f in shard_objects(base) if f.relative_to(base).parts[0] == field)
     assert rel in (f"{field}/c/0", f"{field}/c/0/0")
     data = (base / rel).read_bytes()
-    fmt = shard_format(v.array(field))
+    fmt = shard_format(stored(v).array(field))
     assert fmt is not None and fmt.compressed == (v.manifest.arrays[field].compression != "none")
     ref = ChunkRef(v.ref, field, rel)
     assert _decode_error(data, fmt, 64, ref) is None  # the object as stored decodes
@@ -123,7 +124,7 @@ def test_random_bit_flips_over_every_object_are_detected(damaged):
         rel = f.relative_to(base).as_posix()
         field, shard = rel.split("/")[0], int(rel.split("/")[2])
         fresh = store.open(f"c/set@{v.id}")  # no cached decoded data
-        err = read_error(fresh.read_rows, field, shard * 64, shard * 64 + 64)
+        err = read_error(stored(fresh).read_rows, field, shard * 64, shard * 64 + 64)
         if not (isinstance(err, CorruptChunk) and err.array == field and err.chunk == rel and v.id in err.version
                 and rel in str(err) and "featstore verify" in str(err)):
             wrong.append(f"{rel} byte {pos} bit {bit}: {err!r}")
@@ -191,8 +192,8 @@ def test_bit_flips_through_dataloader_workers_s3(s3_url, pristine):
             store.storage.write_bytes(path.relative_to(root).as_posix(), path.read_bytes())
     v = store.open(f"c/set@{vid}")
     objects = {}
-    for key in store.storage.find(v.key):
-        rel = key[len(v.key) + 1:]
+    for key in store.storage.find(stored(v).key):
+        rel = key[len(stored(v).key) + 1:]
         if "/c/" in rel:
             objects[rel] = (lambda k=key: store.storage.read_bytes(k), lambda b, k=key: store.storage.write_bytes(k, b))
     assert len(objects) == 12
@@ -212,7 +213,7 @@ def test_missing_empty_or_truncated_object_raises(damaged, damage):
         target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])
     fresh = store.open(f"c/set@{v.id}")
     with pytest.raises(CorruptChunk, match="logits/c/2/0"):
-        fresh.read_rows("logits", 128, 192)
+        stored(fresh).read_rows("logits", 128, 192)
     with pytest.raises(CorruptChunk):
         fresh.load()
     with pytest.raises(CorruptChunk):  # and through DataLoader worker processes
@@ -229,7 +230,7 @@ def test_all_zero_shards_are_stored_and_their_loss_detected(tmp_path, dask_clien
     store = featstore.open_store(tmp_path / "store")
     v = store.compute("zeros", model=zero, dataset=VectorData(64), outputs={"z": "float32"},
                       samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
-    base = Path(v.storage.path(v.key))
+    base = Path(stored(v).storage.path(stored(v).key))
     assert len(shard_objects(base)) == 2  # written although equal to the fill value
     assert torch.equal(v.load()["z"], torch.zeros(64, 4))
     batches = list(v.dataset(batch_size=16))  # the reader's own shard decoder, too
@@ -266,7 +267,7 @@ def test_s3_bit_flip_detected(s3_url, dask_client):
                       options=ComputeOptions(progress=False))
     s3 = boto3.client("s3", endpoint_url=opts["endpoint_url"])
     bucket, prefix = url[5:].split("/", 1)
-    key = f"{prefix}/{v.key}/logits/c/1/0"
+    key = f"{prefix}/{stored(v).key}/logits/c/1/0"
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 3] ^= 0x04
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))

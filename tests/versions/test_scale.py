@@ -20,6 +20,7 @@ from featstore.versions._keys import version_key
 from featstore.versions._receipts import compact_receipts, finished_shards, read_receipts, write_receipt
 from featstore.compute._driver import choose_layout
 from featstore.compute._options import LOCAL_SHARD_BYTES, OBJECT_STORE_SHARD_BYTES, default_shard_bytes
+from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
 
@@ -91,7 +92,7 @@ def test_records_hold_every_shard_and_are_read_only_by_verify(tmp_path, monkeypa
     base = featstore.open_store(tmp_path / "store")
     m = synthetic_version(base, "scale/rec", 1010, samples_per_shard=4)
     store = counted(base.storage)
-    receipts = store.open(f"{m.name}@{m.id}").shard_receipts()
+    receipts = stored(store.open(f"{m.name}@{m.id}")).shard_receipts()
     assert [r.index for r in receipts] == list(range(m.layout.n_shards))
     assert receipts[-1].start == 4 * (m.layout.n_shards - 1) and set(receipts[7].stats) == set(m.arrays)
     assert len(store.storage.reads) == 1 + 2  # the manifest, then two records objects (concurrently)
@@ -129,15 +130,15 @@ def test_a_task_compacts_its_receipts_and_a_resume_reads_the_runs(local_store, m
               keep=["target"], outputs={"features": "float32", "logits": "float32"}, batch_size=8, samples_per_shard=8,
               options=featstore.ComputeOptions(progress=False, processes=False, n_workers=1))
     v = local_store.compute("scale/runs", **kw)
-    names = local_store.storage.list_dirs(f"{v.key}/_receipts")
+    names = local_store.storage.list_dirs(f"{stored(v).key}/_receipts")
     # Every 4 finished shards became one run; the last 2 stay alone.
     runs = [n for n in names if n.startswith("run-")]
     assert len(runs) == 2 and len(names) == 4, names
-    assert finished_shards(local_store.storage, v.key) == set(range(10))
-    local_store.storage.delete(f"{v.key}/manifest.json")  # killed right before the commit
+    assert finished_shards(local_store.storage, stored(v).key) == set(range(10))
+    local_store.storage.delete(f"{stored(v).key}/manifest.json")  # killed right before the commit
     again = local_store.compute("scale/runs", **kw)
     assert again.manifest.timings["shards_computed"] == 0 and again.verify() == []
-    assert [r.digests for r in again.shard_receipts()] == [r.digests for r in v.shard_receipts()]
+    assert [r.digests for r in stored(again).shard_receipts()] == [r.digests for r in stored(v).shard_receipts()]
 
 
 @pytest.mark.parametrize("local", [True, False])
@@ -166,9 +167,9 @@ def test_a_few_rows_of_a_big_shard_are_read_by_range(store, dask_client):
     ds = v.dataset(batch_size=8, shuffle=False)
     fmt = ds._shard_format("features")
     out = np.empty((10, 8), dtype=np.float32)
-    v.read_shard_rows(counting, "features", fmt, 1, 20, 30, out)  # chunks 1-1 of 8: by range
-    np.testing.assert_array_equal(out, v.read_rows("features", 148, 158))
+    stored(v).read_shard_rows(counting, "features", fmt, 1, 20, 30, out)  # chunks 1-1 of 8: by range
+    np.testing.assert_array_equal(out, stored(v).read_rows("features", 148, 158))
     assert counting.reads == [] and len(ranges) == 2 and ranges[0][1] is None  # index suffix, then the chunks
     assert ranges[1][1] - ranges[1][0] < 2 * 16 * 8 * 4 + 64  # about two chunks' bytes, not the shard
-    v.read_shard_rows(counting, "features", fmt, 1, 0, 128, np.empty((128, 8), dtype=np.float32))
+    stored(v).read_shard_rows(counting, "features", fmt, 1, 0, 128, np.empty((128, 8), dtype=np.float32))
     assert len(counting.reads) == 1  # most of the shard: one whole-object GET

@@ -16,6 +16,7 @@ from featstore.format._keys import view_path
 from featstore.versions._keys import receipt_key, view_key
 from featstore.versions._receipts import forget_receipts
 from featstore.versions._views import view_seed
+from featstore.versions import stored
 
 from tests.augments import CountingAugment, global_noise, noisy_flip
 from tests.models import CountingA, TinyA, VectorData
@@ -64,7 +65,7 @@ def epochs(ds, workers, epochs_, resume=None):
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_replay_reproduces_the_input_and_output_a_saw(versions, kind, workers):
     v = versions[kind]
-    assert v.views == K and len(v.shard_receipts()) == K * v.manifest.layout.n_shards
+    assert v.views == K and len(stored(v).shard_receipts()) == K * v.manifest.layout.n_shards
     data, model = VectorData(N), TinyA()
     # the join rebuilds, in DataLoader workers, the exact input Model A saw in a Dask worker
     ds = v.dataset(batch_size=16, seed=3, source=data, augment=noisy_flip, source_fields={"input": "input"})
@@ -181,7 +182,7 @@ def test_views_arguments_are_checked(local_store, dask_client):
 def test_resume_recomputes_only_missing_view_shard_units(tmp_path, dask_client):
     store = featstore.open_store(tmp_path / "store")
     first = compute(store, dask_client, model_id="tiny-a")  # the fingerprint covers A's code otherwise
-    vkey = first.key
+    vkey = stored(first).key
     # an interrupted run: no manifest, and two (view, shard) units without their receipts
     store.storage.delete(f"{vkey}/manifest.json")
     for view, shard in [(1, 2), (2, 0)]:
@@ -191,8 +192,8 @@ def test_resume_recomputes_only_missing_view_shard_units(tmp_path, dask_client):
     rows = [int(x) for x in log.read_text().split()]
     assert sum(rows) - rows[0] == (N - 2 * SPP) + SPP  # shard 2 holds N - 2*SPP rows, shard 0 SPP
     assert again.id == first.id and again.verify() == []
-    assert [(s.view, s.digests) for s in again.shard_receipts()] == [
-        (s.view, s.digests) for s in first.shard_receipts()]
+    assert [(s.view, s.digests) for s in stored(again).shard_receipts()] == [
+        (s.view, s.digests) for s in stored(first).shard_receipts()]
 
 
 def test_no_views_keeps_ids_and_batches(local_store, dask_client):
@@ -200,8 +201,8 @@ def test_no_views_keeps_ids_and_batches(local_store, dask_client):
     v = local_store.compute("tiny/plain", model=TinyA(), dataset=data, keep=["target"], outputs=OUT,
                             samples_per_shard=SPP, client=dask_client, options=ComputeOptions(progress=False))
     assert v.views is None and "views" not in v.manifest.fingerprint_parts
-    assert "views" not in v.manifest.to_json() and all(r.view is None for r in v.shard_receipts())
-    assert "view" not in local_store.storage.read_json(receipt_key(v.key, 0))  # receipts as before views
+    assert "views" not in v.manifest.to_json() and all(r.view is None for r in stored(v).shard_receipts())
+    assert "view" not in local_store.storage.read_json(receipt_key(stored(v).key, 0))  # receipts as before views
     with pytest.raises(InvalidInput, match="no views"):
         v.dataset(view=0)
     # the join without views: the item as it is, or freshly augmented per (seed, epoch, index)
@@ -237,8 +238,8 @@ def test_augment_calls_count_one_per_view_and_sample(tmp_path, dask_client):
 def test_verify_and_the_reader_name_a_damaged_view_shard(tmp_path, dask_client):
     store = featstore.open_store(tmp_path / "store")
     v = compute(store, dask_client)
-    bad = f"{view_path(1)}/{v.chunk_key('logits', 1)}"
-    path = tmp_path / "store" / v.key / bad
+    bad = f"{view_path(1)}/{stored(v).chunk_key('logits', 1)}"
+    path = tmp_path / "store" / stored(v).key / bad
     data = bytearray(path.read_bytes())
     data[10] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -287,13 +288,13 @@ def test_view_receipts_compact_into_runs_and_a_resume_reads_them(tmp_path, dask_
     monkeypatch.setattr(featstore.versions._receipts, "RUN_EVERY", 2)  # the driver folds receipts as tasks finish
     store = featstore.open_store(tmp_path / "store")
     first = compute(store, dask_client, model_id="tiny-a", shards_per_task=3)
-    runs = {view: [n for n in store.storage.list_dirs(f"{view_key(first.key, view)}/_receipts")
+    runs = {view: [n for n in store.storage.list_dirs(f"{view_key(stored(first).key, view)}/_receipts")
                    if n.startswith("run-")] for view in range(K)}
     assert all(names == ["run-000000-000002.json"] for names in runs.values()), runs  # one task per view
     view = next(v for v, names in runs.items() if names)
     shard = int(runs[view][0].split("-")[1])
-    store.storage.delete(f"{first.key}/manifest.json")
-    forget_receipts(store.storage, view_key(first.key, view), [shard])  # the run keeps the others
+    store.storage.delete(f"{stored(first).key}/manifest.json")
+    forget_receipts(store.storage, view_key(stored(first).key, view), [shard])  # the run keeps the others
     log = tmp_path / "forwards.log"
     again = compute(store, dask_client, model=CountingA(str(log)), model_id="tiny-a", shards_per_task=3)
     rows = [int(x) for x in log.read_text().split()]

@@ -1,6 +1,8 @@
-"""The lifecycle of a version being computed: :meth:`Lifecycle.claim` (create ``_pending.json``
-or join the run that did, create the arrays, find finished shards), the receipts the tasks
-write, :meth:`Lifecycle.commit` (durable data, then the manifest create-if-absent).
+"""The commit protocol of a store's versions (:class:`Commits`): claim a version folder (create
+``_pending.json`` or join the run that did, create the arrays, find finished shards), collect
+the receipts the tasks wrote, write the shard records, commit (durable data, then the manifest
+create-if-absent), which folders a child still reads (:meth:`Commits.live_refs`), and the
+mark ``gc`` leaves while it deletes an uncommitted folder (:meth:`Commits.delete_uncommitted`).
 """
 
 from __future__ import annotations
@@ -10,21 +12,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-
-from featstore.errors import (ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound)
+from featstore.errors import ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound
 from featstore.format._keys import chunk_key
 from featstore._json import canonical_json, load_json
 from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.format._objects import Pending, ref_json
-from featstore._lazy import lazy_module
-
-
-from featstore.versions._keys import (GC_MARK, MANIFEST, PENDING, RECEIPTS, group_store, ref_key,
+from featstore.format._objects import Pending, gc_mark_json, ref_json, ref_target
+from featstore.storage import Storage
+from featstore.versions._keys import (GC_MARK, MANIFEST, PENDING, RECEIPTS, REFS, group_store, ref_key,
                                       spread_homes, stored_objects, version_key, view_key)
 from featstore.versions._receipts import finished_shards, forget_receipts, read_many, read_receipts, write_records
-from featstore.versions._committed import Version
+from featstore.versions._committed import StoredVersion, read_manifest
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 log = logging.getLogger("featstore")
 
 
@@ -38,7 +36,7 @@ class Claim:
     done_views: frozenset[tuple[int, int]] = frozenset()  # finished (view, shard) units, with views
 
 
-def _sans_compression(specs: Any) -> Any:
+def _sans_compression(specs: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
     return {n: {k: v for k, v in a.items() if k != "compression"} for n, a in (specs or {}).items()}
 
 
@@ -47,10 +45,15 @@ def _shards_with_holes(vkey: str, arrays: Mapping[str, ArraySpec], shards: Itera
     return {i for i in shards for a, spec in arrays.items()
             if f"{vkey}/{chunk_key(a, i, len(spec.shape))}" not in have}
 
-class Lifecycle:
-    """The lifecycle of a version being computed, a part of :class:`Catalog`: claim the folder
-    (or join the run that did), collect the receipts, write the shard records, commit (durable
-    data, then the manifest create-if-absent, adopting an identical concurrent winner)."""
+
+@dataclass(frozen=True)
+class Commits:
+    """The commit protocol of the versions of one store (its :class:`~featstore.versions.Catalog`
+    holds one): what a compute run (or a filling reader) calls to claim a version folder and
+    commit it, and the handshakes with ``delete`` and ``gc`` that keep a commit from naming
+    data they remove."""
+
+    storage: Storage
 
     def claim(self, name: str, vid: str, layout: Layout, arrays: Mapping[str, ArraySpec],
               bases: Sequence[Base] = (), views: int | None = None) -> Claim:
@@ -171,7 +174,7 @@ class Lifecycle:
                                 f"{sorted(fields)}; delete {key}/{RECEIPTS} and rerun compute.")
         return write_records(self.storage, key, receipts, fields)
 
-    def commit(self, manifest: Manifest) -> Version:
+    def commit(self, manifest: Manifest) -> StoredVersion:
         """Make the version visible: its data durable first, then the manifest, created
         if absent. An identical concurrent run that committed first is adopted; a different
         manifest under the same id is a :class:`StoreConflict`.
@@ -199,10 +202,10 @@ class Lifecycle:
         try:
             self.storage.create_json(f"{key}/{MANIFEST}", manifest.to_json())
         except StoreConflict:
-            winner = self.read_manifest(manifest.name, manifest.id)
+            winner = read_manifest(self.storage, manifest.name, manifest.id)
             if winner is None or winner.fingerprint != manifest.fingerprint:
                 raise
-            return self._version(winner)  # an identical concurrent run committed first: adopt it
+            return StoredVersion(self.storage, winner)  # an identical concurrent run committed first: adopt it
         if self.storage.exists(f"{key}/{GC_MARK}"):
             self.storage.delete(f"{key}/{MANIFEST}")
             raise ComputeFailed(f"store.gc was deleting {manifest.name}@{manifest.id} while it was computed; "
@@ -213,7 +216,7 @@ class Lifecycle:
             self.storage.delete(f"{key}/{MANIFEST}")
             raise
         # _pending.json stays: deleting it would let a late concurrent run re-claim a committed folder.
-        return self._version(manifest)
+        return StoredVersion(self.storage, manifest)
 
     def _check_stored(self, manifest: Manifest) -> None:
         """Raise :class:`ComputeFailed` unless every object of ``manifest`` is on storage and
@@ -263,3 +266,36 @@ class Lifecycle:
             f"{len(missing)} objects of {manifest.name}@{manifest.id} were deleted while it was computed "
             f"({shown}), by store.gc or another process; nothing was committed. Rerun compute: the "
             "shards still stored are kept, the others are recomputed.")
+
+    # -- the handshakes with delete and gc ------------------------------------------------
+    def live_refs(self, vkey: str) -> list[str]:
+        """``name@id`` of every version that reads shards from folder ``vkey`` and still exists
+        (committed, or claimed by a compute that may still commit)."""
+        out = []
+        keys = [f"{vkey}/{REFS}/{e}" for e in self.storage.list_dirs(f"{vkey}/{REFS}") if e.endswith(".json")]
+        for key, data in read_many(self.storage, keys).items():
+            if data is None:
+                continue
+            name, vid = ref_target(load_json(data, self.storage.child_url(key)), self.storage.child_url(key))
+            if self.storage.exists(f"{version_key(name, vid)}/{PENDING}") or read_manifest(self.storage, name, vid):
+                out.append(f"{name}@{vid}")
+        return out
+
+    def delete_uncommitted(self, vkey: str, keys: list[str]) -> bool:
+        """Delete ``keys`` of one version folder unless it got committed meanwhile; whether they went.
+
+        The mark comes first, the look at the manifest second (:meth:`commit` does the reverse):
+        a commit that raced with this either saw the mark or is seen here.
+        """
+        if all(".partial" in k for k in keys):  # leftovers beside a committed version: no race
+            for key in keys:
+                self.storage.delete(key)
+            return True
+        self.storage.write_json(f"{vkey}/{GC_MARK}", gc_mark_json())
+        if self.storage.exists(f"{vkey}/{MANIFEST}"):
+            self.storage.delete(f"{vkey}/{GC_MARK}")
+            return False
+        for key in keys:
+            self.storage.delete(key)
+        self.storage.delete(f"{vkey}/{GC_MARK}")
+        return True
