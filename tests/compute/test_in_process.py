@@ -11,6 +11,7 @@ import torch
 
 import featstore
 from featstore import ComputeFailed, ComputeOptions, NonFiniteOutput, Views
+from featstore.versions import stored
 
 from ..augments import noisy_flip
 from ..models import TinyA, VectorData
@@ -22,7 +23,7 @@ ARGS = dict(keep=["target"], outputs={"features": "float16", "logits": "float32"
 
 def stored_objects(version) -> dict[str, bytes]:
     """Every object of the version's folder but its manifest (which records times), by path."""
-    root = pathlib.Path(version.storage.root) / version.key
+    root = pathlib.Path(stored(version).storage.root) / stored(version).key
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != "manifest.json"}
 
@@ -47,8 +48,8 @@ def test_in_process_writes_the_version_dask_writes(tmp_path, dask_client, views,
     assert "compute t/x" in capsys.readouterr().err  # the terminal bar, fed without a scheduler
     assert here.id == on_dask.id and here.fingerprint == on_dask.fingerprint
     same_manifests(here, on_dask)
-    assert [(r.view, r.index, r.digests) for r in here.shard_receipts()] == \
-        [(r.view, r.index, r.digests) for r in on_dask.shard_receipts()]
+    assert [(r.view, r.index, r.digests) for r in stored(here).shard_receipts()] == \
+        [(r.view, r.index, r.digests) for r in stored(on_dask).shard_receipts()]
     assert stored_objects(here) == stored_objects(on_dask)  # every chunk, zarr.json and receipt run, byte for byte
     assert here.verify() == [] and here.manifest.timings["shards_computed"] == here.manifest.n_units
 
@@ -59,10 +60,10 @@ def test_in_process_resumes_and_finds_what_is_committed(tmp_path):
               options=ComputeOptions(progress=False, model_id="tiny-a"))
     first = store.compute("t/r", **kw)
     assert store.compute("t/r", **kw) == first  # committed: found, nothing computed
-    store.storage.delete(f"{first.key}/manifest.json")
+    store.storage.delete(f"{stored(first).key}/manifest.json")
     from featstore.versions import forget_receipts
 
-    forget_receipts(store.storage, first.key, [1, 3])
+    forget_receipts(store.storage, stored(first).key, [1, 3])
     again = store.compute("t/r", **kw)
     assert again.id == first.id and again.manifest.timings["shards_computed"] == 2
     assert again.verify() == []

@@ -14,6 +14,7 @@ from featstore import ComputeOptions, InvalidInput, Teacher, Tokens, Views
 from featstore.compute import compute_shard, worker_model
 from featstore.format import shard_digest
 from featstore.online import plan_teacher
+from featstore.versions import stored
 from featstore.ragged import attention_mask, pad_sequences
 
 from ..augments import noisy_flip
@@ -50,7 +51,7 @@ def epoch(ds):
 
 def test_a_teacher_with_per_token_outputs_plans_the_version_compute_commits(local_store):
     teacher = Teacher(model=TwoHeadLM(), dataset=TokenSeqs(N), **LM)
-    planned = plan_teacher(local_store, "lm/online", teacher)
+    planned = plan_teacher(local_store.catalog, "lm/online", teacher)
     committed = local_store.compute("lm/online", model=TwoHeadLM(), dataset=TokenSeqs(N), client="in-process", **LM)
     assert planned.version.manifest.arrays["logits"].ragged and not planned.version.manifest.arrays["hidden.ids"].ragged
     assert planned_part(planned.version.manifest) == planned_part(committed.manifest)
@@ -58,12 +59,12 @@ def test_a_teacher_with_per_token_outputs_plans_the_version_compute_commits(loca
     # each shard computed here, as the online reader computes it, is the task's shard byte for byte
     device = torch.device("cpu")
     net = worker_model(teacher.model, planned.spec.model_key, 0, device)
-    receipts = committed.shard_receipts()
+    receipts = stored(committed).shard_receipts()
     for i in range(committed.manifest.layout.n_shards):
         rows = compute_shard(planned.spec, net, teacher.dataset, i, device)
         assert {name: shard_digest(buf) for name, buf in rows.buffers.items()} == receipts[i].digests, i
     fill = dataclasses.replace(teacher, fill=True)
-    assert plan_teacher(local_store, "lm/online", fill) == committed  # committed already: read as stored
+    assert plan_teacher(local_store.catalog, "lm/online", fill) == committed  # committed already: read as stored
     with pytest.raises(InvalidInput, match="not read online yet"):  # until the reader reads token rows online
         local_store.dataset("lm/online", batch_size=10, teacher=teacher)
 
@@ -96,7 +97,7 @@ def test_a_teacher_extending_a_version_plans_the_child_and_refuses_to_fill_it(lo
     kw = dict(keep=["target"], outputs={"features": "float32"}, batch_size=16, samples_per_shard=32, options=opts)
     parent = local_store.compute("grow/set", model=TinyA(), dataset=GrowingData(70), client="in-process", **kw)
     teacher = Teacher(model=TinyA(), dataset=GrowingData(130), extends=parent.ref, **kw)
-    planned = plan_teacher(local_store, "grow/set", teacher)
+    planned = plan_teacher(local_store.catalog, "grow/set", teacher)
     child = local_store.compute("grow/set", model=TinyA(), dataset=GrowingData(130), extends=parent.ref,
                                 client="in-process", **kw)
     assert planned_part(planned.version.manifest) == planned_part(child.manifest) and child.manifest.bases
