@@ -9,7 +9,7 @@ from featstore._lazy import lazy_exports
 
 _NAMES = {
     "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",
-    "DiskCacheOptions": "_disk_cache", "clear_disk_cache": "_disk_cache", "list_disk_cache": "_disk_cache",
+    "DiskCacheOptions": "_cache", "clear_disk_cache": "_cache", "list_disk_cache": "_cache",
     "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
     "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
     "ShardPermutation": "_shuffle", "MultiTeacherDataset": "_multiread",

@@ -44,6 +44,15 @@ def deleted_while_reading(ref: str) -> VersionNotFound:
                            "is gone. Open another version (store.versions(name)) and start the epoch again.")
 
 
+def missing_data_error(version: Version, ref: ChunkRef, data: bytes | memoryview | None) -> FeatstoreError:
+    """The one "deleted or damaged?" decision for a shard object that read back missing
+    (``data`` None) or empty: :class:`VersionNotFound` when the version's manifest is gone
+    (deleted while it was read), else :class:`CorruptChunk` naming the object."""
+    if data is None and version.was_deleted():
+        return deleted_while_reading(version.ref)
+    return CorruptChunk.damaged(ref.version, ref.array, ref.chunk, "is missing" if data is None else "is empty")
+
+
 # -- one committed version ---------------------------------------------------------------------
 class Version:
     """One committed, immutable version of a feature set.
