@@ -1,43 +1,30 @@
 """The node's cache, one mechanism for its two locations: decoded shards in shared memory
-(``cache="memory"``) and a remote store's objects on the node's disk (``cache="disk"``).
-Reader side only; standard library only (``featstore cache list|clear`` imports it).
+(``cache="memory"``) and a remote store's objects on the node's disk (``cache="disk"``); what
+it guarantees is in docs/caches.md. Standard library only (``featstore cache`` imports it).
 
-A :class:`Space` is one accounting unit: a root folder holding the *ledger* (the bytes the
-space holds, an upper bound, read and written under an exclusive ``flock`` on the ledger file
-itself: it is the eviction lock too) and one folder per *scope* (one commit of one version of
-one store). The location is a parameter of the space:
+A :class:`Space` is one accounting unit: a root folder with the *ledger* (the bytes the space
+holds, an upper bound, kept in a file whose exclusive ``flock`` is the eviction lock) and one
+folder per *scope* (one commit of one version of one store), where each process reading it holds
+a shared ``flock`` on ``users.lock`` until it exits. The location is the space's parameter:
 
-- **memory**: ``<shm>/featstore-cache-<digest>/``, one per version (its budget is that
-  version's), the root is the scope's folder and is removed when its last user exits;
-- **disk**: ``<cache_dir>/featstore-disk/``, one per node and folder, shared by every store and
-  version (its budget is the folder's); scopes are ``<root>/<scope>/`` and outlive their readers;
-  ``scope.json`` says what a scope is (``featstore cache list``); entries end with a trailer
-  (magic, length, crc32c) checked once per file per process; a miss takes a fetch lock
-  (``<root>/locks/<n>``), looks again, and only then fetches, so the node sends one GET.
+- **memory**: ``<shm>/featstore-cache-<digest>/``, one per version (its budget is the version's);
+  the root is the scope's folder, removed when its last user exits; entries are decoded arrays;
+- **disk**: ``<cache_dir>/featstore-disk/``, one per folder, shared by every store and version;
+  scopes are ``<root>/<scope>/`` and outlive their readers; an entry is the object then a trailer
+  (magic, length, crc32c); a miss takes a fetch lock (``<root>/locks/<n>``) and looks again
+  before it fetches, so the node sends one GET per object.
 
-What every space does the same way:
-
-- **Users.** Each process reading a scope holds a shared ``flock`` on the scope's ``users.lock``
-  until it exits (the kernel drops it when a process is killed); a scope is *in use* while one
-  is held. A newcomer re-checks the lock file's inode after taking it, so removing a scope under
-  its exclusive lock never strands one.
-- **Inserts.** An entry is written under a temporary name its writer holds an exclusive
-  ``flock`` on, after reserving its bytes in the ledger (``posix_fallocate``: a full disk fails
-  here, not halfway through), and renamed when whole under the ledger's lock (so no listing
-  sees neither name). A reader never sees a torn entry by name; a killed writer's file is
-  recognised (its lock is gone) and removed by the next listing, and its reservation with it.
-- **Accounting.** The ledger is raised before a file exists and lowered after one is removed,
-  so a kill can only over-count it; whenever an insert does not fit by it, the space is listed
-  and the count reset to the truth.
-- **Eviction** (:data:`POLICIES`): ``"keep"`` evicts only entries of scopes no live process
-  uses, oldest first, so an epoch scan over a version bigger than the budget keeps one fixed set
-  and reads the rest: ``version - budget`` per epoch, the least any policy can when each epoch
-  reads a fresh random order. ``"lru"`` evicts the least recently used entries of any scope and
-  re-reads more (Mosaic #658; docs/benchmarks.md: 0.82 of the version fetched per epoch at half
-  budget, "keep" 0.501). The memory location always keeps (docs/caches.md says why).
-- **Reads** map the entry. Linux keeps an unlinked file readable while it is mapped, so an
-  eviction or a clear never takes bytes from under a reader, and an entry gone meanwhile is a
-  miss, never an error (LitData #140).
+The same for both: an insert reserves its bytes in the ledger (raised before a file exists,
+lowered after one is removed: a kill can only over-count; an insert that does not fit by it
+lists the space and resets it), writes a temporary file its writer holds a ``flock`` on (a
+killed writer's is removed by the next listing) and renames it under the ledger's lock (no
+listing sees neither name). Eviction (:data:`POLICIES`): ``"keep"`` evicts only entries of
+scopes no live process uses, so an epoch scan over a version bigger than the budget keeps one
+fixed set and reads only the rest; ``"lru"`` evicts the least recently used of any scope (0.82 of
+the version fetched per epoch at half budget, "keep" 0.501: docs/benchmarks.md). The memory
+location always keeps (0.50 of its shards decoded per epoch at half budget, LRU 0.77-0.90:
+docs/caches.md). Reads map the entry: Linux keeps an unlinked file readable while mapped, so no
+eviction or clear takes bytes from under a reader, and an entry gone meanwhile is a miss.
 """
 
 from __future__ import annotations
@@ -304,7 +291,7 @@ class NodeCache:
         removed). ``keep=False``: a file not mapped already is mapped for this use alone."""
         path = self.path(name)
         try:
-            view, sig = self.maps.get_signed(path, keep)  # a file replaced or changed since is mapped afresh
+            view, sig = self.maps.get(path, keep)  # a file replaced or changed since is mapped afresh
             if not self.space.memory:
                 checked = self.maps.checked(path, view)
                 if ENTRY_CHECKED not in checked:
@@ -598,21 +585,18 @@ class MappedFiles:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, path: str, keep: bool = True) -> memoryview:
-        """The file's bytes, mapped (raises ``FileNotFoundError``). ``keep=False``: a file not
-        held already is mapped for this use alone, not kept (unmapped once the caller drops
-        it): bytes read once, such as a compressed shard decoded into the shared cache, would
-        otherwise stay resident in every process that read one."""
-        return self.get_signed(path, keep)[0]
-
-    def get_signed(self, path: str, keep: bool = True) -> tuple[memoryview, Sig]:
-        """:meth:`get`, with the ``(inode, size, mtime_ns)`` of the very file mapped."""
+    def get(self, path: str, keep: bool = True) -> tuple[memoryview, Sig]:
+        """The file's bytes, mapped, and the ``(inode, size, mtime_ns)`` of the very file mapped
+        (raises ``FileNotFoundError``). ``keep=False``: a file not held already is mapped for this
+        use alone (unmapped once the caller drops it): bytes read once, such as a compressed
+        shard decoded into the memory cache, would otherwise stay resident in every process."""
         # The signature is the opened file's: a stat of the path before the open would describe
-        # whatever file the path named then, and a file replaced in between would be kept under
-        # the new file's signature with the old one's bytes (and its chunks' checks).
+        # whatever file the path named then (a file replaced in between would be kept under the
+        # new file's signature with the old one's bytes and checks).
         fd = os.open(path, os.O_RDONLY)
         try:
-            sig = _sig_fd(fd)
+            st = os.fstat(fd)
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
             with self._lock:
                 hit = self._maps.get(path)
                 if hit is not None and hit[0] == sig:
@@ -622,23 +606,17 @@ class MappedFiles:
         finally:
             os.close(fd)
         if keep:
-            self._keep(path, sig, view)
+            self.remember(path, view, sig)
         return view, sig
 
-    def remember(self, path: str, view: memoryview) -> None:
-        """Keep ``view`` as the map of ``path`` (a file this process has just written)."""
-        with contextlib.suppress(FileNotFoundError):
-            self._keep(path, _sig(path), view)
-
-    def _keep(self, path: str, sig: Sig | None, view: memoryview) -> None:
-        if sig is None:
+    def remember(self, path: str, view: memoryview, sig: Sig | None = None) -> None:
+        """Keep ``view`` as the map of ``path`` (``sig``: its file's, else stat now)."""
+        if sig is None and (sig := _sig(path)) is None:
             return
         with self._lock:
             old = self._maps.pop(path, None)
-            if old is not None:
-                self._bytes -= len(old[1])
+            self._bytes += len(view) - (len(old[1]) if old is not None else 0)
             self._maps[path] = (sig, view, set())
-            self._bytes += len(view)
             while self._bytes > self.max_bytes and len(self._maps) > 1:
                 _, (_, evicted, _) = self._maps.popitem(last=False)  # unmapped once its last array is freed
                 self._bytes -= len(evicted)
@@ -658,17 +636,6 @@ class MappedFiles:
                 if _sig(path) != sig:
                     del self._maps[path]
                     self._bytes -= len(view)
-
-    def clear(self) -> None:
-        """Forget every map (each is unmapped once no array uses it any more)."""
-        with self._lock:
-            self._maps.clear()
-            self._bytes = 0
-
-
-def _sig_fd(fd: int) -> Sig:
-    st = os.fstat(fd)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _sig(path: str) -> Sig | None:

@@ -168,7 +168,7 @@ class LocalObjects(ShardObjects):
 
     def use(self, obj: ShardObject, fn: Callable[[Buffer], T], keep: bool = True) -> T:
         try:
-            data: Buffer | None = self.maps.get(self.storage.path(obj.key), keep)
+            data: Buffer | None = self.maps.get(self.storage.path(obj.key), keep)[0]
         except FileNotFoundError:
             data = None
         if not data:
