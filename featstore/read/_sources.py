@@ -1,23 +1,16 @@
-"""Where a window's rows come from, decided once per (version, array): the :class:`ShardSource`
-interface, the stored sources, and the windows in flight (:class:`WindowReader`).
+"""Where a window's rows come from, decided once per (version, array): :class:`ShardSource`
+(one required method, :meth:`~ShardSource.read`), the stored sources, and the windows in flight.
+:meth:`ProcessReads.sources` picks each array's source once per process:
 
-A source gives the rows of some arrays of one shuffle window (:meth:`ShardSource.read`); the
-reader keeps windows in flight over its sources and cuts batches from each window once whole.
-For a stored version :meth:`ProcessReads.sources` picks each array's source once per process:
+- uncompressed, and its objects files of this node (a local store's, or the disk cache's under
+  ``"keep"``), or through the memory cache (the decoded shards): :class:`ArenaSource`, the
+  window's shards mapped back to back so a batch is one ``index_select``;
+- other uncompressed arrays: :class:`InPlaceSource`, gathered from the fetched objects' bytes;
+- compressed ones, or not in featstore's layout: :class:`DecodedSource`, into window buffers;
+  per-token arrays: :class:`TokenSource`.
 
-- an uncompressed array of a local store, or one whose objects the node's disk cache holds:
-  its shard objects mapped into the process's arena (:class:`ArenaSource` over
-  :class:`~featstore.read._objects.StoredShards`), so a batch is one ``index_select``;
-- any other array through the node's memory cache: its decoded shards, mapped the same way
-  (:class:`ArenaSource` over :class:`~featstore.read._objects.MemoryShards`);
-- an uncompressed array of a remote store: gathered from the fetched objects' bytes
-  (:class:`InPlaceSource`);
-- a compressed one: decoded into the window's buffers (:class:`DecodedSource`), from the local
-  file, the disk cache or the store; per-token arrays likewise (:class:`TokenSource`).
-
-Where a window's objects come from (a local store's files, a remote store, the node's disk
-cache) is the process's :class:`~featstore.read._objects.ShardObjects`. The online reader
-(:mod:`featstore.online`) supplies a source of its own that computes the rows on a miss.
+Where the objects come from is the process's :class:`~featstore.read._objects.ShardObjects`.
+The online reader (:mod:`featstore.online`) supplies a source that computes rows on a miss.
 """
 
 from __future__ import annotations
@@ -135,13 +128,9 @@ class WindowRead:
 
 class ShardSource(ABC):
     """Where the rows of some arrays (:attr:`fields`) of one version come from, in one process.
-
-    The one required method is :meth:`read`; the others have defaults. A source is made once
-    per process and array (or group of arrays read together), and reads one window at a time,
-    from the consuming thread: ``reads`` runs what blocks (a thread pool, or the calling thread
-    when no core is spare), and the returned :class:`WindowRead`'s rows are what batches are cut
-    from (numpy rows, or rows left in place: :mod:`featstore.read._gather`).
-    """
+    Made once per process, it reads a window at a time from the consuming thread: ``reads``
+    runs what blocks (a pool, or the calling thread when no core is spare), and the
+    :class:`WindowRead`'s rows are what batches are cut from (:mod:`featstore.read._gather`)."""
 
     fields: tuple[str, ...]
 
@@ -200,11 +189,10 @@ class InPlaceSource(ShardSource):
     """An array gathered where its shards lie (:class:`~featstore.read._objects.PlacedShards`),
     shard by shard with numpy (:class:`~featstore.read._gather.InPlace`)."""
 
-    def __init__(self, reads: ProcessReads, field: str, shards: PlacedShards) -> None:
-        self.reads, self.fields, self.shards = reads, (field,), shards
-        # Mapping a local shard is bookkeeping (~0.2 ms): done here, not handed to a pool
-        # thread that would wait for a core behind Model B's busy torch threads.
-        self.here = shards.stored and isinstance(shards.objects, LocalObjects)
+    def __init__(self, reads: ProcessReads, field: str, shards: PlacedShards, here: bool = False) -> None:
+        """``here``: read in the calling thread (mapping a local shard is bookkeeping, ~0.2 ms,
+        not work for a pool thread that would wait for a core behind Model B's torch threads)."""
+        self.reads, self.fields, self.shards, self.here = reads, (field,), shards, here
 
     def read(self, window: Window, reads: Executor) -> WindowRead:
         run = now if self.here else reads.submit
@@ -372,7 +360,7 @@ class ProcessReads:
             return DecodedSource(self, field)
         if arena_supported() and (not shards.stored or self.objects.files):
             return ArenaSource(self, field, shards)
-        return InPlaceSource(self, field, shards)
+        return InPlaceSource(self, field, shards, here=local_raw)
 
     def clear_cache(self) -> None:
         """Empty this version's entries in the node's caches (both tiers)."""
