@@ -276,19 +276,27 @@ class ComputedSource(ShardSource):
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
         self.planned, self.reads, self.options = planned, reads, reads.options
         self.fields = reads.fields
-        teacher = planned.teacher
-        self.device = teacher.torch_device()
-        self.net = worker_model(teacher.model, planned.spec.model_key, 0, self.device)
+        self._net: torch.nn.Module | None = None  # built on this process's first computed shard
         self.writers: dict[int | None, Any] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
         self.dropped: list[int] = []
-        self.spec, self.seen = planned.spec, teacher.dataset
+        self.spec, self.seen = planned.spec, planned.teacher.dataset
 
     @property
     def filling(self) -> bool:
         return self.planned.teacher.fill
+
+    @property
+    def device(self) -> torch.device:
+        return self.planned.teacher.torch_device()
+
+    @property
+    def net(self) -> torch.nn.Module:
+        if self._net is None:
+            self._net = worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
+        return self._net
 
     def _catalog(self) -> Catalog:
         return Catalog(self.reads.storage)  # this process's storage: neither fork- nor loop-safe

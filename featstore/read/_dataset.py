@@ -32,7 +32,7 @@ from featstore.read._options import ReaderOptions
 from featstore.read._ranks import Placement, resolve
 from featstore.read._resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state,
                                     rank_state, rotated, worker_state)
-from featstore.read._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, default_cache_bytes,
+from featstore.read._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, WindowRows, default_cache_bytes,
                                      read_windows)
 from featstore.read._views import ViewReading
 from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
@@ -384,7 +384,7 @@ class FeatureDataset(IterableDataset):
         self.__dict__.update(state)
         on_fork(self)
 
-    def _batches(self, windows: Iterator[tuple[Window, dict[str, Any]]], cid: int,
+    def _batches(self, windows: Iterator[tuple[Window, dict[str, WindowRows]]], cid: int,
                  epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         """Cut windows into batches: each batch is one gather of its rows from the window (the
         window is never permuted as a whole, which would copy it once more)."""

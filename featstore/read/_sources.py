@@ -393,13 +393,13 @@ class WindowReader:
         self.queue: deque[tuple[Window, np.ndarray, list[WindowRead]]] = deque()
         self.in_flight = 0  # pieces submitted and not yet consumed
 
-    def __iter__(self) -> Iterator[tuple[Window, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
         current: list[WindowRead] = []
         try:
             self._fill()
             while self.queue:
                 window, index, current = self.queue.popleft()
-                arrays: dict[str, Any] = {"index": index}
+                arrays: dict[str, WindowRows] = {"index": index}
                 for r in current:
                     arrays.update(r.result())
                 self.in_flight -= len(window.pieces)
@@ -428,7 +428,7 @@ class WindowReader:
 
 
 def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
-                 samples_per_shard: int) -> Iterator[tuple[Window, dict[str, Any]]]:
+                 samples_per_shard: int) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
     """The epoch's windows from ``sources``, read ahead on a pool of ``prefetch`` threads, or
     in the calling thread when no core is spare and nothing is remote: pool threads would only
     take turns with Model B's torch threads (measured slower)."""
