@@ -48,9 +48,8 @@ from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.format._manifests import Layout, Manifest
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
 from featstore.online._inputs import InputPrefetch
-from featstore.read import FeatureDataset
-from featstore.read._assignment import UniformShards, dropped_pieces
-from featstore.read._sources import Epoch, ProcessReads, ShardSource, Window, WindowRead, WindowRows
+from featstore.read import (Epoch, FeatureDataset, ProcessReads, ShardSource, UniformShards, Window, WindowRead,
+                            WindowRows, dropped_pieces)
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import Version
 from featstore.versions._keys import receipt_key, view_key

@@ -315,7 +315,7 @@ class FeatureDataset(IterableDataset):
         try:
             it = self._start()
         except Exception as exc:  # noqa: BLE001 - re-raised by the first next(), in the DataLoader's handling
-            return _raising(exc)
+            return raising(exc)
         return self._iterate(it)
 
     @property
@@ -453,7 +453,7 @@ def _check_unchanged(local: _Local, placement: Placement) -> None:
     local.planned = placement
 
 
-def _raising(exc: BaseException) -> Iterator[Any]:
+def raising(exc: BaseException) -> Iterator[Any]:
     """An iterator whose first next() raises ``exc``."""
     raise exc
     yield  # a generator

@@ -156,6 +156,12 @@ class ShardObjects(ABC):
         caller adds those it checks. Bytes not kept mapped get a fresh set."""
         return set()
 
+    def _fetch(self, obj: ShardObject) -> bytes:
+        data = self.storage.read_bytes(obj.key)
+        if not data:
+            raise missing_data_error(self.version, obj.ref, data)
+        return data
+
 
 class LocalObjects(ShardObjects):
     """A local store's shard objects, mapped in place (no read, no copy)."""
@@ -188,10 +194,7 @@ class RemoteObjects(ShardObjects):
     ranged = True
 
     def use(self, obj: ShardObject, fn: Callable[[Buffer], T], keep: bool = True) -> T:
-        data = self.storage.read_bytes(obj.key)
-        if not data:
-            raise missing_data_error(self.version, obj.ref, data)
-        return fn(data)
+        return fn(self._fetch(obj))
 
     def decode(self, obj: ShardObject, lo: int, hi: int, out: np.ndarray) -> None:
         obj.version.read_shard_rows(self.storage, obj.field, obj.fmt, obj.shard, lo, hi, out)
@@ -231,11 +234,9 @@ class DiskObjects(ShardObjects):
             view = self.cache.get(name, keep)
             if view is not None:
                 return view, True
-            data = self.storage.read_bytes(obj.key)
-            if data and shard_intact(data, obj.fmt):
+            data = self._fetch(obj)
+            if shard_intact(data, obj.fmt):
                 self.cache.put(name, len(data), lambda buf: buf.__setitem__(slice(None), data))
-        if not data:
-            raise missing_data_error(self.version, obj.ref, data)
         return data, False
 
     def near(self, objs: Iterable[ShardObject]) -> bool:
