@@ -391,7 +391,7 @@ class FeatureDataset(IterableDataset):
         bs = self.options.batch_size
         carry: dict[str, np.ndarray] | None = None
         for window, arrays in windows:
-            drop, n = window.drop, len(arrays["index"]) - window.drop
+            drop, n = window.drop, window.size - window.drop
             order = (window_permutation(self.options.seed, epoch, cid, window.number, n + drop)[drop:]
                      if self.options.shuffle else None)
             pos = 0

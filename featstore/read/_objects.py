@@ -366,17 +366,19 @@ class MemoryShards(PlacedShards):
     def array(self, obj: ShardObject, piece: Piece | None = None) -> np.ndarray:
         rows = obj.chunks * obj.fmt.chunk_rows
 
-        def decode(out: np.ndarray) -> np.ndarray:  # raises on a bad crc32c: nothing is cached then
+        def decode(out: np.ndarray) -> None:  # raises on a bad crc32c: nothing is cached then
             # read to be decoded once per machine: the stored object is not kept mapped here
             self.objects.use(obj, lambda data: decode_shard_rows(
                 data, obj.fmt, 0, rows, out.reshape(rows, *obj.fmt.row_shape), obj.ref), keep=False)
-            return out
 
         shape, dtype = obj.shape, np.dtype(obj.fmt.dtype)
         name = self.name(obj)
         view = self.cache.get(name) or self.cache.put(
             name, rows * obj.fmt.row_bytes, lambda buf: decode(np.frombuffer(buf, dtype=dtype).reshape(shape)))
-        return decode(obj.empty()) if view is None else np.frombuffer(view, dtype=dtype).reshape(shape)
+        if view is not None:
+            return np.frombuffer(view, dtype=dtype).reshape(shape)
+        decode(out := obj.empty())  # it does not fit: for this process alone
+        return out
 
     def pin(self, arena: Arena, obj: ShardObject, piece: Piece) -> Slot | np.ndarray | None:
         path = self.cache.path(self.name(obj))
