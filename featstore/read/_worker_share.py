@@ -121,7 +121,8 @@ class SharedProgress:
         """Make ``t`` this process's block, with a lock file of its own."""
         self._t = t.share_memory_()
         self._t[OWNER] = os.getpid()
-        self._lock_path = os.path.join(shm_root(), f"featstore-progress-{os.getpid()}-{uuid.uuid4().hex[:12]}.lock")
+        _sweep_dead_locks()
+        self._lock_path = os.path.join(shm_root(), f"{_LOCK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.lock")
         weakref.finalize(self, _remove_lock, self._lock_path, os.getpid())
         self._held: tuple[int, int, threading.Lock] | None = None
 
@@ -333,6 +334,35 @@ class SharedProgress:
         """The placement the training process last recorded."""
         with self._locked():
             return Placement(self._get(RANK), self._get(WORLD), self._get(SOURCE))
+
+
+_LOCK_PREFIX = "featstore-progress-"
+_SWEPT_IN = -1  # the process that last removed the lock files of dead owners
+
+
+def _sweep_dead_locks() -> None:
+    """Once per process: remove the lock files whose owner died without removing its own (a
+    SIGKILL); the owner's pid is in the name (a reused pid only keeps a file a while longer)."""
+    global _SWEPT_IN
+    if _SWEPT_IN == os.getpid():
+        return
+    _SWEPT_IN = os.getpid()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(shm_root()):
+            pid = name[len(_LOCK_PREFIX):].split("-")[0]
+            if name.startswith(_LOCK_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_root(), name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove_lock(path: str, owner: int) -> None:
