@@ -252,11 +252,11 @@ def cmd_cache(args: argparse.Namespace) -> Result:
     they have mapped and fetch the rest again. Not part of 'gc': gc tidies one store, the cache
     belongs to a node and holds many stores."""
     if args.action == "clear":
-        from featstore.read._disk_cache import clear_disk_cache
+        from featstore.read import clear_disk_cache
 
         freed = clear_disk_cache(args.dir, unused_only=args.unused)
         return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"
-    from featstore.read._disk_cache import list_disk_cache
+    from featstore.read import list_disk_cache
 
     rows = [asdict(s) for s in list_disk_cache(args.dir)]
     text = "\n".join(f"{r['version']}  {r['store']}  {r['entries']} objects  {r['bytes']} bytes"

@@ -147,7 +147,7 @@ def shard_intact(data: bytes | memoryview, fmt: ShardFormat) -> bool:
     return True
 
 
-def decode_shard_rows(data: bytes, fmt: ShardFormat, lo: int, hi: int,
+def decode_shard_rows(data: bytes | memoryview, fmt: ShardFormat, lo: int, hi: int,
                       out: np.ndarray | None = None, ref: ChunkRef = ChunkRef(),
                       index: np.ndarray | None = None, base: int = 0) -> np.ndarray:
     """Rows ``[lo, hi)`` (shard-local) of one shard object, written into ``out`` when given

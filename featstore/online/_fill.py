@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from featstore.errors import ComputeFailed
-from featstore.read._assignment import Piece
+from featstore.read import Piece
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import StoredVersion

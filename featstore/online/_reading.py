@@ -25,24 +25,21 @@ planned fingerprint records the fresh augmentation, so its id is no stored versi
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from featstore.compute._shard_rows import compute_shard, shard_batches
-from featstore.compute._shard_task import worker_model
-from featstore.compute._shard_writing import open_arrays, write_shard
-from featstore.compute._task_spec import TaskSpec
+from featstore.compute import TaskSpec, compute_shard, open_arrays, shard_batches, worker_model, write_shard
 from featstore.errors import InvalidInput
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
-from featstore.online._teacher import Planned, Teacher, plan_teacher
 from featstore.online._inputs import InputPrefetch
-from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_span, dropped_pieces
-from featstore.read._dataset import FeatureDataset
+from featstore.online._teacher import Planned, Teacher, plan_teacher
+from featstore.read import (Epoch, FeatureDataset, ProcessReads, ShardSource, UniformShards, Window, WindowRead,
+                            WindowRows, dropped_pieces)
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import HasStoredVersion, StoredVersion
 from featstore.versions._keys import receipt_key, view_key
@@ -60,23 +57,168 @@ def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int
     return rows.buffers, rows.stats
 
 
-@dataclass
-class _Online:
-    """What one process keeps: its Model A, the arrays it writes, what it knows is stored."""
+class ComputedSource(ShardSource):
+    """Where an online reader's rows come from (the :class:`~featstore.read._sources.ShardSource`
+    of :class:`OnlineDataset`, one per process): Model A computes each window's shards, whole,
+    in the consuming thread, a window at a time as the batches need it. With ``fill``, the
+    shards this consumer owns are written (:class:`ShardWrites`), those already stored are read,
+    and once every shard of the epoch's view is stored the epoch reads the stored version's own
+    sources and tries the commit."""
 
-    net: torch.nn.Module
-    device: torch.device
-    pid: int = field(default_factory=os.getpid)
-    writers: dict[int | None, Any] = field(default_factory=dict)  # view -> the zarr arrays written
-    fill: FillState = field(default_factory=FillState)
-    writes: ShardWrites = field(default_factory=ShardWrites)
-    inputs: InputPrefetch = field(default_factory=InputPrefetch)
-    owned_left: set[int] = field(default_factory=set)  # this iteration's shards to write, not yet written
+    def __init__(self, planned: Planned, reads: ProcessReads) -> None:
+        self.planned, self.reads, self.options = planned, reads, reads.options
+        self.fields = reads.fields
+        self._net: torch.nn.Module | None = None  # built on this process's first computed shard
+        self.writers: dict[int | None, Any] = {}  # view -> the zarr arrays written
+        self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
+        self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
+        self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
+        self.dropped: list[int] = []
+        self.spec, self.seen = planned.spec, planned.teacher.dataset
+
+    @property
+    def filling(self) -> bool:
+        return self.planned.teacher.fill
+
+    @property
+    def device(self) -> torch.device:
+        return self.planned.teacher.torch_device()
+
+    @property
+    def net(self) -> torch.nn.Module:
+        if self._net is None:
+            self._net = worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
+        return self._net
+
+    def _catalog(self) -> Catalog:
+        return Catalog(self.reads.storage)  # this process's storage: neither fork- nor loop-safe
+
+    def _views(self) -> list[int | None]:
+        views = self.planned.version.views
+        return [None] if views is None else list(range(views))
+
+    def begin(self, epoch: Epoch) -> None:
+        version, view = self.planned.version, self.reads.viewing.view
+        self.spec = replace(self.planned.spec, view=view, storage=self.reads.storage)
+        self.seen = self._seen(epoch.number, view)
+        self.stored, self.owned_left = None, set()
+        if self.filling:
+            self.fill.refresh(self.reads.storage, version, [view])
+            if self.fill.complete(version.manifest.layout.n_shards, [view]):
+                self.stored = self.reads.sources
+                for s in self.stored:
+                    s.begin(epoch)
+                return
+        # the shards this consumer writes this epoch (once all are, it tries the commit at once),
+        # and A's batches, which are read a batch ahead
+        n, ranges = len(version), []
+        for window in epoch.windows:
+            self.owned_left |= {p.shard for p, own in zip(window.pieces, owned(window.pieces, window.at, n),
+                                                           strict=True) if own}
+        for window in epoch.todo:
+            ranges += [r for p in window.pieces if not self.fill.holds(view, p.shard)
+                       for r in shard_batches(self.spec, p.shard)]
+        self.dropped = self._dropped(epoch) if self.filling else []
+        self.owned_left |= set(self.dropped)
+        self.owned_left -= self.fill.done.get(view, set())
+        ranges += [r for shard in self.dropped for r in shard_batches(self.spec, shard)]
+        self.inputs.plan(self.seen, ranges)
+
+    def read(self, window: Window, reads: Executor) -> WindowRead:
+        if self.stored is not None:
+            return WindowRead.joined([s.read(window, reads) for s in self.stored])
+        return WindowRead([], lambda: self._window_rows(window))  # computed when its batches are cut
+
+    def near(self, windows: Sequence[Window]) -> bool:
+        return self.stored is None or all(s.near(windows) for s in self.stored)
+
+    def end(self, finished: bool) -> None:
+        if self.stored is not None:
+            for s in self.stored:
+                s.end(finished)
+            if finished:
+                try_commit(self._catalog(), self.planned, self.fill, self._views())
+            return
+        try:
+            for shard in self.dropped if finished else ():  # stored, never yielded: the fill completes this epoch
+                if not self.fill.holds(self.spec.view, shard):
+                    self._computed(shard, write=True)
+        except BaseException:
+            finished = False
+            raise
+        finally:
+            if not finished:  # an abandoned or failed epoch: the shards computed are still stored
+                for view, shard in self.writes.drain_quietly():
+                    self.fill.done.setdefault(view, set()).add(shard)
+        if self.filling and not self._written(self.writes.drain()):  # every consumer tries at its epoch's end
+            try_commit(self._catalog(), self.planned, self.fill, self._views())
+
+    def _dropped(self, epoch: Epoch) -> list[int]:
+        """The shards whose first row lies in the tail that ``partition="drop"`` leaves out of
+        this epoch: the last consumer owns them (without ``shuffle`` the same tail is dropped
+        every epoch, and the fill would never complete)."""
+        if epoch.partition != "drop" or epoch.consumer != epoch.consumers - 1:
+            return []
+        layout = self.planned.version.manifest.layout
+        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed,
+                              epoch=epoch.number, shuffle=self.options.shuffle, consumers=epoch.consumers)
+        return [p.shard for p in tail if p.lo == 0]
+
+    def _seen(self, epoch: int, view: int | None) -> Any:
+        """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
+        return self.planned.seen(view, epoch, self.options.seed)
+
+    def _window_rows(self, window: Window) -> dict[str, WindowRows]:
+        """One window's rows of every read array, in window order."""
+        specs = self.planned.version.manifest.arrays
+        arrays = {f: np.empty((window.size, *specs[f].shape), dtype=specs[f].dtype) for f in self.fields}
+        off, view = 0, self.spec.view
+        for piece, own in zip(window.pieces, owned(window.pieces, window.at, len(self.planned.version)), strict=True):
+            out = {f: arrays[f][off:off + piece.size] for f in self.fields}
+            off += piece.size
+            if self.filling and own and not self.fill.holds(view, piece.shard) and self.reads.storage.exists(
+                    receipt_key(view_key(self.planned.version.key, view), piece.shard)):
+                self.fill.done.setdefault(view, set()).add(piece.shard)  # another run wrote it since
+            if self.filling and self.fill.holds(view, piece.shard):
+                for f in self.fields:
+                    self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
+                continue
+            rows = self._computed(piece.shard, write=self.filling and own)
+            for f in self.fields:
+                out[f][...] = rows[f][piece.lo:piece.hi]
+        return dict(arrays)
+
+    def _computed(self, shard: int, write: bool) -> dict[str, np.ndarray]:
+        """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
+        consumer's writer thread (:class:`ShardWrites`) while A goes on."""
+        spec = self.spec
+        buffers, stats = shard_buffers(spec, self.net, self.seen, shard, self.device, self.inputs)
+        if write:
+            if spec.view not in self.writers:
+                self.writers[spec.view] = open_arrays(spec)
+            self._written(self.writes.submit((spec.view, shard), write_shard, spec, self.writers[spec.view], shard,
+                                             buffers, stats))
+        else:
+            self._written(self.writes.finished())
+        return buffers
+
+    def _written(self, done: list[Any]) -> bool:
+        """Record finished shard writes; whoever writes the epoch's last owned shard commits.
+        Whether the commit was tried (so the epoch's end does not list the receipts again)."""
+        for view, shard in done:
+            self.fill.done.setdefault(view, set()).add(shard)
+            self.owned_left.discard(shard)
+        if done and not self.owned_left:
+            try_commit(self._catalog(), self.planned, self.fill, self._views())
+            return True
+        return False
 
 
 class OnlineDataset(FeatureDataset):
     """A :class:`~featstore.FeatureDataset` whose rows Model A computes as it reads (see
     :mod:`featstore.online`); with ``Teacher(fill=True)`` it also writes and commits them.
+    Everything but where the rows come from is the stored reader's: its source is a
+    :class:`ComputedSource`.
 
     >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
     >>> ds.version.id == store.compute("cnn-a/train", model=a, dataset=train_set).id
@@ -87,8 +229,7 @@ class OnlineDataset(FeatureDataset):
         """``public``: wraps what :meth:`committed` returns (the face passes :class:`featstore.Version`)."""
         self._planned = planned
         self._public = public
-        self._online_state: _Online | None = None
-        super().__init__(planned.version, **options)
+        super().__init__(planned.version, sources=_OnlineSources(planned), **options)
         if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
             raise InvalidInput("the teacher's dataset changed length while it was planned.")
 
@@ -104,140 +245,22 @@ class OnlineDataset(FeatureDataset):
         """The filled version once committed (None before, and always without ``fill``)."""
         if not self.filling:
             return None
-        v = Catalog(self._proc.storage).committed(self.version.name, self.version.id)
+        v = Catalog(self._process().storage).committed(self.version.name, self.version.id)
         return v if v is None or self._public is None else self._public(v)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_online_state": None}
-
-    def _online(self) -> _Online:
-        st = self._online_state
-        if st is None or st.pid != os.getpid():
-            device = self.teacher.torch_device()
-            st = _Online(worker_model(self.teacher.model, self._planned.spec.model_key, 0, device), device)
-            self._online_state = st
-        return st
-
-    def _fill_views(self) -> list[int | None]:
-        return [None] if self.version.views is None else list(range(self.version.views))
-
-    def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-        """This epoch's windows: read where the fill already stored them (all of them: the
-        stored reader's own path), else computed by A."""
-        it, st = self._local.current, self._online()
-        # this process's storage: a filesystem object is neither fork- nor loop-safe
-        spec = replace(self._planned.spec, view=self._viewing.view, storage=self._proc.storage)
-        if self.filling:
-            st.fill.refresh(self._proc.storage, self.version, [spec.view])
-            if st.fill.complete(self.version.manifest.layout.n_shards, [spec.view]):
-                yield from super()._windows(plan, skip)
-                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
-                return
-        st.owned_left = set()
-        world = it.placement.world
-        start, _ = consumer_span(len(self.version), world * max(1, it.workers), it.cid, self._partition(world))
-        seen = self._seen(it.epoch)
-        # the shards this consumer writes this epoch (once all are, it tries the commit at once),
-        # and A's batches, which are read a batch ahead
-        pos, n, ranges = start, len(self.version), []
-        for window in plan.windows:
-            st.owned_left |= {p.shard for p, own in zip(window, owned(window, pos, n), strict=True) if own}
-            size = sum(p.size for p in window)
-            if pos - start + size > skip:
-                ranges += [r for p in window if not st.fill.holds(spec.view, p.shard)
-                           for r in shard_batches(spec, p.shard)]
-            pos += size
-        dropped = self._dropped(it, world) if self.filling else []
-        st.owned_left |= set(dropped)
-        st.owned_left -= st.fill.done.get(spec.view, set())
-        ranges += [r for shard in dropped for r in shard_batches(spec, shard)]
-        st.inputs.plan(seen, ranges)
-        pos = start
-        try:
-            for wi, window in enumerate(plan.windows):
-                size = sum(p.size for p in window)
-                if pos - start + size > skip:
-                    mine = owned(window, pos, len(self.version))
-                    yield wi, max(0, skip - (pos - start)), self._window_rows(st, spec, seen, window, mine)
-                pos += size
-            for shard in dropped:  # stored, never yielded: the fill completes in this epoch
-                if not st.fill.holds(spec.view, shard):
-                    self._computed(st, spec, seen, shard, write=True)
-        except BaseException:  # an abandoned or failed epoch: the shards computed are still stored
-            for view, shard in st.writes.drain_quietly():
-                st.fill.done.setdefault(view, set()).add(shard)
-            raise
-        if self.filling:
-            if not self._written(st, st.writes.drain()):  # every consumer tries at its epoch's end
-                try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
-
-    def _dropped(self, it: Any, world: int) -> list[int]:
-        """The shards whose first row lies in the tail that ``partition="drop"`` leaves out of
-        this epoch: the last consumer owns them (without ``shuffle`` the same tail is dropped
-        every epoch, and the fill would never complete)."""
-        consumers = world * max(1, it.workers)
-        if self._partition(world) != "drop" or it.cid != consumers - 1:
-            return []
-        layout = self.version.manifest.layout
-        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed,
-                              epoch=it.epoch, shuffle=self.options.shuffle, consumers=consumers)
-        return [p.shard for p in tail if p.lo == 0]
-
-    def _seen(self, epoch: int) -> Any:
-        """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
-        return self._planned.seen(self._viewing.view, epoch, self.options.seed)
-
-    def _window_rows(self, st: _Online, spec: Any, seen: Any, window: tuple[Piece, ...],
-                mine: list[bool]) -> dict[str, np.ndarray]:
-        """One window's rows of every read array, in window order, and ``index``."""
-        specs, spp = self.version.manifest.arrays, self.version.manifest.layout.samples_per_shard
-        total = sum(p.size for p in window)
-        arrays = {f: np.empty((total, *specs[f].shape), dtype=specs[f].dtype) for f in self.fields}
-        arrays["index"] = np.concatenate(
-            [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi, dtype=np.int64) for p in window])
-        off = 0
-        for piece, own in zip(window, mine, strict=True):
-            out = {f: arrays[f][off:off + piece.size] for f in self.fields}
-            off += piece.size
-            if self.filling and own and not st.fill.holds(spec.view, piece.shard) and self._proc.storage.exists(
-                    receipt_key(view_key(self.version.key, spec.view), piece.shard)):
-                st.fill.done.setdefault(spec.view, set()).add(piece.shard)  # another run wrote it since
-            if self.filling and st.fill.holds(spec.view, piece.shard):
-                for f in self.fields:
-                    self._read_field(piece, f, out[f])
-                continue
-            rows = self._computed(st, spec, seen, piece.shard, write=self.filling and own)
-            for f in self.fields:
-                out[f][...] = rows[f][piece.lo:piece.hi]
-        return arrays
-
-    def _computed(self, st: _Online, spec: Any, seen: Any, shard: int, write: bool) -> dict[str, np.ndarray]:
-        """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
-        consumer's writer thread (:class:`ShardWrites`) while A goes on."""
-        buffers, stats = shard_buffers(spec, st.net, seen, shard, st.device, st.inputs)
-        if write:
-            if spec.view not in st.writers:
-                st.writers[spec.view] = open_arrays(spec)
-            self._written(st, st.writes.submit((spec.view, shard), write_shard, spec, st.writers[spec.view], shard,
-                                               buffers, stats))
-        else:
-            self._written(st, st.writes.finished())
-        return buffers
-
-    def _written(self, st: _Online, done: list[Any]) -> bool:
-        """Record finished shard writes; whoever writes the epoch's last owned shard commits.
-        Whether the commit was tried (so the epoch's end does not list the receipts again)."""
-        for view, shard in done:
-            st.fill.done.setdefault(view, set()).add(shard)
-            st.owned_left.discard(shard)
-        if done and not st.owned_left:
-            try_commit(Catalog(self._proc.storage), self._planned, st.fill, self._fill_views())
-            return True
-        return False
 
     def __repr__(self) -> str:
         mode = "fill" if self.filling else "online"
         return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
+
+
+@dataclass(frozen=True)
+class _OnlineSources:
+    """The :data:`~featstore.read._dataset.SourceFactory` of an online reader (picklable)."""
+
+    planned: Planned
+
+    def __call__(self, reads: ProcessReads) -> list[ShardSource]:
+        return [ComputedSource(self.planned, reads)]
 
 
 def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: PublicVersion | None = None,

@@ -9,10 +9,13 @@ from featstore._lazy import lazy_exports
 
 _NAMES = {
     "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",
-    "DiskCacheOptions": "_disk_cache", "clear_disk_cache": "_disk_cache", "list_disk_cache": "_disk_cache",
+    "DiskCacheOptions": "_cache", "clear_disk_cache": "_cache", "list_disk_cache": "_cache",
     "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
     "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
-    "ShardPermutation": "_shuffle", "MultiTeacherDataset": "_multiread",
+    "ShardPermutation": "_shuffle", "MultiTeacherDataset": "_multiread", "dropped_pieces": "_assignment",
+    # where a window's rows come from: what another source (featstore.online's) builds on
+    "ShardSource": "_sources", "ProcessReads": "_sources", "Window": "_sources", "Epoch": "_sources",
+    "WindowRead": "_sources", "WindowRows": "_sources",
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

@@ -13,8 +13,7 @@ and its batches carry ``"view"``. ``source=`` joins the student's own input: eac
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -23,23 +22,31 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from featstore.read._disk_tier import scope_identity
-from featstore.errors import DistributedSetupError, InvalidInput
-from featstore.read._gather import window_rows
 from featstore.codecs._parts import assemble, expand_fields
-from featstore.codecs._ragged import (LENGTHS, OFFSETS, RaggedRows,
-                     concat_rows, offsets, pad_value, padded)
-from featstore.read._assignment import ConsumerPlan, Piece, UniformShards, consumer_plan, window_permutation
-from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
+from featstore.codecs._ragged import LENGTHS, OFFSETS, RaggedRows, concat_rows, offsets, pad_value, padded
+from featstore.errors import DistributedSetupError, InvalidInput
+from featstore.read._assignment import ConsumerPlan, UniformShards, consumer_plan, consumer_span, window_permutation
+from featstore.read._gather import window_rows
+from featstore.read._objects import scope_identity
+from featstore.read._options import ReaderOptions
 from featstore.read._ranks import Placement, resolve
 from featstore.read._resume import (WorkerResume, check_same_run, check_worker_state, check_workers, is_worker_state,
                                     rank_state, rotated, worker_state)
-from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
+from featstore.read._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, WindowRows, default_cache_bytes,
+                                     read_windows)
 from featstore.read._views import ViewReading
-from featstore.read._windows import InThread, WindowReader, spare_cores
+from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
+from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 
-from featstore.read._options import ReaderOptions
-from featstore.read._shard_reads import ShardReads, ProcessState, default_cache_bytes
+#: What a dataset's rows come from in one process, given that process's reads of the stored
+#: version: by default the stored sources (:attr:`ProcessReads.sources`); the online reader
+#: (:mod:`featstore.online`) computes them.
+SourceFactory = Callable[[ProcessReads], list[ShardSource]]
+
+
+def stored_sources(reads: ProcessReads) -> list[ShardSource]:
+    """The stored version's sources (the default :data:`SourceFactory`)."""
+    return reads.sources
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class _Local:
     worker_resume: WorkerResume | None = None  # where a worker state torchdata loaded into this copy resumes
 
 
-class FeatureDataset(ShardReads, IterableDataset):
+class FeatureDataset(IterableDataset):
     """Stream one committed version into Model B's training loop.
 
     >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
@@ -94,13 +101,19 @@ class FeatureDataset(ShardReads, IterableDataset):
 
     **Resume.** :meth:`state_dict`/:meth:`load_state_dict` per rank, or per DataLoader worker
     under torchdata's ``StatefulDataLoader`` (see :mod:`featstore.read`).
+
+    Its parts: the epoch and resume point shared with DataLoader workers
+    (:class:`~featstore.read._worker_share.SharedProgress`), the view each epoch reads and the
+    source join (:class:`~featstore.read._views.ViewReading`), and per process the reads of the
+    version (:class:`~featstore.read._sources.ProcessReads`) with the sources the rows come from.
     """
 
     def __init__(self, version: StoredVersion | HasStoredVersion, *, rank: int | None = None,
                  world_size: int | None = None, options: ReaderOptions | None = None, source: Any = None,
                  augment: Any = None, source_fields: Any = None, source_id: str | None = None,
-                 **option_fields: Any) -> None:
-        """``source``/``augment``/``source_fields``/``source_id``: see :class:`ViewReading`."""
+                 sources: SourceFactory = stored_sources, **option_fields: Any) -> None:
+        """``source``/``augment``/``source_fields``/``source_id``: see :class:`ViewReading`;
+        ``sources``: where the rows come from (:data:`SourceFactory`; the stored version's)."""
         super().__init__()
         self.version = version = stored(version)
         self.options = replace(options or ReaderOptions(), **option_fields)
@@ -118,20 +131,43 @@ class FeatureDataset(ShardReads, IterableDataset):
         self._started: tuple[int, int] | None = None  # a DataLoader worker's: see SharedProgress.stamp
         self._placement()  # an explicit rank out of range fails here
         self._local_state: _Local | None = None
-        self._state: ProcessState | None = None
-        # Resolved here, once: workers opening the cache later must not see a smaller budget
-        # because the cache itself has taken shared memory (or disk) meanwhile.
-        self._memory = self.options.memory
-        self._cache_bytes = (self.options.cache_bytes or default_cache_bytes()) if self._memory else 0
+        self._sources_for = sources
+        self._reads: tuple[ProcessReads, list[ShardSource]] | None = None
+        # Resolved here, once: workers opening the caches later must not see a smaller budget
+        # because the caches themselves have taken shared memory (or disk) meanwhile.
         disk = self.options.disk_options() if not version.storage.is_local else None
-        self._disk = (disk.resolved(), scope_identity(version)) if disk is not None else None
-        if self._memory:
-            # This process is a user of the shared cache from now on, so it is removed only
-            # after this process and every DataLoader worker have left (see featstore.read).
-            self._shared_cache()
-        if self._disk is not None:
-            self._disk_objects()  # this process reads the version: its entries are in use
+        self._caches = Caches(scope_identity(version) if self.options.cache else "",
+                              (self.options.cache_bytes or default_cache_bytes()) if self.options.memory else 0,
+                              disk.resolved() if disk is not None else None)
+        if self._caches.memory_bytes or self._caches.disk is not None:
+            # This process uses the caches from now on: the memory tier is removed only after
+            # this process and every DataLoader worker have left, the disk tier's entries of this
+            # version stay while it lives (see featstore.read).
+            self._process()
         on_fork(self)
+
+    def _process(self) -> ProcessReads:
+        """This process's reads of the version (made afresh in a new process)."""
+        if self._reads is None or self._reads[0].pid != os.getpid():
+            reads = ProcessReads(self.version, self.fields, self._viewing, self._caches, self.options)
+            self._reads = (reads, self._sources_for(reads))
+        return self._reads[0]
+
+    def _sources(self) -> list[ShardSource]:
+        """Where this process's rows come from."""
+        self._process()
+        assert self._reads is not None
+        return self._reads[1]
+
+    def clear_cache(self) -> None:
+        """Empty this version's caches for every process on the machine: the shared memory
+        (``cache="memory"``) and the disk tier's entries (``cache="disk"``); the next reads
+        decode from storage again (a process keeps what it has mapped).
+
+        >>> ds = store.dataset("cnn-a/train", cache="memory", cache_bytes=8 * 2**30)
+        >>> ds.clear_cache()
+        """
+        self._process().clear_cache()
 
     # -- placement (rank, world size) ---------------------------------------------------
     def _placement(self) -> Placement:
@@ -279,7 +315,7 @@ class FeatureDataset(ShardReads, IterableDataset):
         try:
             it = self._start()
         except Exception as exc:  # noqa: BLE001 - re-raised by the first next(), in the DataLoader's handling
-            return _raising(exc)
+            return raising(exc)
         return self._iterate(it)
 
     @property
@@ -322,51 +358,42 @@ class FeatureDataset(ShardReads, IterableDataset):
 
     def _iterate(self, it: _Iteration) -> Iterator[dict[str, torch.Tensor]]:
         local = self._local
-        for batch in self._batches(it.plan, it.cid, it.skip * self.options.batch_size, it.epoch):
+        windows = read_windows(self._sources(), self._epoch(it), self.options.prefetch,
+                               self.version.manifest.layout.samples_per_shard)
+        for batch in self._batches(windows, it.cid, it.epoch):
             local.yielded += 1
             yield batch
+
+    def _epoch(self, it: _Iteration) -> Epoch:
+        """The iteration as its sources see it: every window of its plan, where each starts."""
+        consumers, partition = it.placement.world * max(1, it.workers), self._partition(it.placement.world)
+        at = consumer_span(len(self.version), consumers, it.cid, partition)[0]  # type: ignore[arg-type]
+        windows = []
+        for i, pieces in enumerate(it.plan.windows):
+            windows.append(Window(i, pieces, at))
+            at += windows[-1].size
+        return Epoch(it.epoch, it.cid, consumers, partition, tuple(windows), it.skip * self.options.batch_size)
 
     def __getstate__(self) -> dict[str, Any]:
         if not in_worker():  # pickled to start a worker (spawn): it shares this block, plans with this
             self._before_fork()
         # maps, file handles and counts stay in their process
-        return {**self.__dict__, "_state": None, "_local_state": None}
+        return {**self.__dict__, "_reads": None, "_local_state": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         on_fork(self)
 
-    def _windows(self, plan: ConsumerPlan, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-        """Read windows ahead on a thread pool; yield (window index, rows to drop, arrays)."""
-        todo: list[tuple[int, int, tuple[Piece, ...]]] = []
-        pos = 0
-        for wi, window in enumerate(plan.windows):
-            size = sum(p.size for p in window)
-            if pos + size > skip:
-                todo.append((wi, max(0, skip - pos), window))
-            pos += size
-        if spare_cores() < 1 and (self._proc.storage.is_local or self._disk_holds(todo)):
-            # Nothing to hide on a local store (or a disk tier holding all this epoch reads) but
-            # decode CPU, and no core to overlap it on: pool threads would only take turns with
-            # Model B's torch threads (measured slower).
-            yield from WindowReader(self, InThread(), todo)
-            return
-        with ThreadPoolExecutor(self.options.prefetch, thread_name_prefix="featstore-read") as pool:
-            yield from WindowReader(self, pool, todo)
-
-    def _batches(self, plan: ConsumerPlan, cid: int, skip: int, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Cut windows into batches: each batch is one numpy gather of its rows from the window
-        (the window is never permuted as a whole, which would copy it once more)."""
+    def _batches(self, windows: Iterator[tuple[Window, dict[str, WindowRows]]], cid: int,
+                 epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Cut windows into batches: each batch is one gather of its rows from the window (the
+        window is never permuted as a whole, which would copy it once more)."""
         bs = self.options.batch_size
         carry: dict[str, np.ndarray] | None = None
-        for wi, drop, arrays in self._windows(plan, skip):
-            n = len(arrays["index"])
-            if self.options.shuffle:
-                order: np.ndarray | None = window_permutation(self.options.seed, epoch, cid, wi, n)[drop:]
-            else:
-                order = None
-
-            n -= drop
+        for window, arrays in windows:
+            drop, n = window.drop, window.size - window.drop
+            order = (window_permutation(self.options.seed, epoch, cid, window.number, n + drop)[drop:]
+                     if self.options.shuffle else None)
             pos = 0
             if carry is not None:
                 take = min(bs - len(carry["index"]), n)
@@ -426,10 +453,7 @@ def _check_unchanged(local: _Local, placement: Placement) -> None:
     local.planned = placement
 
 
-def _raising(exc: BaseException) -> Iterator[Any]:
+def raising(exc: BaseException) -> Iterator[Any]:
     """An iterator whose first next() raises ``exc``."""
     raise exc
     yield  # a generator
-
-
-#: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again

@@ -37,7 +37,7 @@ from torch.utils.data import IterableDataset
 from featstore._allowed_names import check_field
 from featstore.errors import InvalidInput, VersionsMisaligned
 from featstore.read._assignment import ConsumerPlan
-from featstore.read._dataset import FeatureDataset
+from featstore.read._dataset import FeatureDataset, raising
 from featstore.read._options import ReaderOptions
 from featstore.read._views import ViewReading
 from featstore.read._worker_share import in_worker
@@ -157,7 +157,7 @@ class MultiTeacherDataset(IterableDataset):
         except Exception as exc:  # noqa: BLE001 - re-raised by the first next() in a worker
             if not in_worker():
                 raise
-            return _raising(exc)
+            return raising(exc)
         return self._zip(iterators)
 
     def _zip(self, iterators: dict[str, Iterator[dict[str, torch.Tensor]]]) -> Iterator[dict[str, torch.Tensor]]:
@@ -190,8 +190,3 @@ def _fields(fields: Any) -> tuple[str, ...] | None:
     if fields is None:
         return None
     return (fields,) if isinstance(fields, str) else tuple(fields)
-
-
-def _raising(exc: BaseException) -> Iterator[Any]:
-    raise exc
-    yield  # a generator

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from featstore.read._disk_cache import POLICIES, DiskCacheOptions
+from featstore.read._cache import POLICIES, DiskCacheOptions
 from featstore.errors import InvalidInput
 from featstore.codecs._ragged import (RAGGED_FORMS)
 from featstore.read._assignment import PARTITIONS

@@ -31,6 +31,13 @@ iteration from the last one (the DataLoader drew the same base seed twice: re-se
 epoch); it raises :class:`~featstore.InvalidInput` asking for ``set_epoch`` rather than read the
 last epoch again.
 
+**Atomic updates.** The workers of two DataLoaders over one dataset start at once and each
+loader's first worker appends its record: every read-modify-write of the block (the ring's
+counter, the generation) is one critical section under a ``flock`` on a file of the block's own,
+which each process that shares the block opens by name (fork, spawn and forkserver alike), with
+a thread lock for the threads of one process (a lost update of the counter loses a loader's
+record, and its workers then read the other loader's epoch: tests/read/test_clients.py).
+
 **Ownership.** A block belongs to one process (its owner) and that process's DataLoader workers.
 ``ddp_spawn`` pickles a dataset built before the spawn into every rank, and torch shares a shared
 tensor with whoever unpickles it; so the first time a process that is not a DataLoader worker uses
@@ -40,9 +47,13 @@ process just before it forks (``os.register_at_fork``), so that forked workers s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import threading
+import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +61,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import InvalidInput
+from featstore.read._cache import held_open, shm_root
 from featstore.read._ranks import Placement
 
 # header words
@@ -102,18 +114,46 @@ class SharedProgress:
     """The shared integers of one dataset (see the module docstring for the rules)."""
 
     def __init__(self) -> None:
-        self._t = torch.zeros(SIZE, dtype=torch.int64).share_memory_()
-        self._t[OWNER] = os.getpid()
+        self._mine(torch.zeros(SIZE, dtype=torch.int64))
         self._t[RESUME_GEN] = -1
+
+    def _mine(self, t: torch.Tensor) -> None:
+        """Make ``t`` this process's block, with a lock file of its own."""
+        self._t = t.share_memory_()
+        self._t[OWNER] = os.getpid()
+        _sweep_dead_locks()
+        self._lock_path = os.path.join(shm_root(), f"{_LOCK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.lock")
+        weakref.finalize(self, _remove_lock, self._lock_path, os.getpid())
+        self._held: tuple[int, int, threading.Lock] | None = None
 
     def own(self) -> None:
         """Take a private copy unless this process owns the block (or is a DataLoader worker,
         which shares its parent's)."""
         if in_worker() or (int(self._t[OWNER]) == os.getpid() and self._t.is_shared()):
             return
-        mine = self._t.clone().share_memory_()
-        mine[OWNER] = os.getpid()
-        self._t = mine
+        with self._locked():
+            mine = self._t.clone()
+        self._mine(mine)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_t": self._t, "_lock_path": self._lock_path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._held = None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the block's lock (every process that shares the block opens its file by name)."""
+        if self._held is None or self._held[0] != os.getpid():  # a forked child opens its own
+            self._held = (os.getpid(), held_open(self._lock_path, os.O_RDWR | os.O_CREAT), threading.Lock())
+        _, fd, lock = self._held
+        with lock:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _get(self, i: int) -> int:
         return int(self._t[i])
@@ -127,6 +167,10 @@ class SharedProgress:
         still applies to it (``load_state_dict`` then ``set_epoch`` with the state's epoch)."""
         self.own()
         epoch = check_epoch(epoch)
+        with self._locked():
+            self._new_epoch(epoch)
+
+    def _new_epoch(self, epoch: int) -> None:
         keep = self._get(RESUME_GEN) == self._get(GEN) and self._get(BASE) == epoch
         self._set(BASE, epoch)
         self._set(GEN, self._get(GEN) + 1)
@@ -135,18 +179,21 @@ class SharedProgress:
     def set_resume(self, epoch: int, seen: int, workers: int | None) -> None:
         """The next new iteration reads ``epoch`` and skips the ``seen`` batches of this rank."""
         self.own()
-        self._set(RESUME_SEEN, seen)
-        self._set(RESUME_WORKERS, 0 if workers is None else workers + 1)
-        self.set_epoch(epoch)
-        self._set(RESUME_GEN, self._get(GEN))
+        epoch = check_epoch(epoch)
+        with self._locked():
+            self._set(RESUME_SEEN, seen)
+            self._set(RESUME_WORKERS, 0 if workers is None else workers + 1)
+            self._new_epoch(epoch)
+            self._set(RESUME_GEN, self._get(GEN))
 
     def current_epoch(self) -> int:
         """The epoch of the latest iteration since the last ``set_epoch``, else the one the next
         will read."""
-        latest = self._latest()
-        if latest is not None and latest[2] == self._get(GEN) & 0xFF:
-            return latest[3]
-        return self._get(BASE)
+        with self._locked():
+            latest = self._latest()
+            if latest is not None and latest[2] == self._get(GEN) & 0xFF:
+                return latest[3]
+            return self._get(BASE)
 
     def _latest(self) -> tuple[int, bool, int, int] | None:
         n = self._get(RING_NEXT)
@@ -159,8 +206,9 @@ class SharedProgress:
     def stamp(self) -> tuple[int, int]:
         """(generation, the epoch a new iteration would read now): what a DataLoader worker's
         copy records when the training process starts it (see :meth:`begin`)."""
-        gen = self._get(GEN)
-        return gen, self._next(gen)[0]
+        with self._locked():
+            gen = self._get(GEN)
+            return gen, self._next(gen)[0]
 
     def _next(self, gen: int) -> tuple[int, bool]:
         """The epoch of a new iteration in generation ``gen``, and whether it is the first."""
@@ -184,6 +232,11 @@ class SharedProgress:
         """
         if slot > MAX_WORKERS:
             raise InvalidInput(f"featstore supports at most {MAX_WORKERS} DataLoader workers.")
+        with self._locked():
+            return self._begin(slot, key, fresh, epoch, started, check)
+
+    def _begin(self, slot: int, key: int | None, fresh: bool, epoch: int | None, started: tuple[int, int] | None,
+               check: Callable[[Start], None] | None) -> Start:
         now = self._get(GEN)
         gen = started[0] if fresh and started is not None else now
         found = None if key is None or epoch is not None else self._find(key, gen)
@@ -198,9 +251,9 @@ class SharedProgress:
             e, first = self._next(gen)
         mine = None
         if found is None and key is not None:
-            # The workers of one DataLoader iteration start at once: two may both find no record,
-            # and the later one take the epoch after the earlier one's record. So each records
-            # what it found and then takes the iteration's oldest record: the same for all of them.
+            # Under the lock no other worker records between our lookup and our record; should
+            # one have (a lock file removed under a running job), each still takes the
+            # iteration's oldest record: the same for all of them.
             mine = self._record(_pack(key, first, gen, e))
             e, first = self._find(key, gen) or (e, first)
             if _pack(key, first, gen, e) != mine[1]:  # ours is the later: it says the same now
@@ -262,7 +315,8 @@ class SharedProgress:
 
     # -- workers and placement --------------------------------------------------------------
     def saw_workers(self, workers: int) -> None:
-        self._set(LAST_WORKERS, workers + 1)
+        with self._locked():
+            self._set(LAST_WORKERS, workers + 1)
 
     def last_workers(self) -> int | None:
         n = self._get(LAST_WORKERS)
@@ -271,13 +325,51 @@ class SharedProgress:
     def publish(self, placement: Placement) -> None:
         """Record the training process's placement for its DataLoader workers."""
         self.own()
-        self._set(RANK, placement.rank)
-        self._set(WORLD, placement.world)
-        self._set(SOURCE, placement.source)
+        with self._locked():
+            self._set(RANK, placement.rank)
+            self._set(WORLD, placement.world)
+            self._set(SOURCE, placement.source)
 
     def placement(self) -> Placement:
         """The placement the training process last recorded."""
-        return Placement(self._get(RANK), self._get(WORLD), self._get(SOURCE))
+        with self._locked():
+            return Placement(self._get(RANK), self._get(WORLD), self._get(SOURCE))
+
+
+_LOCK_PREFIX = "featstore-progress-"
+_SWEPT_IN = -1  # the process that last removed the lock files of dead owners
+
+
+def _sweep_dead_locks() -> None:
+    """Once per process: remove the lock files whose owner died without removing its own (a
+    SIGKILL); the owner's pid is in the name (a reused pid only keeps a file a while longer)."""
+    global _SWEPT_IN
+    if _SWEPT_IN == os.getpid():
+        return
+    _SWEPT_IN = os.getpid()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(shm_root()):
+            pid = name[len(_LOCK_PREFIX):].split("-")[0]
+            if name.startswith(_LOCK_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_root(), name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_lock(path: str, owner: int) -> None:
+    """The block's lock file goes with its owner (a forked child inherits the finalizer)."""
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _own_key() -> int:

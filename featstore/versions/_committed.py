@@ -101,7 +101,7 @@ def deleted_or(version: StoredVersion, error: FeatstoreError) -> FeatstoreError:
     return deleted_while_reading(version.ref) if version.was_deleted() else error
 
 
-def missing_data_error(version: StoredVersion, ref: ChunkRef, data: bytes | None) -> FeatstoreError:
+def missing_data_error(version: StoredVersion, ref: ChunkRef, data: bytes | memoryview | None) -> FeatstoreError:
     """The one "deleted or damaged?" decision for a shard object read as ``data`` (None: there
     is no such object): :class:`VersionNotFound` when the version was deleted while it was read,
     else :class:`CorruptChunk` naming ``ref`` ("is missing" or "is empty")."""

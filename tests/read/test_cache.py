@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, CorruptChunk, InvalidInput
-from featstore.read._memory_cache import CacheOptions, SharedCache, sweep_stale
+from featstore.read._cache import NodeCache, Space, sweep_stale
 from featstore.versions import stored
 
 from tests.models import TinyA, VectorData
@@ -76,7 +76,7 @@ def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> 
 
 
 def folder_of(ds) -> Path:
-    return Path(ds._shared_cache().folder)
+    return Path(ds._process().memory.folder)
 
 
 def entries(folder: Path) -> list[str]:
@@ -184,7 +184,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
     shard = SPP * 5 * 4  # one logits shard, decoded (the largest entry)
     big = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=2**24)
     batches(big)  # fills the version's cache beyond the next reader's budget
-    assert big._shared_cache().used_bytes() > 3 * shard
+    assert big._process().memory.used_bytes() > 3 * shard
     ds = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=3 * shard)
     ref = batches(v.dataset(batch_size=32, seed=1))
     for _ in range(2):
@@ -192,7 +192,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
         assert same(batches(ds), ref)
         # within the budget: an insert renames its shard into place under the eviction lock, so
         # a concurrent insert making room never misses it in its listing
-        assert 0 < ds._shared_cache().used_bytes() <= 3 * shard
+        assert 0 < ds._process().memory.used_bytes() <= 3 * shard
     tiny = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=8)  # nothing fits
     assert same(batches(tiny), ref)
 
@@ -330,8 +330,7 @@ def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
 
 
 def test_crashed_writer_temp_file_is_reclaimed(tmp_path):
-    opts = CacheOptions(max_bytes=4096, root=str(tmp_path))
-    cache = SharedCache(opts.folder("x"), opts.max_bytes)
+    cache = NodeCache.open(Space.for_memory("x", root=str(tmp_path)), "x", 4096)
     orphan = Path(cache.folder) / ".tmp-a.0.dead"
     orphan.write_bytes(b"\0" * 4000)  # no process holds its lock: its writer died
     view = cache.put("b", 1000, lambda buf: buf.__setitem__(slice(None), b"\1" * 1000))
@@ -436,19 +435,19 @@ def _held_slots() -> int:
 def windows(monkeypatch) -> Counter:
     """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
     ``"in place"`` (shard by shard, InPlace), counted where the reader decides
-    (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
-    from featstore.read._dataset import FeatureDataset
+    (``ArenaSource._rows``, wrapped: it still does what it did)."""
     from featstore.read._gather import ArenaRows
+    from featstore.read._sources import ArenaSource
 
     counts: Counter = Counter()
-    real = FeatureDataset._arena_rows
+    real = ArenaSource._rows
 
-    def counted(self, window, field, *rest):
-        got = real(self, window, field, *rest)
+    def counted(self, *args):
+        got = real(self, *args)
         counts["arena" if isinstance(got, ArenaRows) else "in place"] += 1
         return got
 
-    monkeypatch.setattr(FeatureDataset, "_arena_rows", counted)
+    monkeypatch.setattr(ArenaSource, "_rows", counted)
     return counts
 
 
@@ -525,13 +524,13 @@ def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, m
     """An arena of 2 slots cannot hold the three one-shard windows in flight: some windows are
     gathered shard by shard, the others from the arena, and the batches are the same."""
     from featstore.read import _arena as arena
-    from featstore.read import _shard_reads as dataset
+    from featstore.read import _objects
 
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
     monkeypatch.setattr(arena, "_ARENAS", None)  # a fresh registry, restored afterwards
     monkeypatch.setattr(arena, "MIN_SLOTS", 2)
-    monkeypatch.setattr(dataset, "MAPPED_BYTES", 1)
+    monkeypatch.setattr(_objects, "MAPPED_BYTES", 1)
     windows.clear()
     got = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
     assert same(got, want)

@@ -150,6 +150,39 @@ def test_two_workers_starting_at_once_take_one_epoch(monkeypatch):
     assert [p.begin(1, keys[1], False).epoch, p.begin(2, keys[1], False).epoch] == [1, 1]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_eight_workers_of_two_loaders_starting_at_once_each_read_an_epoch_of_their_own(version, persistent,
+                                                                                      monkeypatch):
+    """Two DataLoaders over one dataset, 4 workers each, started together over and over without
+    set_epoch: the 8 workers begin their iterations at the same moment, and each loader's first
+    worker records its iteration in the shared ring. Every iteration must read one whole epoch,
+    and no two the same. Each write of the ring is slowed down (a test build's fault: the counter's
+    read-modify-write is a microsecond race on a real machine), so a counter that is not updated
+    atomically loses one loader's record and its workers read the other loader's epoch."""
+    import time
+
+    from featstore.read import _worker_share as share
+
+    real = share.SharedProgress._set
+
+    def slow(self, i: int, value: int) -> None:
+        if share.HEADER <= i < share.HEADER + share.RING:  # between the counter's read and its write
+            time.sleep(0.2)
+        real(self, i, value)
+
+    monkeypatch.setattr(share.SharedProgress, "_set", slow)
+    ds = version.dataset(batch_size=BS, seed=6)
+    loaders = [DataLoader(ds, batch_size=None, num_workers=4, persistent_workers=persistent,
+                          multiprocessing_context="fork", timeout=120) for _ in range(2)]
+    epochs = []
+    for _ in range(3):
+        for it in [iter(loader) for loader in loaders]:  # both loaders' workers start now
+            rows = _indices(it)
+            assert figures(sum(rows, [])) == {"rows": N, "duplicates": 0, "missing": 0}
+            epochs.append(frozenset(map(tuple, rows)))
+    assert len(set(epochs)) == len(epochs)  # six iterations, six epochs
+
+
 # -- ranks ----------------------------------------------------------------------------------------
 def test_unresolvable_rank_is_an_error_not_a_guess(version, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")

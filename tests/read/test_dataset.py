@@ -186,7 +186,7 @@ def test_reader_fast_path_reads_featstore_layout(versions):
     """Versions featstore writes are read by the whole-shard fast path, never silently by zarr."""
     v = versions["local"]
     ds = v.dataset(batch_size=32, shuffle=False)
-    assert all(ds._shard_format(f) is not None for f in ds.fields)
+    assert all(ds._process().shard_format(f) is not None for f in ds.fields)
     got = torch.cat([b["logits"] for b in ds])
     assert torch.equal(got, v[0:len(v)]["logits"])
 
@@ -197,7 +197,7 @@ def _client_in_worker(_: int) -> None:
     from torch.utils.data import get_worker_info
 
     ds = get_worker_info().dataset
-    getter = ds._proc.storage._s3_getter()
+    getter = ds._process().storage._s3_getter()
     from featstore.storage import _s3_reads as s3get
 
     assert (getter is None) == (not s3get.usable()), "obstore used where its runtime cannot run"
@@ -212,7 +212,7 @@ def test_fork_workers_after_parent_used_obstore(versions):
 
     v = versions["s3"]
     ds = v.dataset(batch_size=40, seed=5)
-    storage = ds._proc.storage
+    storage = ds._process().storage
     assert storage._s3_getter() is not None or not s3get.usable()  # obstore in this process
     key = stored(v).object_key("logits", 0)
     assert storage.read_bytes(key)  # the runtime is started now (or was already)

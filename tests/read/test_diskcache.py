@@ -1,4 +1,4 @@
-"""The disk tier for remote stores (cache="disk", featstore/read/_disk_cache.py).
+"""The disk tier for remote stores (cache="disk", featstore/read/_cache.py and _objects.py).
 
 Real parts only: the moto S3 server with the loopback proxy in front of it counting every GET
 (tests/faultproxy.py), real DataLoader worker processes, real rank processes sharing one cache
@@ -25,8 +25,8 @@ import torch
 import featstore
 from featstore import ComputeOptions, InvalidInput
 from featstore.cli._main import main as cli_main
-from featstore.read._disk_cache import DiskCache, DiskCacheOptions, list_disk_cache
-from featstore.read._disk_tier import entry_name, scope_identity
+from featstore.read._cache import DiskCacheOptions, list_disk_cache
+from featstore.read._objects import entry_name, scope_identity
 
 from featstore.testing import FaultProxy, Rule, wait_until
 from featstore.versions import StoredVersion, stored
@@ -108,7 +108,7 @@ def test_batches_equal_the_uncached_ones_and_later_epochs_send_no_get(remote, tm
         # epoch 0 fetches every object exactly once (whole, even the pieces that need a few chunks)
         assert set(counts.values()) == ({1} if epoch == 0 else {0}), (epoch, counts)
         if kind == "memory+disk":
-            assert ds._shared_cache().used_bytes() <= 2048
+            assert ds._process().memory.used_bytes() <= 2048
     [scope] = list_disk_cache(str(tmp_path))
     assert (scope.version, scope.entries, scope.in_use) == (v.ref, len(keys), True)
 
@@ -151,7 +151,7 @@ def test_half_the_version_as_budget_fetches_half_per_epoch_and_keeps_one_set(rem
     budget = total // 2
     ds = store(remote).dataset(v.ref, batch_size=16, seed=2, cache="disk", cache_dir=str(tmp_path),
                                cache_bytes=budget)
-    cache = ds._disk_objects().cache
+    cache = ds._process().disk
     fetched, held = [], []
     for epoch in range(3):
         ds.set_epoch(epoch)
@@ -176,7 +176,7 @@ def test_damaged_or_torn_entries_are_fetched_again_never_served(remote, tmp_path
                                cache_bytes=2**26)
     ref = batches(store(remote).dataset(v.ref, batch_size=16, seed=3))
     assert same(batches(ds), ref)
-    folder = Path(ds._disk_objects().cache.folder)
+    folder = Path(ds._process().disk.folder)
     flipped, torn, forged = (stored(v).object_key(f, s) for f, s in (("logits", 1), ("target", 2), ("features", 3)))
     with open(folder / entry_name(flipped), "r+b") as f:
         f.seek(5)
@@ -230,7 +230,7 @@ def test_a_reader_killed_mid_fetch_leaves_the_cache_usable_and_counted(remote, t
     assert max(counts.values()) == 1
     files = entry_files(tmp_path)
     assert not [p for p in files if p.name.startswith(".tmp-")]
-    assert ds._disk_objects().cache.used_bytes() == sum(p.stat().st_size for p in files)
+    assert ds._process().disk.used_bytes() == sum(p.stat().st_size for p in files)
 
 
 def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
@@ -243,7 +243,7 @@ def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
     pid = os.fork()  # a real process (no imports to wait for): reserve, write half, wait to be killed
     if pid == 0:
         try:
-            cache = DiskCache.open(opts, "a killed writer", {})
+            cache = opts.open("a killed writer", {})
             fd = cache._reserve(os.path.join(cache.folder, ".tmp-entry.killed"), n)
             os.pwrite(fd, b"x" * (n // 2), 0)
             os.write(ready_w, b"1")
@@ -252,12 +252,12 @@ def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
             os._exit(1)
     try:
         assert os.read(ready_r, 1) == b"1"
-        cache = DiskCache.open(opts, "another reader", {})
+        cache = opts.open("another reader", {})
         assert cache.used_bytes() == n  # a live writer's reservation counts
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    assert cache._insert("big", b"y" * (budget - 100))  # the ledger still says 6,000 held: recounted
+    assert insert(cache, "big", b"y" * (budget - 100))  # the ledger still says 6,000 held: recounted
     assert cache.used_bytes() == budget - 100 + 24
     assert not list((tmp_path / "featstore-disk").glob("*/.tmp-*"))
     cache.close()
@@ -270,28 +270,33 @@ def used_in_order(tmp_path: Path, names: list[str]) -> None:
         os.utime(path, ns=(10**18 + i, path.stat().st_mtime_ns))
 
 
+def insert(cache, name: str, data: bytes) -> bool:
+    """Keep ``data`` as entry ``name``; whether it fit."""
+    return cache.put(name, len(data), lambda buf: buf.__setitem__(slice(None), data)) is not None
+
+
 def test_keep_evicts_only_versions_no_process_reads_and_lru_evicts_anything(tmp_path):
     opts = DiskCacheOptions(str(tmp_path), 1000)
-    gone = DiskCache.open(opts, "version nobody reads any more", {})
+    gone = opts.open("version nobody reads any more", {})
     for i in range(3):
-        assert gone._insert(f"g{i}", b"g" * 176)  # 200 bytes with the trailer
+        assert insert(gone, f"g{i}", b"g" * 176)  # 200 bytes with the trailer
     used_in_order(tmp_path, ["g0", "g1", "g2"])
     gone.close()  # as when its last reader exits
-    live = DiskCache.open(opts, "version another process reads", {})
-    mine = DiskCache.open(opts, "version this reader reads", {})
-    assert live._insert("l0", b"l" * 176) and mine._insert("m0", b"m" * 176)
-    assert mine._insert("m1", b"m" * 176) and mine._insert("m2", b"m" * 176)  # evicts g0 then g1
+    live = opts.open("version another process reads", {})
+    mine = opts.open("version this reader reads", {})
+    assert insert(live, "l0", b"l" * 176) and insert(mine, "m0", b"m" * 176)
+    assert insert(mine, "m1", b"m" * 176) and insert(mine, "m2", b"m" * 176)  # evicts g0 then g1
     names = {p.name for p in entry_files(tmp_path)}
     assert names == {"g2", "l0", "m0", "m1", "m2"}
-    assert mine._insert("m3", b"m" * 176)  # the last stale entry goes, and its scope folder
+    assert insert(mine, "m3", b"m" * 176)  # the last stale entry goes, and its scope folder
     assert not os.path.exists(gone.folder)
     mine._full = (0.0, 0)
-    assert not mine._insert("m4", b"m" * 176)  # full: a version in use keeps what it has
+    assert not insert(mine, "m4", b"m" * 176)  # full: a version in use keeps what it has
     assert {p.name for p in entry_files(tmp_path)} == {"l0", "m0", "m1", "m2", "m3"}
-    lru = DiskCache.open(replace(opts, policy="lru"), "version this reader reads", {})
+    lru = replace(opts, policy="lru").open("version this reader reads", {})
     lru._full = (0.0, 0)
     used_in_order(tmp_path, ["l0", "m0", "m1", "m2", "m3"])
-    assert lru._insert("m4", b"m" * 176)  # "lru": the least recently used entry of any version
+    assert insert(lru, "m4", b"m" * 176)  # "lru": the least recently used entry of any version
     assert "l0" not in {p.name for p in entry_files(tmp_path)}
     for c in (live, mine):
         c.close()
@@ -340,7 +345,7 @@ def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote,
                              options=ComputeOptions(progress=False, chunk_rows=16),
                              client=dask_client)
     ds = lv.dataset(cache="disk", cache_dir=str(tmp_path / "c"))
-    assert ds._disk_objects() is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
+    assert ds._process().disk is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
 
 
 def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
@@ -348,11 +353,11 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     child's copy of the descriptor is closed at the fork, so the lock ends with the parent's."""
     import fcntl
 
-    from featstore.read._memory_cache import _flocked
+    from featstore.read._cache import flocked
 
     lock = str(tmp_path / "lock")
     ready_r, ready_w = os.pipe()
-    with _flocked(lock, fcntl.LOCK_EX):
+    with flocked(lock, fcntl.LOCK_EX):
         pid = os.fork()
         if pid == 0:  # the fork's handlers have run by now
             os.write(ready_w, b"1")
