@@ -11,6 +11,9 @@ instead of reading a shard, the consumer runs A on the shard's samples in the ba
 ``compute`` would use (``Teacher.batch_size`` rows from the shard's first), under
 ``torch.inference_mode``, on ``Teacher.device``, and encodes the outputs with the output's codec
 (:mod:`featstore.compute`'s own encode): batches hold exactly what the stored version would give.
+Per-token outputs (``tokens=``) too: a window holds each piece's token rows, as the stored
+reader's per-token source gives them, so batches carry the same flat rows and offsets (or
+padded rows and lengths), and a fill writes the token rows compute writes.
 
 A consumer computes whole shards, so one that reads only a shard's tail (its span starts inside
 the shard) computes the rows before it too: at most one extra shard per consumer and epoch.
@@ -38,7 +41,8 @@ from featstore.errors import InvalidInput
 from featstore.online._fill import FillState, ShardWrites, owned, try_commit
 from featstore.online._inputs import InputPrefetch
 from featstore.online._teacher import Planned, Teacher, plan_teacher
-from featstore.read import (Epoch, FeatureDataset, ProcessReads, ShardSource, UniformShards, Window, WindowRead,
+from featstore.ragged import TOKEN_LENGTH, RaggedRows, RaggedWindow
+from featstore.read import (Epoch, FeatureDataset, Piece, ProcessReads, ShardSource, UniformShards, Window, WindowRead,
                             WindowRows, dropped_pieces)
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import HasStoredVersion, StoredVersion
@@ -57,6 +61,18 @@ def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int
     return rows.buffers, rows.stats
 
 
+def piece_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
+    """The token rows of ``piece``'s samples in each per-token array of ``fields``, from the
+    rows of its shard as :func:`~featstore.compute.compute_shard` gives them (each per-token
+    array the shard's token rows, sample after sample)."""
+    if not fields:
+        return {}
+    counts = rows[TOKEN_LENGTH]
+    lengths, first = counts[piece.lo:piece.hi], int(counts[:piece.lo].sum(dtype=np.int64))
+    last = first + int(lengths.sum(dtype=np.int64))
+    return {f: RaggedRows(rows[f][first:last], lengths) for f in fields}
+
+
 class ComputedSource(ShardSource):
     """Where an online reader's rows come from (the :class:`~featstore.read._sources.ShardSource`
     of :class:`OnlineDataset`, one per process): Model A computes each window's shards, whole,
@@ -68,6 +84,7 @@ class ComputedSource(ShardSource):
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
         self.planned, self.reads, self.options = planned, reads, reads.options
         self.fields = reads.fields
+        self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
         self._net: torch.nn.Module | None = None  # built on this process's first computed shard
         self.writers: dict[int | None, Any] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
@@ -169,24 +186,32 @@ class ComputedSource(ShardSource):
         return self.planned.seen(view, epoch, self.options.seed)
 
     def _window_rows(self, window: Window) -> dict[str, WindowRows]:
-        """One window's rows of every read array, in window order."""
+        """One window's rows of every read array, in window order: the per-sample arrays into
+        window buffers, the per-token ones as each piece's token rows (what the stored version's
+        per-token source gives)."""
         specs = self.planned.version.manifest.arrays
-        arrays = {f: np.empty((window.size, *specs[f].shape), dtype=specs[f].dtype) for f in self.fields}
+        dense = [f for f in self.fields if f not in self.ragged]
+        arrays = {f: np.empty((window.size, *specs[f].shape), dtype=specs[f].dtype) for f in dense}
+        tokens: dict[str, list[RaggedRows]] = {f: [] for f in self.ragged}
         off, view = 0, self.spec.view
         for piece, own in zip(window.pieces, owned(window.pieces, window.at, len(self.planned.version)), strict=True):
-            out = {f: arrays[f][off:off + piece.size] for f in self.fields}
+            out = {f: arrays[f][off:off + piece.size] for f in dense}
             off += piece.size
             if self.filling and own and not self.fill.holds(view, piece.shard) and self.reads.storage.exists(
                     receipt_key(view_key(self.planned.version.key, view), piece.shard)):
                 self.fill.done.setdefault(view, set()).add(piece.shard)  # another run wrote it since
             if self.filling and self.fill.holds(view, piece.shard):
-                for f in self.fields:
+                for f in dense:
                     self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
-                continue
-            rows = self._computed(piece.shard, write=self.filling and own)
-            for f in self.fields:
-                out[f][...] = rows[f][piece.lo:piece.hi]
-        return dict(arrays)
+                got = self.reads.read_tokens(self.ragged, piece) if self.ragged else {}
+            else:
+                rows = self._computed(piece.shard, write=self.filling and own)
+                for f in dense:
+                    out[f][...] = rows[f][piece.lo:piece.hi]
+                got = piece_tokens(rows, self.ragged, piece)
+            for f in self.ragged:
+                tokens[f].append(got[f])
+        return {**arrays, **{f: RaggedWindow(parts) for f, parts in tokens.items()}}
 
     def _computed(self, shard: int, write: bool) -> dict[str, np.ndarray]:
         """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
@@ -273,9 +298,6 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: Pub
     if "@" in name:
         raise InvalidInput(f"with teacher=, name the feature set ({name.split('@')[0]!r}), not a version: the "
                            "teacher's arguments decide the version.")
-    if teacher.tokens is not None:  # planned as compute plans it (plan_teacher), not read online yet
-        raise InvalidInput("a teacher with tokens= (per-token outputs) is not read online yet: compute the version "
-                           "with store.compute(..., tokens=...) and read it with store.dataset(name).")
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, StoredVersion):
         return FeatureDataset(planned, **options)

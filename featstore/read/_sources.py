@@ -251,23 +251,8 @@ class TokenSource(ShardSource):
         self.reads, self.fields = reads, fields
 
     def read(self, window: Window, reads: Executor) -> WindowRead:
-        futs = [reads.submit(self._tokens, p) for p in window.pieces]
+        futs = [reads.submit(self.reads.read_tokens, self.fields, p) for p in window.pieces]
         return WindowRead(futs, lambda: {f: RaggedWindow([x.result()[f] for x in futs]) for f in self.fields})
-
-    def _tokens(self, piece: Piece) -> dict[str, RaggedRows]:
-        spec = self.reads.version.manifest.arrays
-        lengths = np.empty(piece.size, dtype=spec[TOKEN_LENGTH].dtype)
-        starts = np.empty(piece.size, dtype=spec[TOKEN_START].dtype)
-        self.reads.read_rows(TOKEN_LENGTH, piece.shard, piece.lo, piece.hi, lengths)
-        self.reads.read_rows(TOKEN_START, piece.shard, piece.lo, piece.hi, starts)
-        out = {}
-        for field in self.fields:
-            lo = int(starts[0]) - piece.shard * spec[field].tokens[0] if piece.size else 0
-            rows = np.empty((int(lengths.sum(dtype=np.int64)), *spec[field].shape), dtype=spec[field].dtype)
-            if len(rows):
-                self.reads.read_rows(field, piece.shard, lo, lo + len(rows), rows)
-            out[field] = RaggedRows(rows, lengths)
-        return out
 
     def near(self, windows: Sequence[Window]) -> bool:
         return self.reads.objects.local
@@ -329,6 +314,24 @@ class ProcessReads:
             out[...] = self.viewing.reading.read_rows(field, first + lo, first + hi)
         else:
             self.objects.decode(self.obj(field, shard), lo, hi, out)
+
+    def read_tokens(self, fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
+        """The token rows of ``piece``'s samples in each per-token array of ``fields``, found
+        from their ``token_start``/``token_length`` (one run of rows in the shard), decoded in
+        the calling thread: what :class:`TokenSource` reads, and the fill's stored shards."""
+        spec = self.version.manifest.arrays
+        lengths = np.empty(piece.size, dtype=spec[TOKEN_LENGTH].dtype)
+        starts = np.empty(piece.size, dtype=spec[TOKEN_START].dtype)
+        self.read_rows(TOKEN_LENGTH, piece.shard, piece.lo, piece.hi, lengths)
+        self.read_rows(TOKEN_START, piece.shard, piece.lo, piece.hi, starts)
+        out = {}
+        for field in fields:
+            lo = int(starts[0]) - piece.shard * spec[field].tokens[0] if piece.size else 0
+            rows = np.empty((int(lengths.sum(dtype=np.int64)), *spec[field].shape), dtype=spec[field].dtype)
+            if len(rows):
+                self.read_rows(field, piece.shard, lo, lo + len(rows), rows)
+            out[field] = RaggedRows(rows, lengths)
+        return out
 
     def near(self, field: str, windows: Sequence[Window]) -> bool:
         """Whether reading these windows of ``field`` needs no remote storage."""
