@@ -22,7 +22,7 @@ _NAMES = {
     "ShardRows": "_shard_rows", "compute_shard": "_shard_rows", "shard_batches": "_shard_rows",
     "open_arrays": "_shard_writing", "write_shard": "_shard_writing",
     "Cluster": "_cluster", "connect": "_cluster", "worker_devices": "_devices", "tuned": "_malloc",
-    "collate_batch": "_batches",
+    "collate_batch": "_batches", "DatasetPrefix": "_extends",
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

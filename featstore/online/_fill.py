@@ -145,7 +145,7 @@ def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence
     the commit refuses (a hole, a gc's mark) is logged and retried at the next epoch, while
     training goes on reading what is stored.
     """
-    from featstore.compute._driver import commit_run
+    from featstore.compute import commit_run
 
     if state.committed:
         return True

@@ -19,10 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import Dataset
 
-from featstore.compute._decision import ComputePlan, decide
-from featstore.compute._request import ComputeRequest
-from featstore.compute._shard_task import probe
-from featstore.compute._task_spec import TaskSpec
+from featstore.compute import ComputePlan, ComputeRequest, TaskSpec, decide, probe
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim
