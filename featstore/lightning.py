@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
-from featstore._user_types import FieldKey, MapDataset
-from featstore.storage._base import StorageOptions
-from featstore.versions._views import Augment
 
 if TYPE_CHECKING:  # the type checker reads the `lightning` extra's package
     from lightning.pytorch import LightningDataModule
+
+    from featstore._user_types import FieldKey, MapDataset
+    from featstore.storage._base import StorageOptions
+    from featstore.versions._views import Augment
 else:
     try:
         from lightning.pytorch import LightningDataModule
