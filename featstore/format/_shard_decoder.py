@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from featstore.errors import CorruptChunk
-from featstore._lazy import np  # imported on first use: the quick commands never need them
+from featstore._lazy import np  # imported on first use: the quick commands never need it
 
 
 if TYPE_CHECKING:  # zarr only inside shard_format: decoding a shard needs none of it

@@ -25,7 +25,7 @@ from featstore.errors import FingerprintWarning, InvalidInput
 from featstore._json import JSON, JSONObject, canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
 from featstore._user_types import MapDataset, ModelSpec
-from featstore._lazy import torch  # imported on first use: the quick commands never need them
+from featstore._lazy import torch  # imported on first use: the quick commands never need it
 
 
 DATASET_SAMPLES = 16
