@@ -4,13 +4,18 @@ and friends from importing torch (seconds) for commands that never touch a tenso
 >>> np = lazy_module("numpy")     # nothing imported yet
 >>> np.zeros(2).tolist()          # imported here, once; the attribute is kept
 [0.0, 0.0]
+
+A module that uses numpy or torch only inside functions takes them from here
+(``from featstore._lazy import np, torch``): a type checker sees the real modules, so
+annotations such as ``np.ndarray`` and ``torch.Tensor`` are checked, while at runtime they are
+the lazy stand-ins.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class LazyModule:
@@ -31,6 +36,14 @@ class LazyModule:
 def lazy_module(name: str) -> Any:
     """A stand-in for ``import name`` that imports it on first attribute use."""
     return LazyModule(name)
+
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+else:  # the quick commands never import them (tests/cli, benchmarks/cli_startup.py)
+    np = lazy_module("numpy")
+    torch = lazy_module("torch")
 
 
 def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:

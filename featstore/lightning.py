@@ -26,19 +26,27 @@ What it handles, so the training script does not:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
-try:
+if TYPE_CHECKING:  # the type checker reads the `lightning` extra's package
     from lightning.pytorch import LightningDataModule
-except ImportError:  # the standalone package
+
+    from featstore._user_types import FieldKey, MapDataset
+    from featstore.storage._base import StorageOptions
+    from featstore.versions._views import Augment
+else:
     try:
-        from pytorch_lightning import LightningDataModule  # type: ignore[no-redef]
-    except ImportError as exc:
-        raise ImportError("featstore.lightning needs Lightning and torchdata: pip install 'featstore[lightning]'") \
-            from exc
+        from lightning.pytorch import LightningDataModule
+    except ImportError:  # the standalone package
+        try:
+            from pytorch_lightning import LightningDataModule
+        except ImportError as exc:
+            raise ImportError("featstore.lightning needs Lightning and torchdata: pip install "
+                              "'featstore[lightning]'") from exc
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
 except ImportError as exc:
@@ -65,10 +73,10 @@ class LoaderOptions:
     prefetch_factor: int | None = None
     timeout: float = 0
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self) -> dict[str, object]:
         if self.num_workers < 0:
             raise InvalidInput(f"num_workers must be >= 0, got {self.num_workers}.")
-        out: dict[str, Any] = {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
+        out: dict[str, object] = {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
                                "timeout": self.timeout if self.num_workers else 0}
         if self.num_workers:
             out.update(persistent_workers=self.persistent_workers, multiprocessing_context=self.multiprocessing_context)
@@ -89,26 +97,34 @@ class StatefulLoader(StatefulDataLoader):
     At an epoch's end nothing is held back.
     """
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> _Tracked:
         it = super().__iter__()
-        self._before_last: dict[str, Any] | None = None
+        self._before_last: dict[str, object] | None = None
         return _Tracked(self, it)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         held = getattr(self, "_before_last", None)
         return held if held is not None else super().state_dict()
+
+
+class _LoaderIterator(Protocol):
+    """A DataLoader's iterator: its batches, and how many are left in the epoch."""
+
+    def __next__(self) -> object: ...
+
+    def __len__(self) -> int: ...
 
 
 class _Tracked:
     """The iterator of a :class:`StatefulLoader` loader: keeps the state from before each batch."""
 
-    def __init__(self, loader: StatefulLoader, it: Any) -> None:
+    def __init__(self, loader: StatefulLoader, it: _LoaderIterator) -> None:
         self.loader, self.it = loader, it
 
     def __iter__(self) -> "_Tracked":
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> object:
         before = StatefulDataLoader.state_dict(self.loader)
         try:
             batch = next(self.it)
@@ -139,10 +155,11 @@ class FeatureDataModule(LightningDataModule):
     """
 
     def __init__(self, store: str | FeatureStore, train: str, val: str | None = None, *,
-                 storage_options: dict[str, Any] | None = None, options: ReaderOptions | None = None,
+                 storage_options: StorageOptions | None = None, options: ReaderOptions | None = None,
                  val_options: ReaderOptions | None = None, loader: LoaderOptions | None = None,
-                 source: Any = None, val_source: Any = None, augment: Any = None, source_fields: Any = None,
-                 source_id: str | None = None, **reader: Any) -> None:
+                 source: MapDataset | None = None, val_source: MapDataset | None = None, augment: Augment | None = None,
+                 source_fields: Sequence[FieldKey] | Mapping[str, FieldKey] | None = None,
+                 source_id: str | None = None, **reader: object) -> None:
         super().__init__()
         self._store_arg, self._storage_options = store, storage_options
         self.refs = {"train": train, **({"val": val} if val is not None else {})}
@@ -151,7 +168,7 @@ class FeatureDataModule(LightningDataModule):
         self.loader = loader or LoaderOptions()
         self.loader.kwargs()  # bad loader options fail here, not in the first epoch
         self._sources = {"train": source, "val": val_source}
-        self._join = {"augment": augment, "source_fields": source_fields, "source_id": source_id}
+        self._augment, self._source_fields, self._source_id = augment, source_fields, source_id
         self.pins: dict[str, str] = {}  # "train"/"val" -> "name@version", fixed by setup()
         self.datasets: dict[str, FeatureDataset] = {}
 
@@ -180,8 +197,9 @@ class FeatureDataModule(LightningDataModule):
         if which not in self.datasets:
             options = self.options if which == "train" else self.val_options
             source = self._sources[which]
-            join = self._join if source is not None else {}
-            self.datasets[which] = FeatureDataset(self._version(which), options=options, source=source, **join)
+            self.datasets[which] = FeatureDataset(self._version(which), options=options) if source is None else \
+                FeatureDataset(self._version(which), options=options, source=source, augment=self._augment,
+                               source_fields=self._source_fields, source_id=self._source_id)
         return self.datasets[which]
 
     def train_dataloader(self) -> StatefulDataLoader:
@@ -197,11 +215,11 @@ class FeatureDataModule(LightningDataModule):
             return []
         return StatefulLoader(self._dataset("val"), batch_size=None, **self.loader.kwargs())
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, dict[str, str]]:
         """The pinned versions, saved in Lightning checkpoints."""
         return {"pins": dict(self.pins)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Mapping[str, str]]) -> None:
         """Read the checkpoint's versions (Lightning calls this after ``setup``, before the
         loaders are built)."""
         pins = dict(state.get("pins") or {})

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from featstore.compute._request import ComputeCall, keywords_of
 from featstore.errors import InvalidInput
 from featstore.format._manifests import Manifest
-from featstore.storage import Storage
+from featstore.storage import Storage, backend_for
+from featstore.storage._base import StorageOptions
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import StoredVersion, verify_version
 from featstore.versions._views import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     import torch
-    import zarr.abc.store
+    from zarr.abc.store import Store as ZarrStore
 
+    from featstore.online._teacher import Teacher
     from featstore.read._dataset import FeatureDataset
+    from featstore.read._multiread import MultiTeacherDataset
+    from featstore.versions._committed import Index
     from featstore.versions._export import Exported
 
 
@@ -66,7 +70,7 @@ class Version:
     def __len__(self) -> int:
         return len(self._stored)
 
-    def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: Index) -> dict[str, torch.Tensor]:
         """Random access: ``v[i]``, ``v[a:b]``, ``v[[rows]]`` give a dict of tensors (one per
         array) plus ``index``; ``v[view, rows]`` reads view ``view`` of a version with views
         (and adds ``view``)."""
@@ -154,7 +158,8 @@ class Version:
         return verify_version(self._stored, progress)
 
     def dataset(self, **options: Any) -> FeatureDataset:
-        """A :class:`~featstore.FeatureDataset` over this version (see :class:`ReaderOptions`).
+        """A :class:`~featstore.FeatureDataset` over this version; ``options`` are the reader's
+        keywords (:class:`ReaderOptions`' fields, ``rank``, ``source``, ...), checked by it.
 
         >>> ds = store.open("cnn-a/train@best").dataset(batch_size=256, seed=0)
         """
@@ -162,7 +167,7 @@ class Version:
 
         return FeatureDataset(self._stored, **options)
 
-    def zarr_store(self) -> zarr.abc.store.Store:
+    def zarr_store(self) -> ZarrStore:
         """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
         which finds spread shard objects under their prefixes: plain Zarr reads a version
         through it. Not for an incremental version (``extends=``), whose inherited shards lie in
@@ -182,7 +187,7 @@ class Version:
                                "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
         return group_store(v.storage, v.data_key, v.spread, read_only=True)
 
-    def export(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
+    def export(self, url: str | os.PathLike[str], storage_options: StorageOptions | None = None, *,
                verify: bool = True, progress: bool = False) -> Exported:
         """Write this version to ``url`` (a new folder, any fsspec URL) as a self-contained
         standard Zarr v3 group that zarr, xarray and TensorStore read as it is: the route for
@@ -264,8 +269,15 @@ class FeatureStore:
 
         return Version(run_compute(self.catalog, name, ComputeCall(*args, **keywords)))
 
+    @overload
+    def dataset(self, ref: VersionRef, *, teacher: Teacher | None = None, **options: Any) -> FeatureDataset: ...
+
+    @overload
+    def dataset(self, ref: Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
+                teacher: None = None, **options: Any) -> MultiTeacherDataset: ...
+
     def dataset(self, ref: VersionRef | Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
-                teacher: Any = None, **options: Any) -> Any:
+                teacher: Teacher | None = None, **options: Any) -> FeatureDataset | MultiTeacherDataset:
         """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
         several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
         ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
@@ -383,7 +395,7 @@ class FeatureStore:
         return self.catalog.damaged(name)
 
 
-def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
+def open_store(url: str | os.PathLike[str], storage_options: StorageOptions | None = None, *,
                create: bool = True) -> FeatureStore:
     """Open a store at any fsspec URL; a local folder is created unless ``create=False``.
 
@@ -398,6 +410,6 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     >>> store = featstore.open_store("s3://bucket/feats", storage_options={"endpoint_url": url})
     >>> store = featstore.open_store("./feats", create=False)     # StoreNotFound if there is none
     """
-    storage = Storage(os.fspath(url), storage_options)
+    storage = backend_for(os.fspath(url))(os.fspath(url), storage_options)
     storage.check_reachable(create=create)
     return FeatureStore(storage)

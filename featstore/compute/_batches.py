@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from featstore.errors import (FeatstoreError, InvalidInput, MissingInputKey, OutputMismatch)
 from featstore._user_code import describe, user_error
+from featstore._user_types import Collate, FieldKey, Item
 
 
 #: A batch's real-token mask travels with its kept fields under this key (never stored).
@@ -19,7 +19,7 @@ TOKEN_MASK = "_token_mask"
 # ---------------------------------------------------------------------------------------------
 # Selecting fields of dataset items and normalising Model A's outputs (pure).
 # ---------------------------------------------------------------------------------------------
-def select(item: Any, key: Any, what: str) -> Any:
+def select(item: Item, key: FieldKey, what: str) -> Item:
     """Pick ``key`` out of a dataset item (dict key, tuple index, callable, or the item itself)."""
     if key is None:
         return item
@@ -43,8 +43,8 @@ def select(item: Any, key: Any, what: str) -> Any:
         ) from None
 
 
-def collate_batch(items: Sequence[Any], input_key: Any, keep: Mapping[str, Any], collate: Any,
-                  start: int) -> tuple[Any, dict[str, torch.Tensor]]:
+def collate_batch(items: Sequence[Item], input_key: FieldKey, keep: Mapping[str, FieldKey], collate: Collate | None,
+                  start: int) -> tuple[object, dict[str, torch.Tensor]]:
     """Model A's input batch and the kept fields' tensors for dataset items ``start, ...``.
 
     What cannot be batched is an :class:`InvalidInput` naming the field and the fix (the driver
@@ -80,12 +80,12 @@ def collate_batch(items: Sequence[Any], input_key: Any, keep: Mapping[str, Any],
     return x, kept
 
 
-def describe_field(key: Any) -> str:
+def describe_field(key: FieldKey) -> str:
     """``input_key`` as messages name it."""
     return "the whole item" if key is None else describe(key) if callable(key) else repr(key)
 
 
-def as_outputs(out: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def as_outputs(out: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """Model A's return value as ``{output name: tensor}``."""
     if isinstance(out, torch.Tensor):
         if len(names) != 1:

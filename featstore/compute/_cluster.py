@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -25,6 +25,13 @@ from featstore.errors import ClusterUnavailable, InvalidInput
 from featstore.compute._devices import GPU, ClusterPlan, gpu_worker_specs, plan_cluster, visible_gpu_ids
 from featstore.monitor._events import PAGE, PLUGIN
 from featstore.compute._dask_logs import quiet_task_failures
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+    from distributed.deploy import Cluster as DaskCluster
+
+#: Where the tasks run as ``store.compute(client=...)`` names it (see :func:`connect`).
+ClusterSpec: TypeAlias = "Client | DaskCluster | str | None"
 
 #: The scheduler preload that adds featstore's dashboard page (``dask scheduler --preload ...``).
 DASHBOARD_PRELOAD = "featstore.dashboard"
@@ -34,8 +41,8 @@ DASHBOARD_PRELOAD = "featstore.dashboard"
 class Cluster:
     """A Dask client and what featstore started for it (closed by :meth:`close`)."""
 
-    client: Any
-    owned: list = field(default_factory=list)
+    client: Client
+    owned: list[Client | DaskCluster] = field(default_factory=list)  # closed last to first
     in_process: bool = False  # an embedded cluster whose worker is a thread of this process
 
     @property
@@ -73,7 +80,7 @@ class Cluster:
             obj.close()
 
 
-def connect(client: Any, n_workers: int | None = None, processes: bool | None = None,
+def connect(client: ClusterSpec, n_workers: int | None = None, processes: bool | None = None,
             timeout: float = 5.0) -> Cluster:
     """``client`` as a :class:`Cluster`: None starts the embedded one, a string is a scheduler
     address (reached within ``timeout`` seconds, else :class:`ClusterUnavailable`), a Dask
@@ -94,7 +101,7 @@ def connect(client: Any, n_workers: int | None = None, processes: bool | None = 
     return Cluster(c, [c])
 
 
-def _connect(address: str, timeout: float) -> Any:
+def _connect(address: str, timeout: float) -> Client:
     """A client of the scheduler at ``address``; a malformed address is :class:`InvalidInput`, one
     that does not answer in ``timeout`` seconds :class:`ClusterUnavailable`."""
     from distributed import Client
@@ -131,8 +138,10 @@ def start(plan: ClusterPlan) -> Cluster:
     # Two threads in the in-process CPU worker: one shard task's first fetch and last write
     # overlap the next task's forward (Model A's forwards take turns, see
     # Cluster.serial_forward); one thread per worker process.
-    common = dict(threads_per_worker=1 if plan.processes else 2, dashboard_address="127.0.0.1:8787",
-                  silence_logs=logging.ERROR, memory_limit=0, scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]})
+    # LocalCluster's keyword arguments, of many kinds (Dask types them as Any)
+    common: dict[str, Any] = dict(threads_per_worker=1 if plan.processes else 2, dashboard_address="127.0.0.1:8787",
+                                  silence_logs=logging.ERROR, memory_limit=0,
+                                  scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]})
     if plan.processes:
         # env= and preload= are for worker processes only (an in-process worker keeps this
         # process's environment and logging, quieted below)
@@ -173,11 +182,11 @@ def _has_dask_cuda() -> bool:
     return True
 
 
-def _scheduler_has_plugin(dask_scheduler: Any = None) -> bool:
+def _scheduler_has_plugin(dask_scheduler: Scheduler | None = None) -> bool:
     return PLUGIN in getattr(dask_scheduler, "plugins", {})
 
 
-def _has_plugin(client: Any) -> bool:
+def _has_plugin(client: Client) -> bool:
     """Whether the scheduler runs featstore's dashboard plugin (it was started with the preload)."""
     try:
         return bool(client.run_on_scheduler(_scheduler_has_plugin))
@@ -185,7 +194,7 @@ def _has_plugin(client: Any) -> bool:
         return False
 
 
-def workers(client: Any) -> dict[str, dict]:
+def workers(client: Client) -> dict[str, dict]:
     """The scheduler's view of every worker."""
     try:
         return client.scheduler_info(n_workers=-1)["workers"]
@@ -193,7 +202,7 @@ def workers(client: Any) -> dict[str, dict]:
         return client.scheduler_info()["workers"]
 
 
-def task_resources(client: Any) -> dict[str, int] | None:
+def task_resources(client: Client) -> dict[str, int] | None:
     """What each compute task asks for: one ``GPU`` where workers advertise GPUs."""
     has_gpu = any("GPU" in (w.get("resources") or {}) for w in workers(client).values())
     return {"GPU": 1} if has_gpu else None

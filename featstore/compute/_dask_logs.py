@@ -10,7 +10,10 @@ As a Dask worker preload (``dask_setup``) it does the same in worker processes.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distributed import Worker
 
 #: Task keys of featstore's computes start with this.
 KEY_PREFIX = "featstore-"
@@ -23,7 +26,8 @@ class TaskFailureFilter(logging.Filter):
         msg = record.msg if isinstance(record.msg, str) else ""
         if not msg.startswith("Compute Failed"):
             return True
-        return not (record.args and str(record.args[0]).startswith(("('" + KEY_PREFIX, KEY_PREFIX)))
+        args = record.args if isinstance(record.args, tuple) else ()  # (key, ...): how the worker logs it
+        return not (args and str(args[0]).startswith(("('" + KEY_PREFIX, KEY_PREFIX)))
 
 
 _FILTER = TaskFailureFilter()
@@ -38,6 +42,6 @@ def quiet_task_failures() -> None:
                 handler.addFilter(_FILTER)
 
 
-def dask_setup(worker: Any) -> None:
+def dask_setup(worker: Worker) -> None:
     """Worker preload hook: quiet this worker process's console too."""
     quiet_task_failures()

@@ -8,18 +8,19 @@ the manifest instead of returning to the parent's growth in pieces; the teacher 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Any
 
+from featstore._json import JSONObject
+from featstore._user_types import FieldKey, Item, MapDataset
 
 from featstore.errors import EmptyDataset, InvalidInput, VersionsMisaligned
 from featstore.versions._alignment import LINK, Alignment, adopt_views, check_views_of, link
 from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
 from featstore.format._arrays import chunk_label
 from featstore.format._keys import RESERVED_FIELDS
-from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
+from featstore.format._manifests import (ArraySpec, ArrayStats, Base, Layout, Manifest, ShardReceipt, ViewsSpec,
+                                        check_spread)
 from featstore._allowed_names import check_name
 from featstore.codecs._ragged import TOKEN_FIELDS
 from featstore.compute._batches import collate_batch
@@ -37,7 +38,8 @@ from featstore.compute._task_spec import Probe
 
 
 
-def _arrays_asked(request: ComputeRequest, views: int | None) -> tuple[dict[str, str], dict[str, Any], tuple[str, ...]]:
+def _arrays_asked(request: ComputeRequest,
+                  views: int | None) -> tuple[dict[str, str], dict[str, FieldKey], tuple[str, ...]]:
     """The outputs, the kept fields and the per-token outputs; no name used twice or reserved
     (the views' arrays are reserved only with views: known once ``views_of`` gave them)."""
     outputs, keep = outputs_asked(request.outputs), normalize_keep(request.keep)
@@ -49,7 +51,7 @@ def _arrays_asked(request: ComputeRequest, views: int | None) -> tuple[dict[str,
     return outputs, keep, ragged
 
 
-def _check_dataset(request: ComputeRequest, keep: dict[str, Any], views: Views | None) -> int:
+def _check_dataset(request: ComputeRequest, keep: dict[str, FieldKey], views: Views | None) -> int:
     """The dataset's length, after what a task would do with the first item has been done here,
     before anything runs: a missing field, or items that cannot be batched (PIL images,
     strings), fail now, naming the field and the fix."""
@@ -76,7 +78,7 @@ def _checked_views(k: int | None, augment: Augment | None, seed: int | None) -> 
     return Views(k, augment, seed)
 
 
-def _first_seen(dataset: Any, n: int, views: Views | None) -> Any:
+def _first_seen(dataset: MapDataset, n: int, views: Views | None) -> Item:
     """The first item as Model A will see it; with views, ``augment`` is replayed twice on two
     items and must give the same bytes both times."""
     if views is None:
@@ -94,8 +96,8 @@ def views_spec(views: Views | None) -> ViewsSpec | None:
     return None if views is None else _views_spec(views)
 
 
-def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: dict[str, str],
-                       ragged: tuple[str, ...], views: Views | None) -> dict[str, Any]:
+def _fingerprint_parts(request: ComputeRequest, keep: dict[str, FieldKey], outputs: dict[str, str],
+                       ragged: tuple[str, ...], views: Views | None) -> JSONObject:
     """Everything that decides the stored bytes (see docs/how-it-works.md on fingerprints)."""
     options = request.compute_options
     return {
@@ -103,7 +105,7 @@ def _fingerprint_parts(request: ComputeRequest, keep: dict[str, Any], outputs: d
         "dataset": dataset_digest(request.dataset, options.dataset_id),
         "input_key": describe_key(request.input_key),
         "keep": {k: describe_key(v) for k, v in keep.items()},
-        "outputs": outputs,
+        "outputs": dict(outputs),
         # Compression never changes the values, but it changes the stored bytes (and digests).
         "codecs": {"chunk": chunk_label(options.compression), "schema": 1},
         "autocast": options.autocast,
@@ -126,7 +128,7 @@ def _check_parent_spread(parent: StoredVersion, options: ComputeOptions) -> None
                            f"ComputeOptions.spread_prefixes out (got {options.spread_prefixes}).")
 
 
-def _adopt_base(base: StoredVersion, parent: StoredVersion | None, views: int | None, augment: Any,
+def _adopt_base(base: StoredVersion, parent: StoredVersion | None, views: int | None, augment: Augment | None,
                 augment_seed: int | None, samples_per_shard: int | None) -> tuple[int | None, int, int]:
     """``views_of``: the base's views, seed and shard size (what is given must agree)."""
     if parent is not None:
@@ -153,10 +155,10 @@ def _check_views_extends(parent: StoredVersion | None, views: int | None) -> Non
                            "supported yet. Compute the bigger dataset without extends.")
 
 
-def _dataset_sample(parts: Mapping[str, Any], dataset: Any) -> str | None:
+def _dataset_sample(parts: JSONObject, dataset: MapDataset) -> str | None:
     """The sampled content digest (already in the fingerprint unless a dataset_id replaced it)."""
-    digest = parts["dataset"].get("digest")
-    if digest is not None:
+    digest = part.get("digest") if isinstance(part := parts["dataset"], dict) else None
+    if isinstance(digest, str):
         return digest
     try:
         return sampled_digest(dataset)
@@ -176,11 +178,11 @@ class ComputePlan:
     request: ComputeRequest  # as given
     n: int  # samples in the dataset
     outputs: dict[str, str]  # output -> canonical codec name
-    keep: dict[str, Any]  # kept field -> key in the item
+    keep: dict[str, FieldKey]  # kept field -> key in the item
     ragged: tuple[str, ...]  # the per-token outputs
     views: Views | None  # K, augment and seed as decided (None: one view as the items are)
     samples_per_shard: int | None  # as given, or the parent's / the base's
-    parts: dict[str, Any]  # the fingerprint's parts, as the manifest records them
+    parts: JSONObject  # the fingerprint's parts, as the manifest records them
     fingerprint: str
     growth: Growth | None  # an ``extends=`` parent: the shards referenced, layout and arrays kept
     dataset_sample: str | None
@@ -236,7 +238,7 @@ class ComputePlan:
                         layout=layout, arrays=arrays, stats={}, created_at="", timings={}, libraries={},
                         bases=self.bases, dataset_sample=self.dataset_sample, views=self.views_spec)
 
-    def stats(self, receipts: list[ShardReceipt], arrays: dict[str, ArraySpec]) -> dict[str, dict]:
+    def stats(self, receipts: list[ShardReceipt], arrays: dict[str, ArraySpec]) -> dict[str, ArrayStats]:
         """The manifest's statistics over every shard, the inherited ones included."""
         if self.growth is None:
             return summarize((r.stats for r in receipts), arrays)

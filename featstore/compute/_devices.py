@@ -41,9 +41,13 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from featstore.errors import DeviceSetupError
+
+if TYPE_CHECKING:  # torch and Dask only inside a worker: planning a cluster needs neither
+    import torch
+    from distributed import Client, Worker
 
 #: Environment variable that names a worker's device explicitly (``cpu``, ``cuda``, ``cuda:2``).
 ENV_DEVICE = "FEATSTORE_DEVICE"
@@ -63,7 +67,7 @@ class WorkerView:
         override: the value of ``FEATSTORE_DEVICE``, if set.
     """
 
-    name: Any = None
+    name: str | int | None = None
     resources: Mapping[str, float] = field(default_factory=dict)
     visible: int = 0
     dask_cuda: bool = False
@@ -114,7 +118,7 @@ def choose_device(view: WorkerView, slot: int | None = None) -> Assignment:
         f"many threads, or set {ENV_DEVICE}=cuda:N in the worker's environment.")
 
 
-def name_index(name: Any) -> int | None:
+def name_index(name: object) -> int | None:
     """The integer a worker name is or ends with (``3``, ``"3"``, ``"gpu-3"`` -> 3), else None.
 
     >>> name_index("node1-gpu-7"), name_index(0), name_index("tcp://127.0.0.1:4000/x")
@@ -269,7 +273,7 @@ class _Slots:
 _SLOTS = _Slots()
 
 
-def current_view(worker: Any = None) -> WorkerView:
+def current_view(worker: Worker | None = None) -> WorkerView:
     """What this process and ``worker`` (default: the Dask worker running the calling task, if
     any) can see. ``client.run(f)`` passes its worker to ``f`` as ``dask_worker``."""
     import torch
@@ -290,7 +294,17 @@ def current_view(worker: Any = None) -> WorkerView:
                       override=os.environ.get(ENV_DEVICE) or None)
 
 
-def describe(worker: Any = None) -> dict[str, Any]:
+class DeviceReport(TypedDict):
+    """One worker's device as :func:`describe` reports it."""
+
+    name: str | int | None
+    device: str  # "cpu", "cuda:N", or "error"
+    reason: str  # why that device, or what went wrong
+    visible: int
+    CUDA_VISIBLE_DEVICES: str | None
+
+
+def describe(worker: Worker | None = None) -> DeviceReport:
     """One worker's device, why, and its ``CUDA_VISIBLE_DEVICES``, for a report or a dashboard
     (``client.run(describe)`` on every worker). Never raises: a worker that cannot pick a device
     shows ``"device": "error"`` and the message.
@@ -308,17 +322,17 @@ def describe(worker: Any = None) -> dict[str, Any]:
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-def _describe_worker(dask_worker: Any) -> dict[str, Any]:
+def _describe_worker(dask_worker: Worker) -> DeviceReport:
     return describe(dask_worker)
 
 
-def worker_devices(client: Any) -> dict[str, dict[str, Any]]:
+def worker_devices(client: Client) -> dict[str, DeviceReport]:
     """:func:`describe` of every worker of ``client``'s cluster, by worker address."""
     return client.run(_describe_worker)
 
 
 @contextlib.contextmanager
-def task_device(view: WorkerView | None = None) -> Iterator[Any]:
+def task_device(view: WorkerView | None = None) -> Iterator[torch.device]:
     """The ``torch.device`` for the running task, its thread pinned to it while the task runs.
 
     >>> with task_device(WorkerView(visible=0)) as device:

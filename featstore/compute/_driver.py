@@ -32,7 +32,7 @@ from featstore.compute._runners import Group, ShardRunner, Unit, runner_for
 from featstore.compute._shard_task import REUSED, release_models
 from featstore.compute._task_spec import TaskSpec
 from featstore.format._manifests import ShardReceipt
-from featstore.monitor._events import is_event, run_started
+from featstore.monitor._events import Event, is_event, run_started
 from featstore.monitor._run_state import RunState
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim
@@ -47,7 +47,7 @@ class _Progress:
     """Terminal progress (samples/s and ETA): this run's events, folded as the dashboard folds
     them (a shard Dask reruns is not counted twice)."""
 
-    def __init__(self, start: dict[str, Any], enabled: bool) -> None:
+    def __init__(self, start: Event, enabled: bool) -> None:
         self.state = RunState(start["run"])
         self.state.apply(start, time.time())
         self.bar = None
@@ -58,7 +58,7 @@ class _Progress:
                             unit_scale=True, desc=f"compute {start['name']}", file=sys.stderr, dynamic_ncols=True)
         self.lock = threading.Lock()
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: tuple[float, object]) -> None:
         _, msg = event
         if not is_event(msg) or msg["run"] != self.state.run:
             return
@@ -117,7 +117,7 @@ def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> StoredVersion
 
 
 def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequence[ShardReceipt],
-               timings: Mapping[str, Any]) -> StoredVersion:
+               timings: Mapping[str, float]) -> StoredVersion:
     """Commit the version a run claimed: every shard's receipt (``fresh``: this run's; the
     others are read from the store), its records, statistics and manifest. What ``compute``
     and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
+from featstore._json import JSONObject
+from featstore._user_types import Item, MapDataset
 from featstore.errors import DatasetMismatch, IncompatibleFormat, InvalidInput
 from featstore.versions._fingerprints import sampled_digest
-from featstore.format._manifests import ArraySpec, Base, Layout, ShardReceipt
+from featstore.format._manifests import ArraySpec, ArrayStats, Base, Layout, ShardReceipt
 from featstore.codecs._statistics import NONFINITE_KEPT, summarize
 from featstore.versions._committed import StoredVersion
 
@@ -30,13 +31,13 @@ _SHARED_PARTS = ("model", "input_key", "keep", "outputs", "codecs", "autocast", 
 class DatasetPrefix:
     """The first ``n`` items of a dataset (what the parent was computed over)."""
 
-    def __init__(self, dataset: Any, n: int) -> None:
+    def __init__(self, dataset: MapDataset, n: int) -> None:
         self.dataset, self.n = dataset, n
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> Item:
         if not 0 <= i < self.n:
             raise IndexError(i)
         return self.dataset[i]
@@ -68,7 +69,7 @@ class Growth:
         return dict(self.parent.manifest.arrays)
 
     def summarize(self, inherited: Sequence[ShardReceipt], own: Sequence[ShardReceipt],
-                  arrays: Iterable[str]) -> dict[str, dict]:
+                  arrays: Iterable[str]) -> dict[str, ArrayStats]:
         """The child's statistics: the referenced shards' (from the records) and its own."""
         out = summarize((r.stats for r in [*inherited, *own]), list(arrays))
         cut = self.first_own * self.layout.samples_per_shard
@@ -83,7 +84,7 @@ def _describe(arrays: Mapping[str, ArraySpec]) -> str:
     return ", ".join(f"{n}: {a.codec} {a.dtype}{list(a.shape)}" for n, a in sorted(arrays.items()))
 
 
-def plan_growth(parent: StoredVersion, dataset: Any, parts: Mapping[str, Any], n: int) -> Growth:
+def plan_growth(parent: StoredVersion, dataset: MapDataset, parts: JSONObject, n: int) -> Growth:
     """Check that ``dataset`` extends ``parent`` and plan the child (a typed error otherwise).
 
     The child must share the parent's model, fields, outputs and codecs (its fingerprint

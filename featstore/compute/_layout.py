@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, token_layout
 from featstore.compute._options import MIN_SHARDS, default_shard_bytes
 from featstore.compute._task_spec import Probe
 from featstore.errors import InvalidInput, OutputMismatch
+from featstore._user_types import FieldKey
 from featstore.format._arrays import choose_compression
 from featstore.format._manifests import ArraySpec, Layout
 from featstore.versions._views import SEED_FIELD
@@ -69,7 +70,7 @@ def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | Non
     return Layout(n_samples=n, samples_per_shard=samples_per_shard, chunk_rows=min(chunk_rows, samples_per_shard))
 
 
-def _spec_arrays(probed: Probe, outputs: Mapping[str, str], keep: Mapping[str, Any], compression: str,
+def _spec_arrays(probed: Probe, outputs: Mapping[str, str], keep: Mapping[str, FieldKey], compression: str,
                  local: bool) -> dict[str, ArraySpec]:
     """The arrays of A's outputs and the kept fields, as the probe found them."""
     arrays = {}

@@ -4,12 +4,10 @@ Imports neither torch nor Dask: the command line builds its help from these defa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
 
 from featstore.errors import InvalidInput
+from featstore._user_types import Collate
 
 
 MIN_SHARDS = 8
@@ -94,7 +92,7 @@ class ComputeOptions:
     compression: str = "auto"
     tune_allocator: bool = True
     shards_per_task: int | None = 1
-    collate: Callable[[list[Any]], Any] | None = None
+    collate: Collate | None = None
     spread_prefixes: int | None = None
     connect_timeout: float = 5.0
 

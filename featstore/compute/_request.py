@@ -22,33 +22,21 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar, cast
 
 from featstore._allowed_names import check_field
 from featstore.codecs._parts import check_output_codec
 from featstore.codecs._ragged import Tokens
 from featstore.compute._options import ComputeOptions
 from featstore.errors import InvalidInput
+from featstore._user_types import FieldKey, MapDataset, ModelSpec
 from featstore.versions._views import Augment, Views, views_arguments
 
 if TYPE_CHECKING:  # torch and Dask only where a compute runs
     from distributed import Client
     from distributed.deploy import Cluster as DaskCluster
-    from torch.nn import Module
 
     from featstore.versions._catalog import Ref
-
-
-class MapDataset(Protocol):
-    """A map-style dataset: ``len(ds)`` items, ``ds[i]`` a tensor, a tuple or a dict."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> Any: ...
-
-
-#: Which field of an item goes into A: a key, an index, a callable on the item, or None (the item).
-InputKey = str | int | Callable[[Any], Any] | None
 
 #: ``client="in-process"``: the shard tasks run in the calling process, one after the other,
 #: without Dask (see :class:`ComputeCall`).
@@ -67,7 +55,7 @@ def outputs_asked(outputs: Mapping[str, str] | None) -> dict[str, str]:
     return {check_field(k): check_output_codec(v) for k, v in outputs.items()}
 
 
-def normalize_keep(keep: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
+def normalize_keep(keep: Sequence[FieldKey] | Mapping[str, FieldKey]) -> dict[str, FieldKey]:
     """``["target"]`` -> ``{"target": "target"}``; ``{"label": 1}`` stays; ints get ``field<i>``."""
     if isinstance(keep, str):
         keep = [keep]
@@ -173,11 +161,11 @@ class ComputeRequest:
             what differs. The link is part of the fingerprint (``fingerprint_parts["views_of"]``).
     """
 
-    model: Module | Callable[[], Module]
+    model: ModelSpec
     dataset: MapDataset
     _: KW_ONLY
-    input_key: InputKey = "input"
-    keep: Sequence[Any] | Mapping[str, Any] = ()
+    input_key: FieldKey = "input"
+    keep: Sequence[FieldKey] | Mapping[str, FieldKey] = ()
     outputs: Mapping[str, str] | None = None
     batch_size: int = 256
     samples_per_shard: int | None = None
@@ -194,7 +182,7 @@ class ComputeRequest:
     #: What the deprecation warning of ``views=K, augment=fn`` names.
     caller: ClassVar[str] = "compute"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         """A kind of request (``store.compute``'s call, a teacher) documents every keyword it
         takes: the request's attributes first, then its own (one declaration, one text)."""
         super().__init_subclass__(**kwargs)
@@ -278,6 +266,7 @@ def keywords_of(cls: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[
         own = inspect.signature(fn)
         first_two = list(own.parameters.values())[:2]
         keywords = list(inspect.signature(cls).parameters.values())
+        # inspect.signature reads __signature__; typeshed declares no such attribute on a callable
         fn.__signature__ = own.replace(parameters=first_two + keywords)  # type: ignore[attr-defined]
         if isinstance(cls, type):
             entries = [f"{first_two[1].name}: the feature set (``\"resnet50/imagenet-train\"``).",

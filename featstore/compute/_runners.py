@@ -20,25 +20,32 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from featstore.compute._cluster import Cluster, connect, task_resources, workers
+from featstore._json import JSONObject
+from featstore._user_types import MapDataset, ModelSpec
+from featstore.compute._cluster import Cluster, ClusterSpec, connect, task_resources, workers
 from featstore.compute._options import ComputeOptions
 from featstore.compute._request import IN_PROCESS, ComputeCall
 from featstore.compute._shard_task import REUSED, probe, run_shards
 from featstore.compute._task_spec import Probe, TaskSpec
 from featstore.errors import ComputeFailed, FeatstoreError
 from featstore.format._manifests import ShardReceipt
-from featstore.monitor._events import TOPIC, run_ended
+from featstore.monitor._events import TOPIC, Event, run_ended
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._receipts import ReceiptRuns
 
+if TYPE_CHECKING:
+    from distributed import Future
+
 log = logging.getLogger("featstore")
+R = TypeVar("R")
 
 Unit = tuple[int | None, int]  # (view or None, shard): the unit of tasks, receipts and resume
 Group = tuple[int | None, list[int]]  # one task's shards, all of one view
-#: A progress event as Dask's topic hands it to a subscriber: ``(time, message)``.
-Progress = Callable[[tuple[float, dict[str, Any]]], None]
+#: A progress event as Dask's topic hands it to a subscriber: ``(time, message)`` (anyone may
+#: log on the topic: the subscriber checks that a message is one of featstore's events).
+Progress = Callable[[tuple[float, object]], None]
 
 
 class ShardRunner(Protocol):
@@ -57,7 +64,7 @@ class ShardRunner(Protocol):
         """Model A on the first samples (:func:`featstore.compute.probe`)."""
         ...
 
-    def run(self, spec: TaskSpec, groups: list[Group], start: dict[str, Any], progress: Progress) -> list[dict]:
+    def run(self, spec: TaskSpec, groups: list[Group], start: Event, progress: Progress) -> list[JSONObject]:
         """Run every group's shard task (``start``: the run's start event, sent first; the end
         event is sent last, whatever happens); the receipts (JSON), as the tasks return them."""
         ...
@@ -83,7 +90,7 @@ class _ViewRuns:
         self.spec = spec
         self.runs: dict[int | None, ReceiptRuns] = {}
 
-    def add(self, receipts: list[dict]) -> None:
+    def add(self, receipts: list[JSONObject]) -> None:
         """One task's receipts (a task's shards are all of one view), folded as they come."""
         by_view: dict[int | None, list[ShardReceipt]] = {}
         for r in receipts:
@@ -122,7 +129,7 @@ class InProcessRunner:
     threads = 0  # this process's torch threads, as the caller set them
     serial_forward = False  # one task at a time
 
-    def __init__(self, model: Any, dataset: Any, options: ComputeOptions) -> None:
+    def __init__(self, model: ModelSpec, dataset: MapDataset, options: ComputeOptions) -> None:
         self.model, self.dataset, self.options = model, dataset, options
 
     def workers(self) -> int:
@@ -131,10 +138,11 @@ class InProcessRunner:
     def probe(self, spec: TaskSpec, n: int) -> Probe:
         return probe(spec, self.model, self.dataset, n)
 
-    def run(self, spec: TaskSpec, groups: list[Group], start: dict[str, Any], progress: Progress) -> list[dict]:
+    def run(self, spec: TaskSpec, groups: list[Group], start: Event, progress: Progress) -> list[JSONObject]:
         events = lambda msg: progress((time.time(), msg))  # noqa: E731
         events(start)
-        status, error, got = "failed", "", []
+        status, error = "failed", ""
+        got: list[JSONObject] = []
         runs = _ViewRuns(spec)
         try:
             for group in groups:
@@ -166,7 +174,7 @@ LOST_DATA_ROUNDS = 3
 class DaskRunner:
     """The shard tasks on a Dask cluster (see the module's docstring)."""
 
-    def __init__(self, model: Any, dataset: Any, options: ComputeOptions, client: Any) -> None:
+    def __init__(self, model: ModelSpec, dataset: MapDataset, options: ComputeOptions, client: ClusterSpec) -> None:
         self.model, self.dataset, self.options = model, dataset, options
         self.cluster: Cluster = connect(client, options.n_workers, options.processes, options.connect_timeout)
         try:
@@ -183,7 +191,7 @@ class DaskRunner:
         self.threads = self.cluster.torch_threads()
         self.serial_forward = self.cluster.serial_forward
 
-    def _scatter(self) -> list[Any]:
+    def _scatter(self) -> list[Future]:
         """Model A and the dataset on every worker (futures), sent once for every task."""
         return [self.client.scatter(x, broadcast=True, hash=False) for x in (self.model, self.dataset)]
 
@@ -195,7 +203,7 @@ class DaskRunner:
                                     resources=self.resources, pure=False)
         return _result(future)
 
-    def run(self, spec: TaskSpec, groups: list[Group], start: dict[str, Any], progress: Progress) -> list[dict]:
+    def run(self, spec: TaskSpec, groups: list[Group], start: Event, progress: Progress) -> list[JSONObject]:
         """Submit the shard tasks and gather their receipts. The run's start and end go out as
         events (for the terminal bar and the dashboard page).
 
@@ -208,7 +216,7 @@ class DaskRunner:
         client = self.client
         client.subscribe_topic(TOPIC, progress)
         client.log_event(TOPIC, start)
-        got: list[dict] = []
+        got: list[JSONObject] = []
         status, error = "failed", ""
         try:
             for round_ in range(LOST_DATA_ROUNDS + 1):
@@ -230,7 +238,7 @@ class DaskRunner:
             time.sleep(0.05)  # let the last progress events arrive
             client.unsubscribe_topic(TOPIC)
 
-    def _round(self, spec: TaskSpec, groups: Sequence[Group], round_: int) -> tuple[list[dict], list[Group]]:
+    def _round(self, spec: TaskSpec, groups: Sequence[Group], round_: int) -> tuple[list[JSONObject], list[Group]]:
         """Run ``groups`` once; return the receipts (JSON) and the groups whose inputs were lost."""
         from distributed import as_completed, span
 
@@ -241,7 +249,8 @@ class DaskRunner:
                     futures[self.client.submit(run_shards, replace(spec, view=g[0]), *self.inputs, g[1],
                                                key=task_key(spec.model_key, g, round_),
                                                resources=self.resources, pure=False, retries=0)] = g
-                got, lost = [], []
+                got: list[JSONObject] = []
+                lost: list[Group] = []
                 runs = _ViewRuns(spec)
                 for fut in as_completed(futures):
                     if fut.cancelled() and round_ < LOST_DATA_ROUNDS:  # its scattered inputs died with a worker
@@ -260,7 +269,7 @@ class DaskRunner:
         self.cluster.close()
 
 
-def _result(future: Any) -> Any:
+def _result(future: Future[R]) -> R:
     """A Dask future's result; what its task raised as the driver raises it."""
     try:
         return future.result()
@@ -268,4 +277,4 @@ def _result(future: Any) -> Any:
         exc.args = (f"{exc} [Dask task {future.key}]", *exc.args[1:])
         raise
     except Exception as exc:  # noqa: BLE001 - anything else a task raised
-        raise _task_failed(exc, future.key) from exc
+        raise _task_failed(exc, str(future.key)) from exc

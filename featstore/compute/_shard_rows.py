@@ -12,27 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from featstore._user_code import describe, read_items, user_error
+from featstore._user_types import Item, MapDataset
 from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
 from featstore.codecs._statistics import merge_stats
 from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
-from featstore.compute._shard_writing import (check_batch, device_stage, encode_batch, encodes_on_device,
+from featstore.compute._shard_writing import (ShardBuffers, check_batch, device_stage, encode_batch, encodes_on_device,
                                               finish_buffers, shard_buffers, tokens_per_shard, unstage)
 from featstore.compute._task_spec import TaskSpec
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore.errors import FeatstoreError
+from featstore.format._manifests import ArrayStats
 from featstore.versions._views import SEED_FIELD, view_seeds
 
 #: ``items(dataset, b0, b1)``: the dataset's items ``b0 .. b1 - 1`` (default: read them now).
-ItemReader = Callable[[Any, int, int], list[Any]]
+ItemReader = Callable[[MapDataset, int, int], list[Item]]
 
 
-def collate_inputs(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+def collate_inputs(spec: TaskSpec, items: list[Item], start: int,
+                   pinned: bool) -> tuple[object, dict[str, torch.Tensor]]:
     """The input batch for A (in pinned memory if ``pinned``) and the kept fields (with
     per-token outputs, the batch's real-token mask and each sample's token count)."""
     x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
@@ -48,7 +50,7 @@ def collate_inputs(spec: TaskSpec, items: list[Any], start: int, pinned: bool) -
     return (pin(x) if pinned else x), kept
 
 
-def forward(spec: TaskSpec, model: torch.nn.Module, x: Any, start: int, rows: int,
+def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows: int,
             device: torch.device) -> dict[str, torch.Tensor]:
     """Model A on one input batch, under ``inference_mode`` (and ``autocast`` if asked), its
     outputs by name; what A raises names the samples."""
@@ -96,8 +98,8 @@ class ShardRows:
 
     spec: TaskSpec
     index: int
-    buffers: dict[str, Any]
-    stats: dict[str, dict] = field(default_factory=dict)
+    buffers: ShardBuffers
+    stats: dict[str, ArrayStats] = field(default_factory=dict)
     tokens: int = 0  # real tokens in the batches forwarded so far
 
     @classmethod
@@ -105,7 +107,7 @@ class ShardRows:
         """Empty buffers for shard ``index``."""
         return cls(spec, index, shard_buffers(spec, index))
 
-    def forward(self, net: torch.nn.Module, x: Any, kept: dict[str, torch.Tensor], b0: int, b1: int,
+    def forward(self, net: torch.nn.Module, x: object, kept: dict[str, torch.Tensor], b0: int, b1: int,
                 device: torch.device, on_device: bool) -> tuple[dict[str, torch.Tensor], BatchSpan]:
         """A on the batch ``[b0, b1)`` of this shard (``on_device``: the sparse codecs' device
         half staged on A's device); the values to copy to the host (outputs and kept fields)
@@ -135,10 +137,11 @@ class ShardRows:
         check_batch(spec, values, span.b1 - span.b0, span.b0)  # a staged output was checked on the device
         enc, st = encode_batch(spec, {**values, **staged}, span.b0, span.token0)
         for n, arr in enc.items():
-            if isinstance(self.buffers[n], list):
-                self.buffers[n].append(arr)
+            buf = self.buffers[n]
+            if isinstance(buf, list):
+                buf.append(arr)
             else:
-                self.buffers[n][span.b0 - start:span.b1 - start] = arr
+                buf[span.b0 - start:span.b1 - start] = arr
             self.stats[n] = merge_stats(self.stats.get(n), st[n])
 
     def finish(self) -> ShardRows:
@@ -147,12 +150,16 @@ class ShardRows:
         finish_buffers(self.spec, self.index, self.buffers, self.stats)
         return self
 
+    def stored_bytes(self) -> int:
+        """Bytes of the shard's rows as stored (before compression)."""
+        return sum(b.nbytes if isinstance(b, np.ndarray) else sum(a.nbytes for a in b) for b in self.buffers.values())
 
-def _read_now(dataset: Any, b0: int, b1: int) -> list[Any]:
+
+def _read_now(dataset: MapDataset, b0: int, b1: int) -> list[Item]:
     return read_items(dataset, range(b0, b1))
 
 
-def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
+def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, index: int, device: torch.device,
                   items: ItemReader | None = None) -> ShardRows:
     """Shard ``index`` as ``compute`` stores it, computed here: A (``net``, on ``device``) run
     on the shard's batches of ``dataset`` (as A sees it: with views, the view's items), each

@@ -23,13 +23,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, TypeVar
 
-import numpy as np
 import torch
 import zarr
 
-from featstore.monitor._events import batch_done, shard_started, shard_written
+from featstore._json import JSONObject
+from featstore._user_types import MapDataset, ModelSpec
+from featstore.monitor._events import DeviceInfo, Event, batch_done, shard_started, shard_written
 from featstore.compute._malloc import tuned as tuned_allocator
 from featstore.codecs._dense import (keep_codec, output_codec)
 from featstore.compute._devices import task_device
@@ -50,6 +52,11 @@ from featstore.compute._shard_rows import ShardRows, collate_inputs, forward
 from featstore.compute._shard_writing import encodes_on_device, open_arrays, write_shard
 from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
 
+if TYPE_CHECKING:
+    from distributed import Worker
+
+R = TypeVar("R")
+
 
 _AHEAD = 4  # batches a task may run ahead of its write thread
 #: Rows of the probe batch: enough to learn output shapes and zstd's saving, cheap to run.
@@ -67,14 +74,14 @@ _MODELS_KEPT = 2
 _FORWARD_TURN = threading.Lock()
 
 
-def _as_seen(spec: TaskSpec, dataset: Any) -> Any:
+def _as_seen(spec: TaskSpec, dataset: MapDataset) -> MapDataset:
     """The dataset as Model A sees it: with views, each item augmented with its view seed."""
     if spec.view is None or spec.augment is None:  # (a spec with a view always has its augment)
         return dataset
     return ViewDataset(dataset, spec.augment, spec.augment_seed, spec.view)
 
 
-def worker_model(model: Any, key: str, threads: int, device: torch.device) -> torch.nn.Module:
+def worker_model(model: ModelSpec, key: str, threads: int, device: torch.device) -> torch.nn.Module:
     """Model A for this process on ``device``: built (or unpickled) once, moved there once."""
     if threads > 0 and device.type == "cpu":
         # Dask pins OMP_NUM_THREADS=1 in its workers, and OpenMP's setting is per thread: set
@@ -96,7 +103,7 @@ def worker_model(model: Any, key: str, threads: int, device: torch.device) -> to
 
 
 #: Where a task's progress events go when it runs outside Dask (the in-process runner's bar).
-EventSink = Callable[[dict[str, Any]], None]
+EventSink = Callable[[Event], None]
 
 
 class _Reporter:
@@ -108,7 +115,7 @@ class _Reporter:
 
     def __init__(self, spec: TaskSpec, events: EventSink | None = None) -> None:
         self.events = events
-        self.worker: Any = None
+        self.worker: Worker | None = None
         if events is None:
             try:
                 from distributed import get_worker
@@ -120,7 +127,7 @@ class _Reporter:
         self.run, self.topic = spec.model_key, spec.topic
         self.unit = spec.unit
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Event) -> None:
         if self.events is not None:
             self.events(msg)
         elif self.worker is not None:
@@ -130,15 +137,15 @@ class _Reporter:
                 pass
 
 
-def device_info() -> dict[str, Any]:
+def device_info() -> DeviceInfo:
     """What this worker computes on, for the dashboard: CPU, or the GPU's name and memory
     (and utilisation where NVML is installed)."""
     if not torch.cuda.is_available():
         return {"device": "cpu", "device_name": f"CPU, {torch.get_num_threads()} torch threads"}
     i = torch.cuda.current_device()
-    info: dict[str, Any] = {"device": "cuda", "device_name": torch.cuda.get_device_name(i),
-                            "gpu_mem": int(torch.cuda.memory_allocated(i)),
-                            "gpu_mem_total": int(torch.cuda.get_device_properties(i).total_memory)}
+    info: DeviceInfo = {"device": "cuda", "device_name": torch.cuda.get_device_name(i),
+                        "gpu_mem": int(torch.cuda.memory_allocated(i)),
+                        "gpu_mem_total": int(torch.cuda.get_device_properties(i).total_memory)}
     try:
         info["gpu_util"] = int(torch.cuda.utilization(i))
     except (ImportError, ModuleNotFoundError, RuntimeError):  # no pynvml / NVML
@@ -146,7 +153,7 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def _meter(label: str) -> Any:
+def _meter(label: str) -> AbstractContextManager[object]:
     """Dask's Fine Performance Metrics: time under ``label`` for the running task (a no-op
     outside Dask)."""
     try:
@@ -156,26 +163,27 @@ def _meter(label: str) -> Any:
     return context_meter.meter(label)
 
 
-def _metered(label: str, fn: Any, *args: Any) -> Any:
+def _metered(label: str, fn: Callable[..., R], *args: object) -> R:
     with _meter(label):
         return fn(*args)
 
 
-def _in_task_context(pool: ThreadPoolExecutor, label: str, fn: Any, *args: Any) -> Future:
+def _in_task_context(pool: ThreadPoolExecutor, label: str, fn: Callable[..., R], *args: object) -> Future[R]:
     """Run ``fn`` on ``pool`` metered as ``label``, in a copy of the task thread's context, so
     Dask books its time to this task (context variables do not cross threads by themselves)."""
     return pool.submit(contextvars.copy_context().run, _metered, label, fn, *args)
 
 
-def _shard_event(report: _Reporter, receipt: ShardReceipt, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
+def _shard_event(report: _Reporter, receipt: ShardReceipt, nbytes: int) -> Event:
     stats = receipt.stats or {}
     return shard_written(
-        report.run, report.address, report.unit(receipt.index), sum(b.nbytes for b in buffers.values()),
+        report.run, report.address, report.unit(receipt.index), nbytes,
         sum(int(s.get("nan", 0)) + int(s.get("inf", 0)) for s in stats.values()),
         max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
 
-def _fetch_batch(spec: TaskSpec, dataset: Any, b0: int, b1: int, pinned: bool) -> tuple[Any, dict]:
+def _fetch_batch(spec: TaskSpec, dataset: MapDataset, b0: int, b1: int,
+                 pinned: bool) -> tuple[object, dict[str, torch.Tensor]]:
     """Read and collate one batch (runs on the fetch thread)."""
     return collate_inputs(spec, read_items(dataset, range(b0, b1)), b0, pinned)
 
@@ -188,12 +196,12 @@ def _write_checked_shard(batch_jobs: list[Future], arrays: dict[str, zarr.Array]
     for job in batch_jobs:
         job.result()  # already done (same thread, earlier in order): re-raises a failure
     receipt = write_shard(rows.spec, arrays, rows.index, rows.buffers, rows.stats)
-    report.send(_shard_event(report, receipt, rows.buffers))
+    report.send(_shard_event(report, receipt, rows.stored_bytes()))
     return receipt
 
 
-def run_shards(spec: TaskSpec, model: Any, dataset: Any, shards: Sequence[int],
-               events: EventSink | None = None) -> list[dict]:
+def run_shards(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, shards: Sequence[int],
+               events: EventSink | None = None) -> list[JSONObject]:
     """The shard task: compute and store whole shards, return their receipts as JSON dicts (in a
     Dask worker, or in the driver's process with ``events`` taking its progress events).
 
@@ -291,13 +299,15 @@ def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, i
     return plan
 
 
-def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequence[int],
-                device: torch.device, report: _Reporter) -> list[dict]:
+def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shards: Sequence[int],
+                device: torch.device, report: _Reporter) -> list[JSONObject]:
     arrays = open_arrays(spec)
     plan = _batch_plan(spec, shards)
     cuda = device.type == "cuda"
     offload = Offloader(device)
-    receipts: list[dict] = []
+    receipts: list[JSONObject] = []
+    if not plan:
+        return receipts
     on_device = encodes_on_device(device)
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
@@ -305,8 +315,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
         waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
         writes: deque[Future] = deque()
         rows: ShardRows  # the shard being computed, started at its first batch
-        nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda) \
-            if plan else None
+        nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda)
         try:
             for k, (index, b0, b1, last) in enumerate(plan):
                 x, kept = nxt.result()
@@ -342,7 +351,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: Any, shards: Sequ
     return receipts
 
 
-def probe(spec: TaskSpec, model: Any, dataset: Any, n: int, on: torch.device | None = None) -> Probe:
+def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: torch.device | None = None) -> Probe:
     """Run A on the first samples (one small batch) on a worker, or on device ``on`` (the
     teacher in the loop's, outside Dask): per array, the per-sample shape and dtype every batch
     must keep and the share of bytes zstd saves on this batch as stored (what

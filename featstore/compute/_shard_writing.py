@@ -6,7 +6,7 @@ receipt and digests) into the version.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -17,14 +17,21 @@ from featstore.errors import (ComputeFailed, NonFiniteOutput,
                               OutputMismatch)
 from featstore.format._arrays import open_for_write
 from featstore.format._keys import shard_digest
-from featstore.format._manifests import ShardReceipt
+from featstore.format._manifests import ArrayStats, ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, offsets, pack
 from featstore.codecs._statistics import NONFINITE_KEPT, max_abs_error, value_stats
 from featstore.versions._keys import group_store
 from featstore.versions._receipts import write_receipt
 from featstore.compute._task_spec import TaskSpec
+from featstore._json import json_list
 
+#: A shard's rows being built: per array its rows (a list of batches' token rows for a
+#: per-token array until :func:`finish_buffers` joins them).
+ShardBuffers: TypeAlias = dict[str, np.ndarray | list[np.ndarray]]
+#: A batch of values to store: Model A's outputs, kept fields, and per output the device half
+#: of a sparse codec (:func:`device_stage`).
+Values: TypeAlias = dict[str, torch.Tensor | dict[str, torch.Tensor]]
 
 
 def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
@@ -32,7 +39,8 @@ def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
     if name in spec.arrays and not spec.arrays[name].output:
         return spec.arrays[name].shape
     # an output stored in parts: the shape A produced is recorded with each part
-    return next(tuple(a.params["row_shape"]) for a in spec.arrays.values() if a.output == name)
+    return next(tuple(int(d) for d in json_list(a.params["row_shape"], "row_shape") if isinstance(d, int))
+                for a in spec.arrays.values() if a.output == name)
 
 
 def check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
@@ -51,7 +59,7 @@ def check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, star
 
 
 def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor | dict[str, torch.Tensor], start: int,
-                  encoded: dict[str, np.ndarray], stats: dict[str, dict]) -> None:
+                  encoded: dict[str, np.ndarray], stats: dict[str, ArrayStats]) -> None:
     """Encode an output stored in parts (sparse soft labels, int8): one array per part, the
     codec's error statistics with the first part's. ``t`` is the output, or what
     :func:`device_stage` already made of it on the device."""
@@ -63,15 +71,18 @@ def _encode_parts(name: str, codec: PartsCodec, t: torch.Tensor | dict[str, torc
             stats[key]["codec_error"] = error
 
 
-def encode_batch(spec: TaskSpec, values: dict[str, Any], start: int, token0: int = 0) -> tuple[dict, dict]:
+def encode_batch(spec: TaskSpec, values: Values, start: int,
+                 token0: int = 0) -> tuple[dict[str, np.ndarray], dict[str, ArrayStats]]:
     """Each value as stored, and its statistics; a per-token output's rows are tokens, the first
     being token row ``token0`` (what ``sample:S`` seeds its draws with, like a sample index)."""
-    encoded, stats = {}, {}
+    encoded: dict[str, np.ndarray] = {}
+    stats: dict[str, ArrayStats] = {}
     for name, t in values.items():
         if name in spec.outputs and is_parts_codec(spec.outputs[name]):
             _encode_parts(name, parts_codec(spec.outputs[name]), t, token0 if name in spec.ragged else start,
                           encoded, stats)
             continue
+        assert isinstance(t, torch.Tensor), f"{name!r}: only an output stored in parts is staged on the device"
         want = spec.arrays[name]
         codec = codec_by_name(want.codec)
         if want.source != "output":  # a kept field: stored exactly in its own dtype
@@ -82,7 +93,8 @@ def encode_batch(spec: TaskSpec, values: dict[str, Any], start: int, token0: int
     return encoded, stats
 
 
-def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, start: int) -> tuple[np.ndarray, dict]:
+def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor,
+                  start: int) -> tuple[np.ndarray, ArrayStats]:
     """One dense output as stored, and the statistics of what is stored: NaN/Inf from Model A,
     or finite values the codec cannot represent (float64 beyond float32's range, float32 beyond
     float16's) are :class:`NonFiniteOutput` naming the samples unless ``allow_nonfinite``; a
@@ -100,7 +112,7 @@ def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor, star
                                                   largest_finite(t)))
         bad |= lost
     cast = t.dtype != codec.torch_dtype
-    s = value_stats(codec.decode(arr) if cast else t, not bool(bad.any()))  # what is stored
+    s: ArrayStats = value_stats(codec.decode(arr) if cast else t, not bool(bad.any()))  # what is stored
     if bool(bad.any()):
         s["nonfinite_samples"] = (torch.nonzero(bad).reshape(-1) + start).tolist()[:NONFINITE_KEPT]
     if cast or codec.lossy:
@@ -121,7 +133,7 @@ def open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
                         "compute: the shards still stored are kept.")
 
 
-def shard_buffers(spec: TaskSpec, index: int) -> dict[str, Any]:
+def shard_buffers(spec: TaskSpec, index: int) -> ShardBuffers:
     """A shard's buffers: one array per per-sample field, a list of batches' token rows per
     per-token array (their count is known only once the shard's batches are in)."""
     start, stop = spec.layout.shard_range(index)
@@ -134,10 +146,12 @@ def tokens_per_shard(spec: TaskSpec) -> int:
     return 0 if a is None else spec.layout.of(a).samples_per_shard
 
 
-def finish_buffers(spec: TaskSpec, index: int, buffers: dict[str, Any], stats: dict[str, dict]) -> None:
+def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers,
+                   stats: dict[str, ArrayStats]) -> dict[str, np.ndarray]:
     """A shard's buffers once all its batches are in, as they are stored: each per-token array's
     batches joined into one array of the shard's token rows, and each sample's first token row
-    (``token_start``), now that the shard's counts are known. Idempotent."""
+    (``token_start``), now that the shard's counts are known; in place (idempotent), and
+    returned as the arrays they all are now."""
     if TOKEN_START in buffers:
         buffers[TOKEN_START][:] = index * tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
         stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
@@ -145,17 +159,17 @@ def finish_buffers(spec: TaskSpec, index: int, buffers: dict[str, Any], stats: d
         if isinstance(buf, list):
             a = spec.arrays[name]
             buffers[name] = np.concatenate(buf) if buf else np.empty((0, *a.shape), dtype=a.dtype)
+    return {name: buf for name, buf in buffers.items() if isinstance(buf, np.ndarray)}
 
 
 def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                buffers: dict[str, Any], stats: dict[str, dict]) -> ShardReceipt:
+                buffers: ShardBuffers, stats: dict[str, ArrayStats]) -> ShardReceipt:
     """Store shard ``index``'s rows (``buffers``, as :class:`~featstore.compute.ShardRows` built
     them) into ``arrays``, then its receipt (digests and ``stats``): the receipt is written last,
     it is the marker that the shard is stored."""
     start, stop = spec.layout.shard_range(index)
     digests = {}
-    finish_buffers(spec, index, buffers, stats)
-    for name, buf in buffers.items():
+    for name, buf in finish_buffers(spec, index, buffers, stats).items():
         a = spec.arrays[name]
         if a.ragged:  # a per-token array: the shard's tokens, packed from its first row
             t0 = index * tokens_per_shard(spec)
@@ -195,6 +209,7 @@ def device_stage(spec: TaskSpec, outs: dict[str, torch.Tensor], mask: torch.Tens
             continue
         rows = len(t)
         if name in spec.ragged:
+            assert mask is not None, f"{name!r}: a per-token output comes with its batch's token mask"
             t = pack(t, mask.to(t.device), name)[0]
         check_batch(spec, {name: t}, rows, b0)
         first = token0 if name in spec.ragged else b0
@@ -202,7 +217,7 @@ def device_stage(spec: TaskSpec, outs: dict[str, torch.Tensor], mask: torch.Tens
     return out
 
 
-def unstage(values: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+def unstage(values: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """Take :func:`device_stage`'s tensors out of ``values``, grouped by output."""
     staged: dict[str, dict[str, torch.Tensor]] = {}
     for key in [k for k in values if _STAGED in k]:

@@ -6,13 +6,13 @@ by the teacher in the loop alike), read by the task and its write side."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
-
+from typing import TYPE_CHECKING
 
 from featstore.format._manifests import ArraySpec, Layout
 from featstore.codecs._ragged import Tokens
 from featstore.monitor._events import TOPIC
 from featstore.storage import Storage
+from featstore._user_types import Collate, FieldKey
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._views import SEED_FIELD, Augment
 
@@ -60,8 +60,8 @@ class TaskSpec:
     name: str
     vid: str
     model_key: str
-    input_key: Any
-    keep: dict[str, Any]
+    input_key: FieldKey
+    keep: dict[str, FieldKey]
     outputs: dict[str, str]
     arrays: dict[str, ArraySpec]
     layout: Layout
@@ -73,7 +73,7 @@ class TaskSpec:
     dtypes: dict[str, str] = field(default_factory=dict)  # per array, as the first batch had them
     tune_allocator: bool = True
     serial_forward: bool = False  # this process's tasks take turns at the forward (see _FORWARD_TURN)
-    collate: Any = None  # the user's collate for A's input batch (None: default_collate)
+    collate: Collate | None = None  # the user's collate for A's input batch (None: default_collate)
     view: int | None = None  # the augmented view these shards belong to (None: no views)
     augment: Augment | None = None  # fn(item, generator) -> item, with views
     augment_seed: int = 0

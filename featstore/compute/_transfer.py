@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 
-def pin(x: Any) -> Any:
+def pin(x: object) -> object:
     """``x`` (a tensor, or a dict/list/tuple of them) with its CPU tensors in pinned memory, so
     that their copy to a GPU is asynchronous. Needs CUDA; call it only for a CUDA device.
 
@@ -31,7 +30,7 @@ def pin(x: Any) -> Any:
     return x
 
 
-def to_device(x: Any, device: torch.device) -> Any:
+def to_device(x: object, device: torch.device) -> object:
     """``x`` (a tensor, or on CUDA also a dict/list/tuple of them) on ``device``.
 
     On CUDA the copies are ``non_blocking`` (asynchronous from pinned memory, see :func:`pin`).
@@ -58,7 +57,7 @@ class HostBatch:
     """One batch's values on the host; call :meth:`wait` before reading them."""
 
     values: dict[str, torch.Tensor]
-    ready: Any = None  # a torch.cuda.Event recorded after the copies, or None (nothing pending)
+    ready: torch.cuda.Event | None = None  # recorded after the copies (None: nothing pending)
 
     def wait(self) -> dict[str, torch.Tensor]:
         """The values, once every pending device->host copy has landed."""

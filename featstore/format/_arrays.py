@@ -14,22 +14,27 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 import zarr
 import zarr.errors
 import zarr.storage
+from zarr.abc.store import Store
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from featstore.errors import CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreConflict
-from featstore._json import load_json
+from featstore._json import JSON, JSONObject, load_json
 from featstore.format._manifests import ArraySpec, Layout
 
 from featstore.format._keys import (ALLOWED_CODECS, VIEWS_GROUP, ZARR_FORMAT, logical_key, mark_metadata, spread_folder,
                                     spread_key, view_path)
 
+if TYPE_CHECKING:
+    from zarr.abc.codec import BytesBytesCodec
+    from zarr.abc.store import ByteRequest
+    from zarr.core.buffer import Buffer, BufferPrototype
 
 ZSTD_LEVEL = 3
 COMPRESSIONS = ("auto", "zstd", "none")
@@ -45,7 +50,7 @@ LOCAL_AUTO_MIN_SAVING = 0.50
 
 
 # -- compression policy ------------------------------------------------------------------------
-def zarr_codecs(compression: str = "zstd") -> list:
+def zarr_codecs(compression: str = "zstd") -> list[BytesBytesCodec]:
     """The bytes-to-bytes chain for every chunk: zstd (unless ``"none"``), then a crc32c checksum."""
     if compression not in ("zstd", "none"):
         raise InvalidInput(f"compression must be 'zstd' or 'none' here, got {compression!r}.")
@@ -89,7 +94,7 @@ def chunk_label(compression: str) -> str:
 
 
 # -- writing -----------------------------------------------------------------------------------
-def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[str, ArraySpec],
+def create_arrays(store: Store, layout: Layout, arrays: Mapping[str, ArraySpec],
                   where: str) -> None:
     """Create the version's group and arrays, or check that an earlier or concurrent run of
     the same claim created them identically (a :class:`StoreConflict` otherwise)."""
@@ -105,7 +110,8 @@ def create_arrays(store: zarr.abc.store.Store, layout: Layout, arrays: Mapping[s
         except KeyError:
             existing = None
         if existing is not None:
-            if existing.shape == shape and existing.shards == (axis.samples_per_shard, *a.shape):
+            if isinstance(existing, zarr.Array) and existing.shape == shape \
+                    and existing.shards == (axis.samples_per_shard, *a.shape):
                 continue  # created by the founder or an earlier run: identical metadata
             raise StoreConflict(f"array {name!r} under {where} has another layout than its claim; if "
                                 "no compute of it is running, delete that uncommitted version folder and rerun.")
@@ -133,7 +139,7 @@ def _dimension_names(name: str, a: ArraySpec) -> tuple[str, ...]:
     return tuple(dims)
 
 
-def create_views_group(store: zarr.abc.store.Store) -> None:
+def create_views_group(store: Store) -> None:
     """Create the version's group and its views group (each view's group comes with its arrays,
     from :func:`create_arrays`), tolerating a concurrent run that created them first."""
     for mode in ("a", "r+"):
@@ -144,7 +150,7 @@ def create_views_group(store: zarr.abc.store.Store) -> None:
             continue  # a concurrent run created the root between look and create
 
 
-def consolidate(store: zarr.abc.store.Store, groups: Iterable[str]) -> None:
+def consolidate(store: Store, groups: Iterable[str]) -> None:
     """Write each group's consolidated metadata into its ``zarr.json`` (``groups``: paths inside
     ``store``, deepest first, ``""`` the root last), so plain zarr and xarray open a version
     without listing its folder, where featstore's own objects (manifest, receipts, records) are
@@ -168,7 +174,7 @@ def consolidated_groups(views: int | None) -> list[str]:
     return [*(view_path(v) for v in range(views)), VIEWS_GROUP, ""]
 
 
-def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.Array]:
+def open_for_write(store: Store, fields: Iterable[str]) -> dict[str, zarr.Array]:
     """The version's arrays, ready for whole-shard writes."""
     # write_empty_chunks is a runtime setting, lost on reopen: without it an all-fill-value shard
     # is never stored, and a committed version must hold every shard object.
@@ -177,61 +183,61 @@ def open_for_write(store: zarr.abc.store.Store, fields: Any) -> dict[str, zarr.A
 
 
 # -- reading through zarr ----------------------------------------------------------------------
-class StrictStore(zarr.storage.WrapperStore):
+class StrictStore(zarr.storage.WrapperStore[Store]):
     """Refuses to read a missing or empty chunk object as the fill value (zarr#486)."""
 
-    def __init__(self, store: Any, where: str) -> None:
+    def __init__(self, store: Store, where: str) -> None:
         super().__init__(store)
         self._where = where
 
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._store.get(key, prototype, byte_range)
         if "/c/" in key and (buf is None or len(buf) == 0):
             raise CorruptChunk.damaged(self._where, key.split("/c/")[0], key,
                                        "is missing" if buf is None else "is empty")
         return buf
 
-    def _with_store(self, store: Any) -> "StrictStore":
+    def _with_store(self, store: Store) -> Self:
         return type(self)(store, self._where)
 
 
-class MetadataStore(zarr.storage.WrapperStore):
+class MetadataStore(zarr.storage.WrapperStore[Store]):
     """A version folder's Zarr store as featstore reads and writes it: array metadata marked
     (:func:`mark_metadata`) is shown to Zarr unmarked, and, with ``mark``, every array metadata
     written is marked (a version whose shards lie elsewhere)."""
 
-    def __init__(self, store: Any, mark: str | None = None) -> None:
+    def __init__(self, store: Store, mark: str | None = None) -> None:
         super().__init__(store)
         self._mark = mark
 
-    def _with_store(self, store: Any) -> "MetadataStore":
+    def _with_store(self, store: Store) -> Self:
         return type(self)(store, self._mark)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MetadataStore) and self._store == other._store and self._mark == other._mark
 
-    def _stored(self, key: str, value: Any) -> Any:
+    def _stored(self, key: str, value: Buffer) -> Buffer:
         if self._mark is None or not key.endswith("zarr.json"):
             return value
         return type(value).from_bytes(mark_metadata(value.to_bytes(), self._mark))
 
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._store.get(key, prototype, byte_range)
         if buf is not None and byte_range is None and key.endswith("zarr.json"):
             return type(buf).from_bytes(mark_metadata(buf.to_bytes(), None))
         return buf
 
-    async def set(self, key: str, value: Any) -> None:
+    async def set(self, key: str, value: Buffer) -> None:
         await self._store.set(key, self._stored(key, value))
 
-    async def set_if_not_exists(self, key: str, value: Any) -> None:
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         await self._store.set_if_not_exists(key, self._stored(key, value))
 
-    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
         await self._store._set_many([(k, self._stored(k, v)) for k, v in values])
 
 
-class SpreadStore(zarr.storage.WrapperStore):
+class SpreadStore(zarr.storage.WrapperStore[Store]):
     """The Zarr group at ``group`` (``""`` or ``_views/<v>``) of version folder ``vkey``, whose
     shard objects are spread over ``spread`` prefixes, seen at its usual keys: ``store`` is
     rooted at the store root and every key goes through :func:`spread_key`. Listings merge the
@@ -243,11 +249,11 @@ class SpreadStore(zarr.storage.WrapperStore):
     >>> group["features"][:10]
     """
 
-    def __init__(self, store: Any, vkey: str, spread: int, group: str = "") -> None:
+    def __init__(self, store: Store, vkey: str, spread: int, group: str = "") -> None:
         super().__init__(store)
         self._vkey, self._spread, self._group = vkey, spread, group
 
-    def _with_store(self, store: Any) -> "SpreadStore":
+    def _with_store(self, store: Store) -> Self:
         return type(self)(store, self._vkey, self._spread, self._group)
 
     def __eq__(self, other: object) -> bool:
@@ -275,13 +281,15 @@ class SpreadStore(zarr.storage.WrapperStore):
         inside = logical_key(key)[len(self._vkey) + 1:]
         return inside[len(self._group) + 1:] if self._group else inside
 
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         return await self._store.get(self._key(key), prototype, byte_range)
 
-    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
         return await self._store.get_partial_values(prototype, [(self._key(k), r) for k, r in key_ranges])
 
-    async def _get_many(self, requests: Any) -> Any:
+    async def _get_many(self, requests: Iterable[tuple[str, BufferPrototype, ByteRequest | None]]
+                        ) -> AsyncGenerator[tuple[str, Buffer | None], None]:
         back = {}
         mapped = []
         for key, prototype, byte_range in requests:
@@ -296,13 +304,13 @@ class SpreadStore(zarr.storage.WrapperStore):
     async def getsize(self, key: str) -> int:
         return await self._store.getsize(self._key(key))
 
-    async def set(self, key: str, value: Any) -> None:
+    async def set(self, key: str, value: Buffer) -> None:
         await self._store.set(self._key(key), value)
 
-    async def set_if_not_exists(self, key: str, value: Any) -> None:
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         await self._store.set_if_not_exists(self._key(key), value)
 
-    async def _set_many(self, values: Iterable[tuple[str, Any]]) -> None:
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
         await self._store._set_many([(self._key(k), v) for k, v in values])
 
     async def delete(self, key: str) -> None:
@@ -343,8 +351,8 @@ class SpreadStore(zarr.storage.WrapperStore):
         await self.delete_dir("")
 
 
-def open_array(store: zarr.abc.store.Store, field: str, spec: ArraySpec, layout: Layout, where: str,
-               raw_metadata: Any) -> zarr.Array:
+def open_array(store: Store, field: str, spec: ArraySpec, layout: Layout, where: str,
+               raw_metadata: Callable[[], bytes | None]) -> zarr.Array:
     """Open one stored array for reading, its metadata checked before any chunk is decoded.
 
     ``raw_metadata()`` returns the raw ``zarr.json`` bytes (or None): read only when zarr
@@ -375,7 +383,7 @@ def open_array(store: zarr.abc.store.Store, field: str, spec: ArraySpec, layout:
 
 
 # -- metadata validation -----------------------------------------------------------------------
-def _plain(obj: Any) -> Any:
+def _plain(obj: object) -> JSON:
     """Parsed metadata as plain JSON types (zarr's ``to_dict`` gives tuples and objects)."""
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
@@ -386,7 +394,13 @@ def _plain(obj: Any) -> Any:
     return str(obj)
 
 
-def _codec_names(codecs: Any) -> list[str]:
+def _object(value: JSON) -> JSONObject:
+    """``value`` if it is a JSON object, else an empty one (a metadata entry that is not an
+    object is then reported as missing its fields)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _codec_names(codecs: JSON) -> list[str]:
     names: list[str] = []
     for c in codecs if isinstance(codecs, list) else [codecs]:
         name = c.get("name") if isinstance(c, dict) else c
@@ -399,7 +413,7 @@ def _codec_names(codecs: Any) -> list[str]:
     return names
 
 
-def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version: str, array: str) -> None:
+def check_array_metadata(meta: object, spec: ArraySpec, layout: Layout, *, version: str, array: str) -> None:
     """Raise unless ``meta`` (a parsed ``zarr.json``) is what featstore wrote for ``spec``.
 
     A newer ``zarr_format`` is :class:`IncompatibleFormat` (upgrade featstore and zarr); any
@@ -417,7 +431,7 @@ def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version:
     axis = layout.of(spec)
     want_shape = [axis.n_samples, *spec.shape]
     want_grid = [axis.samples_per_shard, *spec.shape]
-    grid = meta.get("chunk_grid") if isinstance(meta.get("chunk_grid"), dict) else {}
+    grid = _object(meta.get("chunk_grid"))
     problems = []
     if fmt != ZARR_FORMAT or meta.get("node_type") != "array":
         problems.append(f"zarr_format={fmt!r}, node_type={meta.get('node_type')!r}")
@@ -425,15 +439,14 @@ def check_array_metadata(meta: Any, spec: ArraySpec, layout: Layout, *, version:
         problems.append(f"data_type {meta.get('data_type')!r} but the manifest says {spec.dtype!r}")
     if meta.get("shape") != want_shape:
         problems.append(f"shape {meta.get('shape')!r} but the manifest says {want_shape}")
-    if grid.get("name") != "regular" or (grid.get("configuration") or {}).get("chunk_shape") != want_grid:
+    if grid.get("name") != "regular" or _object(grid.get("configuration")).get("chunk_shape") != want_grid:
         problems.append(f"chunk grid {grid!r} is not shards of {want_grid}")
     top = meta.get("codecs")
-    if not (isinstance(top, list) and len(top) == 1 and isinstance(top[0], dict)
-            and top[0].get("name") == "sharding_indexed"):
+    sharding = top[0] if isinstance(top, list) and len(top) == 1 else None
+    if not (isinstance(sharding, dict) and sharding.get("name") == "sharding_indexed"):
         problems.append("the codec chain is not one sharding codec (featstore writes whole shards)")
-    elif (top[0].get("configuration") or {}).get("chunk_shape") != [axis.chunk_rows, *spec.shape]:
-        problems.append(f"inner chunks {(top[0].get('configuration') or {}).get('chunk_shape')!r} but the "
-                        f"manifest says {[axis.chunk_rows, *spec.shape]}")
+    elif (inner := _object(sharding.get("configuration")).get("chunk_shape")) != [axis.chunk_rows, *spec.shape]:
+        problems.append(f"inner chunks {inner!r} but the manifest says {[axis.chunk_rows, *spec.shape]}")
     names = _codec_names(meta.get("codecs", []))
     if not names or not set(names) <= ALLOWED_CODECS:
         problems.append(f"codecs {names} (featstore writes only {sorted(ALLOWED_CODECS)})")

@@ -21,9 +21,7 @@ import re
 
 from featstore.errors import InvalidInput
 from featstore.format._manifests import MAX_SPREAD
-from featstore._lazy import lazy_module
-
-np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
+from featstore._lazy import np  # imported on first use: the quick commands never need it
 
 
 #: Batch keys the reader adds itself; no stored array may take them.

@@ -10,17 +10,17 @@ or newer schemas are refused with :class:`IncompatibleFormat` saying what to do.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 from featstore.codecs._dense import codec_by_name
 from featstore.errors import FeatstoreError, IncompatibleFormat
 from featstore._allowed_names import check_name, check_version_id
+from featstore._json import JSON, JSONObject, json_list, json_object
 from featstore.codecs._parts import check_array_name, check_part, is_parts_codec, part_array
-from featstore._lazy import lazy_module
+from featstore._lazy import np  # imported on first use: the quick commands never need it
 
-np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
 
 SCHEMA = "featstore.manifest"
 #: Newest manifest schema: 2 keeps per-shard digests out of the manifest (see ShardRecords);
@@ -39,9 +39,14 @@ RECEIPT_SCHEMA = "featstore.receipt"
 OBJECT_VERSION = 1
 _HEX = frozenset("0123456789abcdef")
 
+#: One array's statistics over a shard or a version, as :mod:`featstore.codecs._statistics`
+#: computes and merges them: ``count``, ``nan``, ``inf``, ``min``, ``max``, ``sum``, ...,
+#: and where they apply ``nonfinite_samples`` (a list) and ``codec_error`` (an object).
+ArrayStats: TypeAlias = dict[str, Any]
 
-def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bool = True) -> None:
-    """Refuse an object that is not a JSON object of ``schema`` at a version this code reads.
+
+def check_schema(obj: JSON, schema: str, newest: int, where: str, *, required: bool = True) -> JSONObject:
+    """``obj``, refused unless it is a JSON object of ``schema`` at a version this code reads.
 
     ``required=False`` accepts an object without schema fields (receipts embedded in a
     manifest, which carries the schema for all of them).
@@ -50,7 +55,7 @@ def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bo
         raise IncompatibleFormat(f"{where} is not a JSON object; the store is damaged or not a "
                                  "featstore store. Delete the object (or the version) and recompute.")
     if not required and "schema" not in obj and "schema_version" not in obj:
-        return
+        return obj
     if obj.get("schema") != schema:
         raise IncompatibleFormat(f"{where} is not a {schema} object (schema={obj.get('schema')!r}); "
                                  "delete it, or point featstore at the right store.")
@@ -62,9 +67,10 @@ def check_schema(obj: Any, schema: str, newest: int, where: str, *, required: bo
             f"{where} has schema_version {version}, newer than this featstore understands "
             f"({newest}); upgrade featstore (pip install -U featstore)."
         )
+    return obj
 
 
-def newer_manifest(obj: Any) -> bool:
+def newer_manifest(obj: JSON) -> bool:
     """Whether ``obj`` is a manifest of a newer schema than this featstore reads: not damaged,
     only unreadable here (upgrade featstore), so never deleted as damaged.
 
@@ -76,7 +82,7 @@ def newer_manifest(obj: Any) -> bool:
             and version > SCHEMA_VERSION) if isinstance(obj, dict) else False
 
 
-def _digest(value: Any) -> str:
+def _digest(value: JSON) -> str:
     if not isinstance(value, str) or len(value) != 64 or not set(value) <= _HEX:
         raise ValueError(f"digest {value!r} is not 64 hex digits")
     return value
@@ -99,7 +105,7 @@ class ArraySpec:
     #: these existed hold only plain arrays.
     output: str = ""
     part: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
+    params: JSONObject = field(default_factory=dict)
     #: A per-token (ragged) array: ``(tokens per shard, tokens per chunk)``. Its axis 0 holds
     #: token rows, shard ``s`` of the version owning rows ``[s * tokens per shard, ...)`` of
     #: which only the first ``sum(token_length)`` of the shard's samples are stored (see
@@ -111,10 +117,10 @@ class ArraySpec:
         """Whether axis 0 of the array is tokens (see :mod:`featstore.ragged`), not samples."""
         return bool(self.tokens)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """As stored (lists, not tuples); the part and token fields only where set, so a plain
         array's JSON is what featstore wrote before they existed."""
-        d = json.loads(json.dumps(asdict(self)))
+        d: JSONObject = json.loads(json.dumps(asdict(self)))
         if not self.output:
             for k in ("output", "part", "params"):
                 d.pop(k)
@@ -123,12 +129,13 @@ class ArraySpec:
         return d
 
     @classmethod
-    def from_json(cls, k: str, v: Mapping[str, Any]) -> "ArraySpec":
+    def from_json(cls, k: str, v: JSON) -> "ArraySpec":
         """Parse and check one manifest entry (raises ``ValueError``/:class:`IncompatibleFormat`)."""
-        spec = cls(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in v["shape"]),
+        v = json_object(v, f"array {k!r}")
+        spec = cls(str(v["codec"]), str(v["dtype"]), tuple(_int(s) for s in json_list(v["shape"], "shape")),
                    str(v["source"]), str(v.get("compression", "zstd")), str(v.get("output", "")),
-                   str(v.get("part", "")), dict(v.get("params", {})),
-                   tuple(_int(t) for t in v.get("tokens", ())))
+                   str(v.get("part", "")), dict(json_object(v.get("params", {}), "params")),
+                   tuple(_int(t) for t in json_list(v.get("tokens", []), "tokens")))
         if spec.tokens and (len(spec.tokens) != 2 or min(spec.tokens) < 1 or spec.tokens[0] % spec.tokens[1]):
             raise ValueError(f"array {k!r} has a malformed token layout {list(spec.tokens)}")
         if spec.output or is_parts_codec(spec.codec):
@@ -155,26 +162,27 @@ class ShardReceipt:
     start: int
     stop: int
     digests: dict[str, str]
-    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stats: dict[str, ArrayStats] = field(default_factory=dict)
     view: int | None = None
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         """The receipt's fields as JSON (``view`` only where set), without the schema fields."""
         d = asdict(self)
         if self.view is None:
             del d["view"]
         return d
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {**self.body(), "schema": RECEIPT_SCHEMA, "schema_version": OBJECT_VERSION}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any], where: str = "a shard receipt") -> "ShardReceipt":
-        check_schema(obj, RECEIPT_SCHEMA, OBJECT_VERSION, where, required=False)
+    def from_json(cls, obj: JSON, where: str = "a shard receipt") -> "ShardReceipt":
+        obj = check_schema(obj, RECEIPT_SCHEMA, OBJECT_VERSION, where, required=False)
         try:
             r = cls(_int(obj["index"]), _int(obj["start"]), _int(obj["stop"]),
-                    {check_array_name(k): _digest(v) for k, v in obj["digests"].items()},
-                    dict(obj.get("stats", {})), None if obj.get("view") is None else _int(obj["view"]))
+                    {check_array_name(k): _digest(v) for k, v in json_object(obj["digests"], "digests").items()},
+                    {str(k): json_object(v, "stats") for k, v in json_object(obj.get("stats", {}), "stats").items()},
+                    None if obj.get("view") is None else _int(obj["view"]))
         except (KeyError, TypeError, ValueError, AttributeError, FeatstoreError) as exc:
             raise IncompatibleFormat(f"{where} is malformed ({type(exc).__name__}: {exc}); delete "
                                      "it and rerun compute (the shard is recomputed).") from exc
@@ -183,9 +191,15 @@ class ShardReceipt:
         return r
 
 
-def _int(value: Any) -> int:
+def _int(value: JSON) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+def _number(value: JSON) -> float:
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{value!r} is not a number")
     return value
 
 
@@ -193,7 +207,7 @@ def _int(value: Any) -> int:
 MAX_SPREAD = 256
 
 
-def check_spread(spread: Any) -> int:
+def check_spread(spread: object) -> int:
     """``spread`` as a prefix count (None: 1, every shard object in the version's folder).
 
     >>> check_spread(None), check_spread(16)
@@ -217,7 +231,7 @@ class Layout:
     chunk_rows: int
     spread: int = 1
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> JSONObject:
         """The stored form; ``spread`` only when above 1, so unspread manifests and claims keep
         their bytes.
 
@@ -230,10 +244,11 @@ class Layout:
         return out
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Layout":
+    def from_json(cls, obj: JSON) -> "Layout":
         """Parse a stored layout (raises ``TypeError``/``KeyError``/``ValueError``); no
         ``spread`` (written before it existed) is 1."""
-        return cls(*(_int(obj[k]) for k in ("n_samples", "samples_per_shard", "chunk_rows")),
+        obj = json_object(obj, "layout")
+        return cls(_int(obj["n_samples"]), _int(obj["samples_per_shard"]), _int(obj["chunk_rows"]),
                    check_spread(_int(obj.get("spread", 1))))
 
     @property
@@ -271,11 +286,12 @@ class ViewsSpec:
     count: int
     seed: int
     policy: str
-    augment: Any
+    augment: JSON
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ViewsSpec":
+    def from_json(cls, obj: JSON) -> "ViewsSpec":
         """Parse and check the manifest's ``views`` entry (raises ``ValueError``)."""
+        obj = json_object(obj, "views")
         spec = cls(_int(obj["count"]), _int(obj["seed"]), str(obj["policy"]), obj["augment"])
         if spec.count < 1:
             raise ValueError(f"views count {spec.count} is not positive")
@@ -289,10 +305,10 @@ class Manifest:
     id: str
     name: str
     fingerprint: str
-    fingerprint_parts: dict[str, Any]
+    fingerprint_parts: JSONObject
     layout: Layout
     arrays: dict[str, ArraySpec]
-    stats: dict[str, dict[str, Any]]
+    stats: dict[str, ArrayStats]
     created_at: str
     timings: dict[str, float]
     libraries: dict[str, str]
@@ -331,9 +347,9 @@ class Manifest:
         """The shards stored in this version's own folder (after those of its bases)."""
         return range(self.bases[-1].stop if self.bases else 0, self.layout.n_shards)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         per_shard = ("shards", "records", "bases", "dataset_sample", "views")
-        d = {k: v for k, v in asdict(self).items() if k not in per_shard}
+        d: JSONObject = {k: v for k, v in asdict(self).items() if k not in per_shard}
         d["layout"] = self.layout.to_json()
         d["arrays"] = {n: a.to_json() for n, a in self.arrays.items()}
         d["schema"], d["schema_version"] = SCHEMA, self.schema_version
@@ -348,25 +364,28 @@ class Manifest:
         return d
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any], where: str = "manifest") -> "Manifest":
+    def from_json(cls, obj: JSON, where: str = "manifest") -> "Manifest":
         """Parse and validate a manifest; anything unexpected is :class:`IncompatibleFormat`.
 
         Names and array names are checked like user input (they become store paths), codecs
         and dtypes must be ones this featstore knows, and the shards must tile the layout.
         """
-        check_schema(obj, SCHEMA, SCHEMA_VERSION, where)
+        obj = check_schema(obj, SCHEMA, SCHEMA_VERSION, where)
         try:
             layout = Layout.from_json(obj["layout"])
-            arrays = {check_array_name(k): ArraySpec.from_json(k, v) for k, v in obj["arrays"].items()}
+            arrays = {check_array_name(k): ArraySpec.from_json(k, v)
+                      for k, v in json_object(obj["arrays"], "arrays").items()}
+            shards, records, bases, sample, views = _per_shard_parts(obj, where)
             m = cls(
                 id=check_version_id(obj["id"]), name=check_name(obj["name"]),
                 fingerprint=_digest(obj["fingerprint"]),
-                fingerprint_parts=dict(obj["fingerprint_parts"]),
+                fingerprint_parts=dict(json_object(obj["fingerprint_parts"], "fingerprint_parts")),
                 layout=layout, arrays=arrays,
-                stats={str(k): dict(v) for k, v in obj["stats"].items()},
-                created_at=str(obj["created_at"]), timings=dict(obj["timings"]),
-                libraries={str(k): str(v) for k, v in obj["libraries"].items()},
-                **_per_shard_parts(obj, where),
+                stats={str(k): json_object(v, "stats") for k, v in json_object(obj["stats"], "stats").items()},
+                created_at=str(obj["created_at"]),
+                timings={str(k): _number(v) for k, v in json_object(obj["timings"], "timings").items()},
+                libraries={str(k): str(v) for k, v in json_object(obj["libraries"], "libraries").items()},
+                shards=shards, records=records, bases=bases, dataset_sample=sample, views=views,
             )
         except IncompatibleFormat:
             raise
@@ -384,18 +403,20 @@ class Manifest:
         return m
 
 
-def _per_shard_parts(obj: dict[str, Any], where: str) -> dict[str, Any]:
-    """The per-shard part of a manifest: inline receipts (schema 1) or where they are (2)."""
+def _per_shard_parts(obj: JSONObject, where: str) -> tuple[tuple[ShardReceipt, ...] | None, ShardRecords | None,
+                                                            tuple[Base, ...], str | None, ViewsSpec | None]:
+    """The per-shard part of a manifest, ``(shards, records, bases, dataset_sample, views)``:
+    inline receipts (schema 1) or where they are (2)."""
     if obj["schema_version"] == 1:
-        return {"shards": tuple(ShardReceipt.from_json(s, f"{where}, shard {i}")
-                                for i, s in enumerate(obj["shards"]))}
+        return tuple(ShardReceipt.from_json(s, f"{where}, shard {i}")
+                     for i, s in enumerate(json_list(obj["shards"], "shards"))), None, (), None, None
     if "shards" in obj:
         raise ValueError("a schema 2 manifest holds no inline shards")
     sample = obj.get("dataset_sample")
-    return {"records": ShardRecords.from_json(obj["records"]),
-            "bases": tuple(Base.from_json(b) for b in obj.get("bases", [])),
-            "dataset_sample": None if sample is None else _digest(sample),
-            "views": None if obj.get("views") is None else ViewsSpec.from_json(obj["views"])}
+    return (None, ShardRecords.from_json(obj["records"]),
+            tuple(Base.from_json(b) for b in json_list(obj.get("bases", []), "bases")),
+            None if sample is None else _digest(sample),
+            None if obj.get("views") is None else ViewsSpec.from_json(obj["views"]))
 
 
 def _check_tiles(shards: tuple[ShardReceipt, ...], layout: Layout, arrays: dict[str, ArraySpec], where: str) -> None:
@@ -447,18 +468,20 @@ class ShardRecords:
     def record_bytes(self) -> int:
         return FIELD_BYTES * len(self.fields)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {"format": RECORDS_FORMAT, "fields": list(self.fields), "per_object": self.per_object,
                 "objects": list(self.objects)}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ShardRecords":
+    def from_json(cls, obj: JSON) -> "ShardRecords":
+        obj = json_object(obj, "records")
         if obj.get("format") != RECORDS_FORMAT:
             raise ValueError(f"unknown shard records format {obj.get('format')!r}")
         per = _int(obj["per_object"])
         if per < 1:
             raise ValueError(f"per_object {per}")
-        return cls(tuple(check_array_name(f) for f in obj["fields"]), per, tuple(_digest(d) for d in obj["objects"]))
+        return cls(tuple(check_array_name(f) for f in json_list(obj["fields"], "fields")), per,
+                   tuple(_digest(d) for d in json_list(obj["objects"], "objects")))
 
 
 def _record_dtype(fields: Sequence[str]) -> np.dtype:
@@ -467,15 +490,15 @@ def _record_dtype(fields: Sequence[str]) -> np.dtype:
                      for part, kind in ((f"d{j}", f"V{DIGEST_BYTES}"), (f"s{j}", ("<f8", len(STATS_FIELDS))))])
 
 
-def _stats_row(stats: dict[str, Any] | None) -> list[float]:
+def _stats_row(stats: ArrayStats | None) -> list[float]:
     stats = stats or {}
     return [np.nan if stats.get(k) is None else float(stats[k]) for k in STATS_FIELDS]
 
 
-def _stats_dict(vals: list[float]) -> dict[str, Any]:
+def _stats_dict(vals: list[float]) -> ArrayStats:
     if vals[0] != vals[0]:  # NaN count: no statistics were recorded for this shard
         return {}
-    out: dict[str, Any] = {}
+    out: ArrayStats = {}
     for k, v in zip(STATS_FIELDS, vals, strict=True):
         if k in ("count", "nan", "inf", "finite"):
             out[k] = int(v)
@@ -533,10 +556,11 @@ class Base:
     stop: int
     n_samples: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Base":
+    def from_json(cls, obj: JSON) -> "Base":
+        obj = json_object(obj, "base")
         return cls(check_name(obj["name"]), check_version_id(obj["id"]), _int(obj["first"]),
                    _int(obj["stop"]), _int(obj["n_samples"]))

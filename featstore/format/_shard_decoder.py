@@ -5,17 +5,21 @@ layout it understands (else the reader goes through zarr); every chunk's crc32c 
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from featstore.errors import CorruptChunk
-from featstore._lazy import lazy_module
+from featstore._lazy import np  # imported on first use: the quick commands never need it
 
-np = lazy_module("numpy")  # imported on first use: listing and tagging versions never touch an array
 
 if TYPE_CHECKING:  # zarr only inside shard_format: decoding a shard needs none of it
     import zarr
+    from numcodecs import Zstd
+
+#: A shard object's bytes as the reader holds them: read, or mapped from a file in place.
+ShardBytes = bytes | bytearray | memoryview | mmap.mmap
 
 
 
@@ -55,8 +59,13 @@ def shard_format(array: zarr.Array) -> ShardFormat | None:
     try:
         from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
         from zarr.codecs.sharding import ShardingCodecIndexLocation
+        from zarr.core.chunk_grids import RegularChunkGrid
+        from zarr.core.metadata import ArrayV3Metadata
 
-        codecs = array.metadata.codecs
+        meta = array.metadata
+        if not isinstance(meta, ArrayV3Metadata) or not isinstance(meta.chunk_grid, RegularChunkGrid):
+            return None
+        codecs = meta.codecs
         if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
             return None
         sc = codecs[0]
@@ -75,7 +84,7 @@ def shard_format(array: zarr.Array) -> ShardFormat | None:
         dtype = np.dtype(array.dtype)
         if dtype.byteorder == ">":
             return None
-        shard_rows = int(array.metadata.chunk_grid.chunk_shape[0])
+        shard_rows = int(meta.chunk_grid.chunk_shape[0])
         if shard_rows % int(sc.chunk_shape[0]):
             return None
         return ShardFormat(int(sc.chunk_shape[0]), tuple(int(s) for s in array.shape[1:]), dtype.str,
@@ -147,7 +156,7 @@ def shard_intact(data: bytes | memoryview, fmt: ShardFormat) -> bool:
     return True
 
 
-def decode_shard_rows(data: bytes | memoryview, fmt: ShardFormat, lo: int, hi: int,
+def decode_shard_rows(data: ShardBytes, fmt: ShardFormat, lo: int, hi: int,
                       out: np.ndarray | None = None, ref: ChunkRef = ChunkRef(),
                       index: np.ndarray | None = None, base: int = 0) -> np.ndarray:
     """Rows ``[lo, hi)`` (shard-local) of one shard object, written into ``out`` when given
@@ -201,7 +210,7 @@ def decode_shard_rows(data: bytes | memoryview, fmt: ShardFormat, lo: int, hi: i
     return out
 
 
-def _decode_into(zstd: Any, body: memoryview, dest: np.ndarray, c: int, ref: ChunkRef) -> None:
+def _decode_into(zstd: Zstd, body: memoryview, dest: np.ndarray, c: int, ref: ChunkRef) -> None:
     """Decompress one whole chunk straight into ``dest`` (exactly its size, or it is damaged)."""
     if _zstd_content_size(body) != dest.nbytes:
         raise _damaged(ref, f"chunk {c} does not hold {dest.nbytes} bytes of values")
@@ -225,7 +234,7 @@ def _zstd_content_size(frame: memoryview) -> int | None:
     return value + 256 if size == 2 else value
 
 
-def mapped_chunks(data: Any, fmt: ShardFormat, n_chunks: int, verify: Iterable[int],
+def mapped_chunks(data: ShardBytes, fmt: ShardFormat, n_chunks: int, verify: Iterable[int],
                   ref: ChunkRef = ChunkRef()) -> np.ndarray | None:
     """The first ``n_chunks`` chunks of an uncompressed shard as one ``(chunks, chunk_rows,
     *row_shape)`` array *on* ``data`` (a memory-mapped shard object: no copy), after checking

@@ -19,13 +19,18 @@ import html
 import math
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Literal
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from featstore.monitor._events import PAGE, PLUGIN, TOPIC
-from featstore.monitor._run_state import DONE, RUNNING, Monitor
+from featstore.monitor._run_state import DONE, RUNNING, Monitor, RunSnapshot, RunState
+
+if TYPE_CHECKING:
+    from bokeh.document import Document
+    from distributed import Scheduler
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 REFRESH_MS = 500
 
@@ -38,18 +43,18 @@ class FeatstorePlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.monitor = Monitor()
 
-    def log_event(self, topic: str, msg: Any) -> None:
+    def log_event(self, topic: str, msg: object) -> None:
         if topic == TOPIC:
             self.monitor.apply(msg)
 
 
-def plugin_of(scheduler: Any) -> FeatstorePlugin | None:
+def plugin_of(scheduler: Scheduler) -> FeatstorePlugin | None:
     """The scheduler's featstore plugin, if it has one."""
     plugin = getattr(scheduler, "plugins", {}).get(PLUGIN)
     return plugin if isinstance(plugin, FeatstorePlugin) else None
 
 
-def install(scheduler: Any) -> FeatstorePlugin:
+def install(scheduler: Scheduler) -> FeatstorePlugin:
     """Add the plugin to ``scheduler`` (once) and its numbers to ``/metrics``."""
     plugin = plugin_of(scheduler)
     if plugin is None:
@@ -60,7 +65,7 @@ def install(scheduler: Any) -> FeatstorePlugin:
     return plugin
 
 
-def dask_setup(scheduler: Any) -> None:
+def dask_setup(scheduler: Scheduler) -> None:
     """The preload hook Dask calls when the scheduler starts."""
     install(scheduler)
 
@@ -83,16 +88,17 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _cell(field: str, value: Any, text: str | None = None) -> str:
+def _cell(field: str, value: object, text: str | None = None) -> str:
     """A table cell that carries its raw value, so a browser test reads numbers, not text."""
     raw = html.escape(str(value), quote=True)
     return f'<td data-field="{field}" data-value="{raw}">{html.escape(text if text is not None else str(value))}</td>'
 
 
-def _device(info: dict[str, Any]) -> str:
+def _device(info: Mapping[str, object]) -> str:
     name = str(info.get("device_name") or info.get("device") or "?")
-    if "gpu_mem" in info and info.get("gpu_mem_total"):
-        name += f", {_fmt_bytes(info['gpu_mem'])} / {_fmt_bytes(info['gpu_mem_total'])}"
+    mem, total = info.get("gpu_mem"), info.get("gpu_mem_total")
+    if isinstance(mem, (int, float)) and isinstance(total, (int, float)) and total:
+        name += f", {_fmt_bytes(mem)} / {_fmt_bytes(total)}"
     if info.get("gpu_util") is not None:
         name += f", {info['gpu_util']}% busy"
     return name
@@ -102,7 +108,7 @@ _RUN_COLUMNS = ("compute", "status", "samples done / total", "samples/s", "ETA",
                 "shards done / in flight / to do", "non-finite", "max codec error")
 
 
-def runs_html(snaps: list[dict[str, Any]]) -> str:
+def runs_html(snaps: list[RunSnapshot]) -> str:
     """The runs table (and each run's workers) as HTML."""
     if not snaps:
         return ("<p data-field='empty'>No featstore compute has reported to this scheduler yet. "
@@ -127,11 +133,16 @@ def runs_html(snaps: list[dict[str, Any]]) -> str:
             + "".join(_workers_html(s) for s in snaps[:1]))
 
 
-def _workers_html(s: dict[str, Any]) -> str:
+def _number(value: object) -> float:
+    """A worker's number as its snapshot holds it (0 where it holds none)."""
+    return value if isinstance(value, (int, float)) else 0.0
+
+
+def _workers_html(s: RunSnapshot) -> str:
     rows = "".join(
         f"<tr data-worker='{html.escape(a)}'>" + _cell("worker", a) + _cell("device", _device(w))
-        + _cell("worker_samples", w["samples"], f"{w['samples']:,}")
-        + _cell("worker_rate", round(w["rate"], 1), f"{w['rate']:,.0f}") + "</tr>"
+        + _cell("worker_samples", w["samples"], f"{_number(w['samples']):,}")
+        + _cell("worker_rate", round(_number(w["rate"]), 1), f"{_number(w['rate']):,.0f}") + "</tr>"
         for a, w in sorted(s["workers"].items()))
     return (f"<h4>Workers of {html.escape(s['name'])}@{html.escape(s['version'])}</h4>"
             "<table class='featstore-workers'><tr><th>worker</th><th>device</th><th>samples</th>"
@@ -149,7 +160,7 @@ _COLORS = {DONE: "#2ca02c", RUNNING: "#ff7f0e"}
 _TODO_COLOR = "#d9d9d9"
 
 
-def _shard_map(state: Any) -> dict[str, list]:
+def _shard_map(state: RunState) -> dict[str, list[int] | list[str]]:
     n = len(state.shard_state)
     cols = max(1, math.ceil(math.sqrt(n * 4)))
     return {"x": [i % cols for i in range(n)], "y": [-(i // cols) for i in range(n)],
@@ -157,10 +168,11 @@ def _shard_map(state: Any) -> dict[str, list]:
             "color": [_COLORS.get(s, _TODO_COLOR) for s in state.shard_state]}
 
 
-def featstore_doc(scheduler: Any, extra: dict, doc: Any) -> None:
+def featstore_doc(scheduler: Scheduler, extra: dict[str, object], doc: Document) -> None:
     """The Bokeh document of the page (Dask calls it once per browser session)."""
     from bokeh.layouts import column
-    from bokeh.models import ColumnDataSource, Div, HoverTool
+    from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.models.widgets.markups import Div  # where bokeh's stubs declare it
     from bokeh.plotting import figure
 
     plugin = plugin_of(scheduler)
@@ -193,18 +205,20 @@ def featstore_doc(scheduler: Any, extra: dict, doc: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # /metrics: Prometheus reads the monitors of this process's schedulers.
 # ---------------------------------------------------------------------------------------------
-_MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
-_COLLECTOR: list[Any] = []
+_MONITORS: weakref.WeakKeyDictionary[Scheduler, Monitor] = weakref.WeakKeyDictionary()
+_COLLECTOR: list[_Collector] = []
+#: The snapshot's numbers ``/metrics`` serves, one family each.
+_Number = Literal["samples_done", "samples", "rate", "eta_s", "bytes_written", "nonfinite"]
 
 
 class _Collector:
     """featstore's counters and gauges, one series per compute (labels name, version)."""
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["name", "version"]
-        fams = {
+        fams: dict[_Number, GaugeMetricFamily | CounterMetricFamily] = {
             "samples_done": GaugeMetricFamily("featstore_samples_done", "Samples computed and stored", labels=labels),
             "samples": GaugeMetricFamily("featstore_samples_total", "Samples in the compute", labels=labels),
             "rate": GaugeMetricFamily("featstore_samples_per_second", "Recent samples per second", labels=labels),
@@ -222,10 +236,10 @@ class _Collector:
             for s in monitor.snapshots(now):
                 lv = [s["name"], s["version"]]
                 for key, fam in fams.items():
-                    value = s[key]
-                    fam.add_metric(lv, value)
-                for state in ("done", "running", "todo"):
-                    shards.add_metric([*lv, state], s[f"shards_{state}"])
+                    fam.add_metric(lv, s[key])
+                for state, n in (("done", s["shards_done"]), ("running", s["shards_running"]),
+                                 ("todo", s["shards_todo"])):
+                    shards.add_metric([*lv, state], n)
                 running.add_metric(lv, 1.0 if s["status"] == "running" else 0.0)
                 failed.add_metric(lv, 1.0 if s["status"] == "failed" else 0.0)
         yield from (*fams.values(), shards, running, failed)

@@ -21,7 +21,7 @@ Kinds, each with ``run`` (the run id) and ``kind``:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, Required, TypedDict, TypeGuard
 
 #: The one Dask event topic featstore's computes send on.
 TOPIC = "featstore"
@@ -29,37 +29,81 @@ TOPIC = "featstore"
 KINDS = ("run", "batch", "shard-start", "shard", "end")
 
 
+class DeviceInfo(TypedDict):
+    """What a worker computes on (``device_info()`` in the shard task): the page's device column."""
+
+    device: str  # "cpu" or "cuda"
+    device_name: str
+    gpu_mem: NotRequired[int]  # bytes allocated, and the GPU's total
+    gpu_mem_total: NotRequired[int]
+    gpu_util: NotRequired[int]  # percent busy, where NVML is installed
+
+
+class Event(TypedDict, total=False):
+    """One progress event: ``kind`` and ``run`` always, the other keys by kind (see above)."""
+
+    kind: Required[str]
+    run: Required[str]
+    # run
+    name: str
+    version: str
+    samples: int
+    samples_per_shard: int
+    shards_done: list[int]
+    url: str
+    views: int
+    # batch, shard-start, shard
+    worker: str
+    shard: int
+    # shard-start: DeviceInfo's keys
+    device: str
+    device_name: str
+    gpu_mem: int
+    gpu_mem_total: int
+    gpu_util: int
+    # shard
+    bytes: int
+    nonfinite: int
+    max_abs_error: float
+    # end
+    status: str
+    error: str
+
+
 def run_started(run: str, name: str, version: str, samples: int, samples_per_shard: int,
-                shards_done: list[int], url: str, views: int | None = None) -> dict[str, Any]:
+                shards_done: list[int], url: str, views: int | None = None) -> Event:
     """The driver's first event of a run (the page learns the totals from it)."""
-    return {"kind": "run", "run": run, "name": name, "version": version, "samples": int(samples),
-            "samples_per_shard": int(samples_per_shard), "shards_done": [int(i) for i in shards_done],
-            "url": url, **({} if views is None else {"views": int(views)})}
+    event: Event = {"kind": "run", "run": run, "name": name, "version": version, "samples": int(samples),
+                    "samples_per_shard": int(samples_per_shard), "shards_done": [int(i) for i in shards_done],
+                    "url": url}
+    if views is not None:
+        event["views"] = int(views)
+    return event
 
 
-def batch_done(run: str, worker: str, shard: int, samples: int) -> dict[str, Any]:
+def batch_done(run: str, worker: str, shard: int, samples: int) -> Event:
     """A task ran Model A on ``samples`` more samples of ``shard``."""
     return {"kind": "batch", "run": run, "worker": worker, "shard": int(shard), "samples": int(samples)}
 
 
-def shard_started(run: str, worker: str, shard: int, device: dict[str, Any]) -> dict[str, Any]:
+def shard_started(run: str, worker: str, shard: int, device: DeviceInfo) -> Event:
     """A task started computing ``shard`` on ``device`` (see :func:`device_info`'s keys)."""
     return {"kind": "shard-start", "run": run, "worker": worker, "shard": int(shard), **device}
 
 
 def shard_written(run: str, worker: str, shard: int, nbytes: int, nonfinite: int,
-                  max_abs_error: float) -> dict[str, Any]:
+                  max_abs_error: float) -> Event:
     """``shard`` is stored and has its receipt."""
     return {"kind": "shard", "run": run, "worker": worker, "shard": int(shard), "bytes": int(nbytes),
             "nonfinite": int(nonfinite), "max_abs_error": float(max_abs_error)}
 
 
-def run_ended(run: str, status: str, error: str = "") -> dict[str, Any]:
+def run_ended(run: str, status: str, error: str = "") -> Event:
     """The driver's last event of a run: ``"committed"`` or ``"failed"`` (with the error)."""
     return {"kind": "end", "run": run, "status": status, "error": error[:500]}
 
 
-def is_event(msg: Any) -> bool:
+def is_event(msg: object) -> TypeGuard[Event]:
     """Whether ``msg`` looks like one of ours (other code may log on the same topic)."""
     return isinstance(msg, dict) and msg.get("kind") in KINDS and isinstance(msg.get("run"), str)
 

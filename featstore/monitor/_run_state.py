@@ -11,9 +11,9 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
-from featstore.monitor._events import is_event
+from featstore.monitor._events import Event, is_event
 
 #: Seconds of history the recent rate (and so the ETA) is measured over.
 RATE_WINDOW_S = 20.0
@@ -30,7 +30,29 @@ class WorkerStats:
     samples: int = 0
     first: float = 0.0
     last: float = 0.0
-    device: dict[str, Any] = field(default_factory=dict)
+    device: dict[str, object] = field(default_factory=dict)  # DeviceInfo's keys, as reported
+
+
+class RunSnapshot(TypedDict):
+    """One run as the page and ``/metrics`` show it (:meth:`RunState.snapshot`)."""
+
+    run: str
+    name: str
+    version: str
+    status: str
+    error: str
+    samples: int
+    samples_done: int
+    rate: float
+    eta_s: float
+    bytes_written: int
+    shards_done: int
+    shards_running: int
+    shards_todo: int
+    nonfinite: int
+    max_abs_error: float
+    elapsed_s: float
+    workers: dict[str, dict[str, object]]  # per worker: samples, rate and its device's keys
 
 
 @dataclass
@@ -54,9 +76,9 @@ class RunState:
     nonfinite: int = 0
     max_abs_error: float = 0.0
     workers: dict[str, WorkerStats] = field(default_factory=dict)
-    history: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, samples done)
+    history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (time, samples done)
 
-    def apply(self, msg: dict[str, Any], now: float) -> None:
+    def apply(self, msg: Event, now: float) -> None:
         """Fold one event into the state."""
         kind = msg["kind"]
         if kind == "run":
@@ -67,7 +89,7 @@ class RunState:
             self._shard_event(kind, msg, now)
         self.history.append((now, self.samples_done))
 
-    def _start(self, msg: dict[str, Any], now: float) -> None:
+    def _start(self, msg: Event, now: float) -> None:
         self.name, self.version, self.url = str(msg["name"]), str(msg["version"]), str(msg.get("url", ""))
         self.views = max(1, int(msg.get("views", 1)))
         self.samples, self.started = int(msg["samples"]) * self.views, now
@@ -88,7 +110,7 @@ class RunState:
         i %= -(-self.view_samples // self.samples_per_shard) or 1
         return max(0, min(self.samples_per_shard, self.view_samples - i * self.samples_per_shard))
 
-    def _shard_event(self, kind: str, msg: dict[str, Any], now: float) -> None:
+    def _shard_event(self, kind: str, msg: Event, now: float) -> None:
         i = int(msg.get("shard", -1))
         if not 0 <= i < len(self.shard_state):
             return
@@ -131,7 +153,7 @@ class RunState:
         r = self.rate(now)
         return left / r if r > 0 else math.inf
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> RunSnapshot:
         """Everything the page and /metrics show, as plain values."""
         c = self.counts()
         return {
@@ -154,7 +176,7 @@ class Monitor:
         self.keep_finished = keep_finished
         self.events = 0
 
-    def apply(self, msg: Any, now: float | None = None) -> None:
+    def apply(self, msg: object, now: float | None = None) -> None:
         """Fold one event in; anything that is not one of ours is ignored."""
         if not is_event(msg):
             return
@@ -171,7 +193,7 @@ class Monitor:
         for k in finished[:max(0, len(finished) - self.keep_finished)]:
             del self.runs[k]
 
-    def snapshots(self, now: float | None = None) -> list[dict[str, Any]]:
+    def snapshots(self, now: float | None = None) -> list[RunSnapshot]:
         """Newest run first."""
         now = time.time() if now is None else now
         return [s.snapshot(now) for s in reversed(self.runs.values())]

@@ -20,15 +20,21 @@ import posixpath
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 import fsspec
 
-from featstore._json import canonical_json, load_json
+from featstore._json import JSONObject, canonical_json, load_json
 from featstore.errors import FeatstoreError, StoreConflict
 
 if TYPE_CHECKING:  # zarr only where a Zarr store is opened: the quick commands never do
-    import zarr.abc.store
+    from zarr.abc.store import Store as ZarrStore
+
+#: fsspec's ``storage_options`` as the user gives them (credentials, ``client_kwargs``,
+#: ``config_kwargs``, ...): each filesystem reads its own, with values of any kind.
+StorageOptions: TypeAlias = Mapping[str, Any]
+#: What a listing says of one object (fsspec's ``info``: size, type, a modification time, ...).
+ObjectInfo: TypeAlias = dict[str, Any]
 
 _WRITE_ID = "_write_id"
 
@@ -38,7 +44,7 @@ SECRET_OPTIONS = frozenset({"key", "secret", "token", "password", "username", "a
                             "sas_token", "account_key", "client_secret", "credentials"})
 
 
-def redact(options: Mapping[str, Any]) -> dict[str, Any]:
+def redact(options: StorageOptions) -> dict[str, object]:
     """``options`` with every credential value replaced by ``'***'`` (nested dicts too).
 
     >>> redact({"key": "AKIA...", "client_kwargs": {"endpoint_url": "http://x"}})
@@ -47,6 +53,13 @@ def redact(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: "***" if k.lower() in SECRET_OPTIONS and v is not None
             else redact(v) if isinstance(v, Mapping) else v
             for k, v in options.items()}
+
+
+class _State(TypedDict):
+    """What a pickled :class:`Storage` carries: how to open it again."""
+
+    url: str
+    options: StorageOptions
 
 
 def strip_url(url: str) -> str:
@@ -83,23 +96,27 @@ class Storage(ABC):
     is_local = False
     url: str
     root: str
-    _options: dict[str, Any]
+    _options: StorageOptions
 
-    def __init_subclass__(cls, protocols: tuple[str | None, ...] = (), **kw: Any) -> None:
+    def __init_subclass__(cls, protocols: tuple[str | None, ...] = (), **kw: object) -> None:
         super().__init_subclass__(**kw)
         for protocol in protocols:
             _BACKENDS[protocol] = cls
 
-    def __new__(cls, url: str | None = None, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    def __new__(cls, url: str | None = None, storage_options: StorageOptions | None = None) -> Storage:
         if cls is Storage:  # Storage(url) picks the backend, as featstore always called it
             cls = backend_for(url if url is not None else "")
         return super().__new__(cls)
+
+    @abstractmethod
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
+        """Open the store root at ``url`` (what :meth:`reopen` and unpickling call too)."""
 
     def __repr__(self) -> str:  # never the storage options: they may hold secrets
         return f"Storage({self.url!r})"
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         """The storage options with credentials masked (safe to log or show)."""
         return redact(self._options)
 
@@ -113,14 +130,14 @@ class Storage(ABC):
         per process: fsspec filesystems are neither fork- nor event-loop-safe)."""
         return type(self)(self.url, self._options)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> _State:
         # Reopen by URL after unpickling: a filesystem object is not fork- or loop-safe. The
         # options go along, credentials included: a worker without its own credential chain
         # needs them. That is why the README recommends the chain over secrets in options.
         return {"url": self.url, "options": self._options}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["options"])  # type: ignore[misc]
+    def __setstate__(self, state: _State) -> None:
+        type(self).__init__(self, state["url"], state["options"])
 
     # -- paths --------------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -163,7 +180,7 @@ class Storage(ABC):
         """Names of the entries directly under ``key`` (empty if it does not exist)."""
 
     @abstractmethod
-    def objects(self, key: str) -> dict[str, dict[str, Any]]:
+    def objects(self, key: str) -> dict[str, ObjectInfo]:
         """``{key relative to the root: info}`` of every object under ``key`` (no folders);
         ``info`` may carry a modification time (``mtime``, ``LastModified``...)."""
 
@@ -180,7 +197,7 @@ class Storage(ABC):
         """Delete many objects at once; keys that do not exist are ignored."""
 
     @abstractmethod
-    def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
+    def zarr_store(self, key: str, *, read_only: bool) -> ZarrStore:
         """A Zarr v3 store rooted at ``key``, its backend errors mapped (``BackendErrorStore``)."""
 
     def sync(self, key: str) -> None:  # noqa: B027 - a no-op where a write is durable once answered
@@ -188,14 +205,14 @@ class Storage(ABC):
         answered, as an S3 PUT is; local files are fsynced)."""
 
     # -- written once on top --------------------------------------------------------------
-    def create_json(self, key: str, obj: dict[str, Any]) -> dict[str, Any]:
+    def create_json(self, key: str, obj: JSONObject) -> JSONObject:
         """Create a JSON object exactly once and return the object that is stored.
 
         A write-id is stamped into the object, so a conditional write whose reply was lost
         (the retry sees "exists") is recognised as ours by reading it back. Raises
         :class:`StoreConflict` when another writer's object is there.
         """
-        stamped = {**obj, _WRITE_ID: uuid.uuid4().hex}
+        stamped: JSONObject = {**obj, _WRITE_ID: uuid.uuid4().hex}
         if self.create(key, canonical_json(stamped)):
             return stamped
         stored = self.read_json(key)
@@ -203,12 +220,12 @@ class Storage(ABC):
             return stored
         raise StoreConflict(f"{self.child_url(key)} was already written by another writer.")
 
-    def read_json(self, key: str) -> dict[str, Any] | None:
+    def read_json(self, key: str) -> JSONObject | None:
         """Parse a JSON object (never a pickle); ``None`` if absent."""
         data = self.read_bytes(key, metadata=True)
         return None if data is None else load_json(data, self.child_url(key))
 
-    def write_json(self, key: str, obj: dict[str, Any]) -> None:
+    def write_json(self, key: str, obj: JSONObject) -> None:
         """Write a JSON object (overwrite allowed: used for tags and receipts)."""
         self.write_bytes(key, canonical_json(obj))
 
@@ -220,6 +237,6 @@ class Storage(ABC):
         """``{key: modification time (epoch seconds)}`` for every object under ``key``."""
         out = {}
         for p, info in self.objects(key).items():
-            t = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
+            t = next((info[k] for k in ("mtime", "LastModified", "last_modified") if k in info), 0.0)
             out[p] = t if isinstance(t, (int, float)) else t.timestamp()
         return out

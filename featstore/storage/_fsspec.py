@@ -10,16 +10,15 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import fsspec
 
-from featstore.storage._base import Storage, strip_url
+from featstore.storage._base import ObjectInfo, Storage, StorageOptions, strip_url
 from featstore.storage._errors import backend_errors
 
 if TYPE_CHECKING:
-    import zarr.abc.store
+    from zarr.abc.store import Store as ZarrStore
 
 #: Serialises the exists-check and the write of :meth:`FsspecStorage.create` on backends without a
 #: conditional put (fsspec's memory filesystem, ...): atomic among this process's threads only.
@@ -29,14 +28,14 @@ _CREATE_LOCK = threading.Lock()
 class FsspecStorage(Storage, protocols=("*",)):
     """A store root on an fsspec filesystem (``memory://feats``, ``gs://bucket/x``, ...)."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
         self.url = strip_url(str(url))
         self._options = self._filled_options(dict(storage_options or {}))
         with backend_errors(self.url):
             self.fs, root = fsspec.core.url_to_fs(self.url, **self._options)
         self.root = strip_url(root)
 
-    def _filled_options(self, options: dict[str, Any]) -> dict[str, Any]:
+    def _filled_options(self, options: StorageOptions) -> StorageOptions:
         """The options a backend adds to the user's (none here)."""
         return options
 
@@ -100,7 +99,7 @@ class FsspecStorage(Storage, protocols=("*",)):
                 return []
         return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
 
-    def objects(self, key: str) -> dict[str, dict[str, Any]]:
+    def objects(self, key: str) -> dict[str, ObjectInfo]:
         """Every object under ``key``. Folders are not objects: a server that keeps an emptied
         folder for a while (SeaweedFS cleans them up later) lists it as a prefix, and s3fs's
         ``find`` then returns the folder itself."""
@@ -145,7 +144,7 @@ class FsspecStorage(Storage, protocols=("*",)):
                         self.fs.rm(path)
             self.fs.invalidate_cache()
 
-    def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
+    def zarr_store(self, key: str, *, read_only: bool) -> ZarrStore:
         """A Zarr v3 ``FsspecStore`` rooted at ``key``."""
         import zarr.storage  # here, not at the top: the quick commands never open a Zarr store
 
@@ -154,5 +153,5 @@ class FsspecStorage(Storage, protocols=("*",)):
         path = self.path(key)
         with backend_errors(self.url, path):
             store = zarr.storage.FsspecStore.from_url(
-                self.child_url(key), storage_options=self._options or None, read_only=read_only)
+                self.child_url(key), storage_options=dict(self._options) or None, read_only=read_only)
         return BackendErrorStore(store, self.url, path)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from featstore.errors import InvalidInput, StoreNotFound
 from featstore.storage._errors import backend_errors
+from featstore.storage._base import StorageOptions
 from featstore.storage._fsspec import FsspecStorage
 
 if TYPE_CHECKING:
-    import zarr.abc.store
+    from zarr.abc.store import Store as ZarrStore
 
 
 class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
@@ -22,7 +22,7 @@ class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
 
     is_local = True
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
         super().__init__(url, storage_options)
         self.root = os.path.abspath(self.root)
 
@@ -94,7 +94,7 @@ class LocalStorage(FsspecStorage, protocols=(None, "file", "local")):
                     os.remove(path)
             self.fs.invalidate_cache()
 
-    def zarr_store(self, key: str, *, read_only: bool) -> zarr.abc.store.Store:
+    def zarr_store(self, key: str, *, read_only: bool) -> ZarrStore:
         """A Zarr v3 ``LocalStore`` rooted at ``key`` (its folder made for a writer)."""
         import zarr.storage  # here, not at the top: the quick commands never open a Zarr store
 

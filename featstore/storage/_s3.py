@@ -10,10 +10,8 @@ becomes :class:`StoreUnavailable`, in featstore's own calls and in Zarr's chunk 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
-
 from featstore.errors import StoreUnavailable
+from featstore.storage._base import StorageOptions
 from featstore.storage._errors import backend_errors
 from featstore.storage._fsspec import FsspecStorage
 from featstore.storage._s3_config import plan
@@ -27,7 +25,7 @@ from featstore.storage._s3_reads import S3Getter, shared_getter
 S3_MAX_ATTEMPTS = 5
 
 
-def s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def s3_options(options: StorageOptions) -> StorageOptions:
     """``storage_options`` for an S3 URL with featstore's retry policy filled in.
 
     Only when the user set none (no ``config_kwargs["retries"]``, no ``AWS_MAX_ATTEMPTS`` or
@@ -52,12 +50,12 @@ def s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
 class S3Storage(FsspecStorage, protocols=("s3", "s3a")):
     """A store root in an S3 bucket (``s3://bucket/prefix``), on AWS or any S3-compatible server."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
         super().__init__(url, storage_options)
         #: (pid, getter or None): this process's obstore client for GETs, built on first use.
         self._getter: tuple[int, S3Getter | None] | None = None
 
-    def _filled_options(self, options: dict[str, Any]) -> dict[str, Any]:
+    def _filled_options(self, options: StorageOptions) -> StorageOptions:
         return s3_options(options)
 
     @property

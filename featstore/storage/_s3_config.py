@@ -13,9 +13,15 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from featstore.errors import StoreUnavailable
+from featstore.storage._base import StorageOptions
+
+if TYPE_CHECKING:  # obstore's own types (not importable at runtime), botocore's session
+    from botocore.session import Session
+    from fsspec import AbstractFileSystem
+    from obstore.store import BackoffConfig, ClientConfig, S3Config, S3Credential
 
 #: ``FEATSTORE_S3_CLIENT``: "obstore" (default where it translates) or "s3fs" (always s3fs).
 CLIENT_ENV = "FEATSTORE_S3_CLIENT"
@@ -35,7 +41,7 @@ _UNTRANSLATED_PROFILE = frozenset({"endpoint_url", "services", "s3", "ca_bundle"
 #: botocore's connect and read timeouts (seconds) when the user sets none.
 BOTOCORE_TIMEOUT = 60
 #: Backoff between attempts: about botocore's (random up to 1, 2, 4, 8 s, at most 20 s).
-BACKOFF = {"init_backoff": timedelta(seconds=0.5), "max_backoff": timedelta(seconds=20), "base": 2}
+BACKOFF: BackoffConfig = {"init_backoff": timedelta(seconds=0.5), "max_backoff": timedelta(seconds=20), "base": 2}
 
 
 @dataclass(frozen=True)
@@ -43,14 +49,14 @@ class Plan:
     """What a process needs to build its client; secrets hidden from the repr."""
 
     bucket: str
-    config: dict[str, Any] = field(repr=False)
-    client_options: dict[str, Any]
+    config: S3Config = field(repr=False)
+    client_options: ClientConfig
     attempts: int
-    session: Any = field(repr=False, default=None)  # botocore session: credentials from its chain
+    session: Session | None = field(repr=False, default=None)  # credentials from botocore's chain
     secrets: tuple[str, ...] = field(repr=False, default=())
 
 
-def plan(url: str, options: Mapping[str, Any], fs: Any = None) -> Plan | None:
+def plan(url: str, options: StorageOptions, fs: AbstractFileSystem | None = None) -> Plan | None:
     """obstore's configuration for reads of ``url`` with s3fs's ``options``, or None where a
     faithful translation is not possible (or ``FEATSTORE_S3_CLIENT=s3fs``)."""
     choice = os.environ.get(CLIENT_ENV, "obstore").strip().lower() or "obstore"
@@ -102,22 +108,25 @@ def plan(url: str, options: Mapping[str, Any], fs: Any = None) -> Plan | None:
         endpoint = "http://" + endpoint[len("https://"):]
     if endpoint.startswith("https://") and os.environ.get("AWS_CA_BUNDLE"):
         return None  # botocore's CA bundle replaces the system roots; obstore's would only add
-    cfg: dict[str, Any] = {"endpoint": endpoint, "region": region or session.get_config_variable("region")
+    cfg: S3Config = {"endpoint": endpoint, "region": region or session.get_config_variable("region")
                            or "us-east-1", "virtual_hosted_style_request": endpoint.startswith(f"https://{bucket}."),
                            "skip_signature": anon, "request_payer": False}
     if key and not anon:
-        cfg.update(access_key_id=key, secret_access_key=secret, **({"token": token} if token else {}))
+        cfg["access_key_id"], cfg["secret_access_key"] = key, secret
+        if token:
+            cfg["session_token"] = token
     read = conf.get("read_timeout", BOTOCORE_TIMEOUT)
     connect = conf.get("connect_timeout", BOTOCORE_TIMEOUT)
-    client_options = {"allow_http": endpoint.startswith("http://"), "connect_timeout": timedelta(seconds=connect),
-                      "read_timeout": timedelta(seconds=read),
-                      # botocore bounds no whole request: a big object on a slow link must not time out
-                      "timeout": timedelta(hours=24)}
+    client_options: ClientConfig = {"allow_http": endpoint.startswith("http://"),
+                                    "connect_timeout": timedelta(seconds=connect),
+                                    "read_timeout": timedelta(seconds=read),
+                                    # botocore bounds no whole request: a big object on a slow link must not time out
+                                    "timeout": timedelta(hours=24)}
     return Plan(bucket, cfg, client_options, attempts, None if key or anon else session,
                 tuple(s for s in (key, secret, token) if s))
 
 
-def _attempts(retries: Mapping[str, Any] | None, session: Any) -> int | None:
+def _attempts(retries: Mapping[str, int | str] | None, session: Session) -> int | None:
     """Total attempts per request as botocore counts them (client config, then AWS_MAX_ATTEMPTS
     or the profile, then the mode's default); None for the adaptive mode (client-side rate
     limiting: not translated)."""
@@ -133,7 +142,7 @@ def _attempts(retries: Mapping[str, Any] | None, session: Any) -> int | None:
     return max(1, int(configured)) if configured is not None else (3 if mode == "standard" else 5)
 
 
-def _bucket_region(fs: Any, bucket: str) -> str | None:
+def _bucket_region(fs: AbstractFileSystem | None, bucket: str) -> str | None:
     """The bucket's region, asked through s3fs (botocore follows the redirect and the header
     names the region even when the answer is 403); None when it cannot be told."""
     if fs is None:
@@ -147,10 +156,10 @@ def _bucket_region(fs: Any, bucket: str) -> str | None:
     return (meta.get("HTTPHeaders") or {}).get("x-amz-bucket-region")
 
 
-def credentials(session: Any) -> Callable[[], dict[str, Any]]:
+def credentials(session: Session) -> Callable[[], S3Credential]:
     """obstore's credential callback over botocore's chain (the same chain s3fs uses)."""
 
-    def provide() -> dict[str, Any]:
+    def provide() -> S3Credential:
         creds = session.get_credentials()
         if creds is None:
             raise StoreUnavailable("no S3 credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "

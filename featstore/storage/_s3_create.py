@@ -23,9 +23,12 @@ import contextlib
 import os
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from featstore.errors import ConditionalWritesUnsupported
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 #: Under the store root: what featstore keeps for itself (no feature-set name starts with '_').
 PROBE_FOLDER = "_featstore"
@@ -54,7 +57,7 @@ def status_of(exc: BaseException) -> tuple[int | None, str]:
     return None, ""
 
 
-def put_if_absent(fs: Any, path: str, data: bytes) -> bool:
+def put_if_absent(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """PUT ``data`` at ``path`` with ``If-None-Match: *``; False when the object exists (a 412,
     whatever its body). Other errors propagate for the caller's error mapping."""
     for attempt in range(CONFLICT_ATTEMPTS):
@@ -73,14 +76,14 @@ def put_if_absent(fs: Any, path: str, data: bytes) -> bool:
     raise AssertionError("unreachable")
 
 
-def store_identity(fs: Any, root: str) -> tuple[str, str]:
+def store_identity(fs: AbstractFileSystem, root: str) -> tuple[str, str]:
     """``(endpoint, bucket)``: what the probe's answer is remembered by."""
     endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
     return str(endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "aws"), \
         root.split("/", 1)[0]
 
 
-def check_honoured(fs: Any, root: str, url: str) -> None:
+def check_honoured(fs: AbstractFileSystem, root: str, url: str) -> None:
     """Once per process and store: raise :class:`ConditionalWritesUnsupported` unless a second
     conditional create of a fresh key is refused as "exists" (see the module docstring)."""
     endpoint, bucket = store_identity(fs, root)

@@ -19,12 +19,17 @@ import glob
 import hashlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from featstore.errors import StorePermissionDenied, StoreUnavailable
+from featstore.storage._base import StorageOptions
 from featstore.storage._s3_config import BACKOFF, CLIENT_ENV, Plan, credentials
+
+if TYPE_CHECKING:
+    from obstore import OffsetRange
+    from obstore.store import RetryConfig
 
 #: The pid whose obstore runtime featstore started; a tokio runtime seen at a fork (any user).
 _STARTED_IN: int | None = None
@@ -72,7 +77,7 @@ _GETTERS: dict[str, "S3Getter | None"] = {}
 _GETTERS_PID: list[int] = [0]
 
 
-def shared_getter(url: str, options: Mapping[str, Any], make_plan: Callable[[], Plan | None]) -> "S3Getter | None":
+def shared_getter(url: str, options: StorageOptions, make_plan: Callable[[], Plan | None]) -> "S3Getter | None":
     """This process's client for ``url`` with ``options`` (built with ``make_plan()`` on first
     use), or None where obstore cannot be used (then s3fs reads)."""
     if not usable():
@@ -97,12 +102,11 @@ class S3Getter:
         from obstore.store import S3Store
 
         self.pid, self._url, self._secrets = os.getpid(), url, plan.secrets
-        retry = {"max_retries": plan.attempts - 1, "backoff": BACKOFF,
+        retry: RetryConfig = {"max_retries": plan.attempts - 1, "backoff": BACKOFF,
                  # attempts decide, as in botocore: the time bound never cuts the budget short
                  "retry_timeout": timedelta(hours=24)}
-        extra = {"credential_provider": credentials(plan.session)} if plan.session is not None else {}
-        self._store = S3Store(plan.bucket, config=plan.config, client_options=plan.client_options,
-                              retry_config=retry, **extra)  # type: ignore[arg-type]
+        self._store = S3Store(plan.bucket, config=plan.config, client_options=plan.client_options, retry_config=retry,
+                              credential_provider=None if plan.session is None else credentials(plan.session))
 
     def get(self, path: str, start: int | None = None, stop: int | None = None) -> bytes | None:
         """Bytes of ``bucket/key`` ``path`` (``[start, stop)``; a negative ``start`` alone: the
@@ -121,7 +125,7 @@ class S3Getter:
             if stop is not None and stop <= begin:  # an empty range: S3 has no such request
                 obstore.head(self._store, key)
                 return b""
-            rng: Any = {"offset": begin} if stop is None else (begin, stop)
+            rng: OffsetRange | tuple[int, int] = {"offset": begin} if stop is None else (begin, stop)
             return bytes(obstore.get(self._store, key, options={"range": rng}).bytes())
         except FileNotFoundError:
             return None

@@ -15,7 +15,7 @@ Importing this package needs none of pytest, moto or boto3: each is imported whe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from featstore.testing._fault_proxy import FaultProxy, Rule, wait_until
 from featstore.testing._servers import SeaweedFS, ServerFailed, find_weed, free_ports, moto_server, new_bucket
@@ -24,7 +24,11 @@ __all__ = ["FaultProxy", "Rule", "SeaweedFS", "ServerFailed", "StorageTests", "f
            "moto_server", "new_bucket", "wait_until"]
 
 
-def __getattr__(name: str) -> Any:
+if TYPE_CHECKING:
+    from featstore.testing._storage_tests import StorageTests
+
+
+def __getattr__(name: str) -> type[StorageTests]:
     if name == "StorageTests":  # pytest only where the contract is asked for
         from featstore.testing._storage_tests import StorageTests
 

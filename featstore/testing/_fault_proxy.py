@@ -110,7 +110,9 @@ class FaultProxy:
 
     def __init__(self, upstream: str, stall: float = 3.0) -> None:
         u = urllib.parse.urlsplit(upstream)
-        self.upstream = (u.hostname, u.port)
+        if u.hostname is None:
+            raise ValueError(f"upstream {upstream!r} is not a URL with a host (http://host:port)")
+        self.upstream: tuple[str, int | None] = (u.hostname, u.port)
         self.stall = stall
         self.rules: list[Rule] = []
         self.lock = threading.Lock()
@@ -243,8 +245,8 @@ class _Handler(BaseHTTPRequestHandler):
             resp = conn.getresponse()
             data = resp.read()
             headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP]
-            if self.command == "HEAD" and resp.getheader("Content-Length"):
-                headers.append(("Content-Length", resp.getheader("Content-Length")))
+            if self.command == "HEAD" and (length := resp.getheader("Content-Length")):
+                headers.append(("Content-Length", length))
             return resp.status, headers, data
         finally:
             conn.close()

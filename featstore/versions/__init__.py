@@ -12,7 +12,7 @@ commands (``featstore list``, ``info``, ...) never need.
 """
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
 from featstore.versions._catalog import Catalog
@@ -31,7 +31,7 @@ _lazy, __dir__ = lazy_exports(__name__, {"Exported": "_export", "export_version"
                                          "verify_export": "_export"})
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "Version":  # the name before the user's Version and this plumbing were two classes
         warnings.warn("featstore.versions.Version is now featstore.versions.StoredVersion (a version as stored); "
                       "the user's class is featstore.Version.", DeprecationWarning, stacklevel=2)

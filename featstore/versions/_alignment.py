@@ -26,17 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from featstore._json import JSON, JSONObject
 from featstore.errors import InvalidInput, VersionsMisaligned
 from featstore.format._manifests import Manifest, ViewsSpec
 from featstore.versions._committed import StoredVersion
+from featstore.versions._views import Augment
 
 #: The fingerprint parts' key of the link to the version whose views a compute reused.
 LINK = "views_of"
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 20 else text[:17] + "...'"
 
@@ -51,14 +52,19 @@ class Alignment:
     views: int | None  # K, or None without views
     seed: int | None
     policy: str | None
-    augment: Any
+    augment: JSON  # the augment's identity (ViewsSpec.augment)
 
     @classmethod
-    def of_parts(cls, dataset: Mapping[str, Any], sample: str | None, views: ViewsSpec | None) -> "Alignment":
+    def of_parts(cls, dataset: JSON, sample: str | None, views: ViewsSpec | None) -> "Alignment":
         """From a fingerprint's ``dataset`` part, the sampled digest and the views spec."""
-        digest = dataset.get("digest") or sample
-        spec = (None, None, None, None) if views is None else (views.count, views.seed, views.policy, views.augment)
-        return cls(int(dataset.get("length", -1)), digest, dataset.get("id"), *spec)
+        part = dataset if isinstance(dataset, dict) else {}
+        digest, length, dataset_id = part.get("digest"), part.get("length", -1), part.get("id")
+        digest = digest if isinstance(digest, str) and digest else sample
+        length = length if isinstance(length, int) else -1
+        dataset_id = dataset_id if isinstance(dataset_id, str) else None
+        if views is None:
+            return cls(length, digest, dataset_id, None, None, None, None)
+        return cls(length, digest, dataset_id, views.count, views.seed, views.policy, views.augment)
 
     @classmethod
     def of(cls, manifest: Manifest) -> "Alignment":
@@ -99,7 +105,7 @@ def _count(views: int | None) -> str:
 
 
 # -- a compute on another version's views --------------------------------------------------------
-def adopt_views(base: StoredVersion, views: int | None, augment: Any,
+def adopt_views(base: StoredVersion, views: int | None, augment: Augment | None,
                 augment_seed: int | None) -> tuple[int | None, int]:
     """The ``views`` and ``augment_seed`` of a compute with ``views_of=base``: the base's, and
     those given must agree (:class:`VersionsMisaligned` naming what differs). With views,
@@ -139,7 +145,7 @@ def check_views_of(base: StoredVersion, new: Alignment) -> None:
             "(same items, same order), or compute without views_of.", tuple(d.split(" (")[0] for d in differs))
 
 
-def link(base: StoredVersion) -> dict[str, str]:
+def link(base: StoredVersion) -> JSONObject:
     """The fingerprint parts' entry naming the version whose views a compute reused."""
     return {"name": base.name, "id": base.id}
 

@@ -150,10 +150,10 @@ class Catalog:
         if not sel:
             versions, damaged = self.scan(name)
             if damaged:
-                vid, exc = next(iter(damaged.items()))
+                bad, exc = next(iter(damaged.items()))
                 raise IncompatibleFormat(
                     f"the newest version of {name!r} cannot be told: the manifests of {sorted(damaged)} cannot be "
-                    f"read ({vid}: {exc}). Open a version by id or tag ({name}@<id>), or remove the damaged ones "
+                    f"read ({bad}: {exc}). Open a version by id or tag ({name}@<id>), or remove the damaged ones "
                     f"first (featstore delete URL {name}@<id>).") from exc
             if not versions:
                 raise VersionNotFound(

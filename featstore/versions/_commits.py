@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from featstore.errors import ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound
 from featstore.format._keys import chunk_key
-from featstore._json import canonical_json, load_json
+from featstore._json import JSONObject, canonical_json, load_json
 from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ShardRecords
 from featstore.format._objects import Pending, gc_mark_json, ref_json, ref_target
 from featstore.storage import Storage
@@ -36,7 +35,7 @@ class Claim:
     done_views: frozenset[tuple[int, int]] = frozenset()  # finished (view, shard) units, with views
 
 
-def _sans_compression(specs: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+def _sans_compression(specs: Mapping[str, JSONObject] | None) -> dict[str, JSONObject]:
     return {n: {k: v for k, v in a.items() if k != "compression"} for n, a in (specs or {}).items()}
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 import os
 import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias, TypedDict
 
 from featstore.codecs._dense import codec_by_name
 from featstore.codecs._parts import assemble, parts_codec
@@ -27,18 +27,29 @@ from featstore.format._keys import chunk_key, shard_digest, view_path
 from featstore.format._manifests import Manifest, ShardReceipt
 from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.storage import Storage
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 from featstore.versions._keys import MANIFEST, RECORDS, group_store, object_key, version_key, view_key
 from featstore.versions._receipts import read_records
 
 if TYPE_CHECKING:  # zarr only where an array is opened (array()): list, info and verify never do
     import zarr
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
+    #: Rows of a version: one (an int), a slice, or a list or array of row numbers.
+    Rows: TypeAlias = int | np.integer | slice | Sequence[int] | np.ndarray
+    #: What ``version[...]`` takes: rows, or ``(view, rows)`` for a version with views.
+    Index: TypeAlias = Rows | tuple[int, Rows]
+
 
 #: ``[(first row, stop row, version folder key, that folder's n_samples), ...]``: see :meth:`StoredVersion.homes`.
 Home = tuple[int, int, str, int]
+
+
+class _State(TypedDict):
+    """What a pickled :class:`StoredVersion` carries: no open array, no cache."""
+
+    storage: Storage
+    manifest: Manifest
+    view: int | None
 
 
 class HasStoredVersion(Protocol):
@@ -123,11 +134,11 @@ class StoredVersion:
         self._view: int | None = None  # the view this object reads (see view())
         self._views: dict[int, StoredVersion] = {}
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> _State:
         return {"storage": self.storage, "manifest": self.manifest, "view": self._view}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"], state["manifest"])  # type: ignore[misc]
+    def __setstate__(self, state: _State) -> None:
+        type(self).__init__(self, state["storage"], state["manifest"])
         self._view = state.get("view")
 
     def __repr__(self) -> str:
@@ -348,7 +359,7 @@ class StoredVersion:
     def _read_home(self, field: str, home: str, n_samples: int, selection: slice | np.ndarray) -> np.ndarray:
         def read() -> np.ndarray:
             arr = self.array(field, home, n_samples)
-            return arr[selection] if isinstance(selection, slice) else arr.oindex[selection]
+            return np.asarray(arr[selection] if isinstance(selection, slice) else arr.oindex[selection])
 
         return self._guarded(field, read, lambda: self._bad_shard(field, home, n_samples, selection))
 
@@ -388,7 +399,7 @@ class StoredVersion:
         folder for an incremental version's inherited shard); damage is a :class:`CorruptChunk`
         naming that shard."""
         home, n = self._home(shard)
-        return self._guarded(field, lambda: self.array(field, home, n)[lo:hi], lambda: shard)
+        return self._guarded(field, lambda: np.asarray(self.array(field, home, n)[lo:hi]), lambda: shard)
 
     def token_span(self, shard: int) -> tuple[int, int]:
         """The token rows ``[lo, hi)`` shard ``shard`` stores in each per-token array."""
@@ -404,7 +415,7 @@ class StoredVersion:
             return parts_codec(spec.codec).decode_part(spec.part, stored)
         return codec_by_name(spec.codec).decode(stored)
 
-    def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: Index) -> dict[str, torch.Tensor]:
         """Random access: a dict of tensors (one per array) plus ``index``; ``version[v, rows]``
         reads view ``v`` of a version with views (and adds ``view``)."""
         if isinstance(index, tuple) and len(index) == 2 and self.views is not None:

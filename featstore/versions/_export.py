@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
@@ -28,11 +28,13 @@ from featstore.format._arrays import consolidate, consolidated_groups
 from featstore.format._shard_decoder import ChunkRef
 from featstore.format._keys import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
 from featstore.codecs._ragged import TOKEN_LENGTH
-from featstore.storage import Storage
+from featstore.storage import Storage, backend_for
+from featstore.storage._base import StorageOptions
 from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored
 from featstore.versions._keys import IO_THREADS
 
 GROUP_META = {"zarr_format": 3, "node_type": "group"}
+N = TypeVar("N", zarr.Group, zarr.Array)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Exported:
 
 
 def export_version(version: StoredVersion | HasStoredVersion, url: str,
-                   storage_options: dict[str, Any] | None = None, *, verify: bool = True,
+                   storage_options: StorageOptions | None = None, *, verify: bool = True,
                    progress: Callable[[int, int], None] | None = None) -> Exported:
     """Write ``version`` to ``url`` (a new or empty folder, any fsspec URL) as a standard,
     self-contained Zarr v3 group.
@@ -59,7 +61,7 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
     ``progress(done, total)`` is called as shard objects are copied.
     """
     version = stored(version)
-    dest = Storage(url, storage_options)
+    dest = backend_for(url)(url, storage_options)
     if dest.find(""):
         raise StoreConflict(f"{dest.url} is not empty: export into a new folder.")
     groups = [None] if version.views is None else list(range(version.views))
@@ -86,12 +88,13 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
     return Exported(dest.url, len(copies), written, checked)
 
 
-def _json(obj: dict[str, Any]) -> bytes:
+def _json(obj: object) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True).encode()
 
 
 def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -> dict[str, Any]:
-    """The array's ``zarr.json`` with the default chunk key encoding, as Zarr must see it."""
+    """The array's ``zarr.json`` with the default chunk key encoding, as Zarr must see it (as
+    parsed: Zarr's schema, which featstore wrote and checks when it opens the array)."""
     key = f"{source.data_key}/{field}/zarr.json"
     raw = version.storage.read_bytes(key, metadata=True)
     if raw is None:
@@ -129,6 +132,16 @@ def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[Stor
     return total
 
 
+def _node(group: zarr.Group, path: str, kind: type[N], version: StoredVersion, dest: Storage) -> N:
+    """``group[path]``, which the export wrote as a ``kind`` (a :class:`CorruptChunk` if it is not)."""
+    node = group[path]
+    if not isinstance(node, kind):
+        raise CorruptChunk(f"{path} in the export of {version.ref} at {dest.url} is not a Zarr "
+                           f"{kind.__name__.lower()}: delete the export and run it again.",
+                           version=version.ref, array=path, chunk=f"{path}/zarr.json")
+    return node
+
+
 def verify_export(version: StoredVersion, dest: Storage) -> int:
     """Read an export back with plain zarr and compare every shard of every array with the
     digest recorded at compute time; return the number of shards checked, or raise
@@ -137,13 +150,13 @@ def verify_export(version: StoredVersion, dest: Storage) -> int:
     spec = version.manifest.arrays
     checked = 0
     for r in version.shard_receipts():
-        group = root if r.view is None else root[f"{VIEWS_GROUP}/{r.view}"]
+        group = root if r.view is None else _node(root, f"{VIEWS_GROUP}/{r.view}", zarr.Group, version, dest)
         span = None
         for field, digest in r.digests.items():
-            arr = group[field]
+            arr = _node(group, field, zarr.Array, version, dest)
             if spec[field].ragged:
                 if span is None:
-                    lengths = np.asarray(group[TOKEN_LENGTH][r.start:r.stop])
+                    lengths = np.asarray(_node(group, TOKEN_LENGTH, zarr.Array, version, dest)[r.start:r.stop])
                     first = r.index * spec[field].tokens[0]
                     span = (first, first + int(lengths.sum(dtype=np.int64)))
                 values = arr[span[0]:span[1]]

@@ -17,17 +17,16 @@ import inspect
 import textwrap
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
 from featstore.errors import FingerprintWarning, InvalidInput
-from featstore._json import canonical_json
+from featstore._json import JSON, JSONObject, canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
-from featstore._lazy import lazy_module
+from featstore._user_types import MapDataset, ModelSpec
+from featstore._lazy import torch  # imported on first use: the quick commands never need it
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
 
 DATASET_SAMPLES = 16
 
@@ -54,7 +53,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _update_item(h: "hashlib._Hash", item: Any, path: str = "") -> None:
+def _update_item(h: hashlib._Hash, item: object, path: str = "") -> None:
     """Feed one dataset item into ``h``; ``path`` names the field being digested (for messages)."""
     if isinstance(item, torch.Tensor):
         h.update(f"T{item.dtype}{tuple(item.shape)}".encode())
@@ -84,7 +83,7 @@ def _update_item(h: "hashlib._Hash", item: Any, path: str = "") -> None:
         )
 
 
-def item_digest(item: Any) -> str:
+def item_digest(item: object) -> str:
     """sha256 of one dataset item (tensors, arrays, numbers, strings, and dicts/lists of them)."""
     h = hashlib.sha256()
     _update_item(h, item)
@@ -98,7 +97,7 @@ def sample_positions(n: int, k: int = DATASET_SAMPLES) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def dataset_digest(dataset: Sequence[Any], dataset_id: str | None = None) -> dict[str, Any]:
+def dataset_digest(dataset: MapDataset, dataset_id: str | None = None) -> JSONObject:
     """The dataset's identity: its length plus a user id or a digest of sampled items (a
     :class:`FingerprintWarning` when the same index reads back different items)."""
     n = dataset_length(dataset)
@@ -109,7 +108,7 @@ def dataset_digest(dataset: Sequence[Any], dataset_id: str | None = None) -> dic
     return {"length": n, "sampled": DATASET_SAMPLES, "digest": digest}
 
 
-def sampled_digest(dataset: Sequence[Any]) -> str:
+def sampled_digest(dataset: MapDataset) -> str:
     """sha256 of the items at :func:`sample_positions` (first and last included): what
     :func:`dataset_digest` records without an id, and what ``extends`` compares on the range
     a dataset shares with its parent. Raises :class:`InvalidInput` for items it cannot digest."""
@@ -119,7 +118,7 @@ def sampled_digest(dataset: Sequence[Any]) -> str:
     return h.hexdigest()
 
 
-def check_repeatable(dataset: Sequence[Any]) -> bool:
+def check_repeatable(dataset: MapDataset) -> bool:
     """Whether the first and the last item read back the same a second time; if not, warn: the
     sampled digest differs on every run, so every rerun would compute a new version (and the
     stored outputs would belong to one random draw of the items)."""
@@ -136,7 +135,7 @@ def check_repeatable(dataset: Sequence[Any]) -> bool:
     return True
 
 
-def describe_key(key: Any) -> Any:
+def describe_key(key: object) -> JSON:
     """A JSON-able description of an ``input_key``/``keep`` selector (callables by source)."""
     if key is None or isinstance(key, (str, int)):
         return key
@@ -149,12 +148,12 @@ def describe_key(key: Any) -> Any:
     raise InvalidInput(f"input_key must be a str, an int, a callable or None, got {key!r}.")
 
 
-def fingerprint(parts: Mapping[str, Any]) -> str:
+def fingerprint(parts: JSONObject) -> str:
     """sha256 of the canonical JSON of every part."""
-    return hashlib.sha256(canonical_json(dict(parts))).hexdigest()
+    return hashlib.sha256(canonical_json(parts)).hexdigest()
 
 
-def model_digest(model: torch.nn.Module | Callable[[], torch.nn.Module], model_id: str | None) -> dict[str, Any]:
+def model_digest(model: ModelSpec, model_id: str | None) -> JSONObject:
     """``{"model": weights digest, "model_code": code digest}`` for a module, or for a factory
     (built once here unless ``model_id`` is given; then the id is all there is). Warns
     (:class:`FingerprintWarning`) when Model A holds code the digests cannot see."""
@@ -172,7 +171,7 @@ def model_digest(model: torch.nn.Module | Callable[[], torch.nn.Module], model_i
     return {"model": weights_digest(built), "model_code": code_digest(built)}
 
 
-def _plain_callable(value: Any) -> bool:
+def _plain_callable(value: object) -> bool:
     """A callable the code digest cannot see: a function, lambda, partial, bound method or callable
     object of the user's (not a module, not a class, not torch's or Python's own function)."""
     if isinstance(value, (torch.nn.Module, type)) or not callable(value):
@@ -244,7 +243,7 @@ def class_code(cls: type) -> str:
         return "bytecode:" + h.hexdigest()
 
 
-def _setting(value: Any) -> bytes | None:
+def _setting(value: object) -> bytes | None:
     """The bytes of a module attribute that is a plain setting (``stride``, ``eps``, a
     ``self.scale = 2.0``, an unregistered tensor), or None for anything else."""
     if isinstance(value, _PLAIN):

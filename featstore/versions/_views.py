@@ -25,15 +25,13 @@ import warnings
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any
 
 
 from featstore.errors import InvalidInput, NondeterministicAugment
 from featstore._user_code import read_item
-from featstore._lazy import lazy_module
+from featstore._user_types import FieldKey, Item, MapDataset
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 SEED_POLICY = "splitmix64(seed,view,index)>>1/v1"
 VIEW_MODES = ("epoch", "random")
@@ -45,7 +43,8 @@ _EPOCH_DOMAIN = 0x5EED_E90C
 #: splitmix64's constants (made np.uint64 where used: numpy is imported lazily).
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
-Augment = Callable[[Any, "torch.Generator"], Any]
+#: ``fn(item, generator) -> item``: an augmentation whose randomness is drawn from ``generator``.
+Augment = Callable[[Item, "torch.Generator"], Item]
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,8 @@ class Views:
     seed: int = 0
 
 
-def views_arguments(views: Views | int | None, augment: Any, augment_seed: int | None, linked: bool = False,
-                    caller: str = "compute", stacklevel: int = 3) -> tuple[Any, Any, int | None]:
+def views_arguments(views: Views | int | None, augment: Augment | None, augment_seed: int | None, linked: bool = False,
+                    caller: str = "compute", stacklevel: int = 3) -> tuple[int | None, Augment | None, int | None]:
     """``views=Views(k, augment, seed)`` as the driver's three values; the old keywords
     (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning.
     ``linked`` (``views_of=``): ``augment=fn`` alone is the way to name the base's augment, and
@@ -137,7 +136,7 @@ def epoch_seeds(seed: int, epoch: int, indices: Sequence[int] | np.ndarray) -> n
     return view_seeds(_epoch_domain(int(seed)), epoch, indices)
 
 
-def check_view_mode(mode: Any, views: int | None) -> str | int | None:
+def check_view_mode(mode: object, views: int | None) -> str | int | None:
     """Validate a reader's ``view=`` choice against a version's view count (None: no views)."""
     if views is None:
         if mode is not None:
@@ -175,12 +174,12 @@ def epoch_view(views: int, mode: str | int, seed: int, epoch: int) -> int:
     raise InvalidInput(f"view must be 'epoch', 'random' or an int, got {mode!r}.")
 
 
-def replay(augment: Augment, item: Any, seed: int) -> Any:
+def replay(augment: Augment, item: Item, seed: int) -> Item:
     """``augment(item, generator)`` with a fresh generator seeded by ``seed``."""
     return augment(item, torch.Generator().manual_seed(int(seed)))
 
 
-def replay_rows(augment: Augment, items: Sequence[Any], seeds: Sequence[int] | np.ndarray) -> list[Any]:
+def replay_rows(augment: Augment, items: Sequence[Item], seeds: Sequence[int] | np.ndarray) -> list[Item]:
     """``[replay(augment, item, seed) for item, seed in zip(items, seeds)]``, bit for bit, with one
     generator re-seeded per row instead of a new one per row: ``manual_seed`` resets a CPU
     generator's whole state (its Mersenne Twister and the cached normal samples), so the row
@@ -201,30 +200,30 @@ class ViewDataset:
     map-style dataset (``__len__``, ``__getitem__``, ``__getitems__``), as torch's DataLoader reads.
     """
 
-    def __init__(self, dataset: Any, augment: Augment, seed: int, view: int) -> None:
+    def __init__(self, dataset: MapDataset, augment: Augment, seed: int, view: int) -> None:
         self.dataset, self.augment, self.seed, self.view = dataset, augment, int(seed), int(view)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> Item:
         return replay(self.augment, self.dataset[i], view_seed(self.seed, i, self.view))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Item]:
         getitems = getattr(self.dataset, "__getitems__", None)
         items = list(getitems(list(indices))) if getitems else [self.dataset[i] for i in indices]
         return replay_rows(self.augment, items, view_seeds(self.seed, self.view, indices))
 
 
 # -- detecting an augment that does not draw from its generator --------------------------------
-def _bytes(x: Any) -> bytes:
+def _bytes(x: torch.Tensor | np.ndarray) -> bytes:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous().reshape(-1)
         return x.view(torch.uint8).numpy().tobytes()
     return np.ascontiguousarray(x).tobytes()
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     """Bit-for-bit equality of two augmented items (NaN equals NaN)."""
     arrays = (torch.Tensor, np.ndarray)
     if isinstance(a, arrays) and isinstance(b, arrays):
@@ -236,7 +235,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def check_replayable(dataset: Any, augment: Augment, seed: int, positions: Sequence[int]) -> Any:
+def check_replayable(dataset: MapDataset, augment: Augment, seed: int, positions: Sequence[int]) -> Item:
     """Replay ``augment`` twice on each item of ``positions`` (view 0) with the same seed and
     raise :class:`NondeterministicAugment` if the two differ; return the first augmented item.
 
@@ -274,7 +273,7 @@ def check_replayable(dataset: Any, augment: Augment, seed: int, positions: Seque
 
 
 # -- the reader's join: the student's own input beside A's outputs -----------------------------
-def normalize_fields(fields: Sequence[Any] | Mapping[str, Any] | None) -> dict[str, Any] | None:
+def normalize_fields(fields: Sequence[FieldKey] | Mapping[str, FieldKey] | None) -> dict[str, FieldKey] | None:
     """``["image"]`` -> ``{"image": "image"}``; ``{"x": 0}`` stays; ints become ``field<i>``."""
     if fields is None:
         return None
@@ -285,7 +284,7 @@ def normalize_fields(fields: Sequence[Any] | Mapping[str, Any] | None) -> dict[s
     return {(k if isinstance(k, str) else f"field{k}"): k for k in fields}
 
 
-def item_fields(item: Any, fields: Mapping[str, Any] | None) -> dict[str, Any]:
+def item_fields(item: Item, fields: Mapping[str, FieldKey] | None) -> dict[str, Item]:
     """The fields of one (augmented) source item that go into a batch.
 
     ``fields=None``: every key of a dict item, ``input`` for a tensor item, ``field<i>`` for
@@ -294,7 +293,7 @@ def item_fields(item: Any, fields: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: col[0] for k, col in item_columns([item], fields).items()}
 
 
-def item_columns(items: Sequence[Any], fields: Mapping[str, Any] | None) -> dict[str, list[Any]]:
+def item_columns(items: Sequence[Item], fields: Mapping[str, FieldKey] | None) -> dict[str, list[Item]]:
     """:func:`item_fields` of every item, by field: ``{batch name: [value per item]}``, built
     column by column (no dict per row). The first item decides the names with ``fields=None``."""
     if not items:
@@ -319,7 +318,7 @@ def item_columns(items: Sequence[Any], fields: Mapping[str, Any] | None) -> dict
 class SourceJoin:
     """Rebuild the student's inputs for a batch: ``source[i]``, augmented with each row's seed."""
 
-    def __init__(self, source: Any, augment: Augment | None, fields: Mapping[str, Any] | None) -> None:
+    def __init__(self, source: MapDataset, augment: Augment | None, fields: Mapping[str, FieldKey] | None) -> None:
         self.source, self.augment, self.fields = source, augment, fields
 
     def rows(self, indices: np.ndarray, seeds: np.ndarray | None) -> dict[str, torch.Tensor]:
