@@ -137,7 +137,8 @@ def _fingerprint_parts(req: _Request, model: Any, dataset: Any, options: "Comput
         # Only with views, so versions without them keep their ids.
         **({} if req.views is None else {"views": asdict(views_spec(req))}),
         **({} if req.tokens is None else {"tokens": {"mask": describe_key(req.tokens.mask), "outputs": list(req.ragged),
-                                                     "max_tokens": req.tokens.max_tokens}}),
+                                                     "max_tokens": req.tokens.max_tokens,
+                                                     **req.tokens.identity()}}),
     }
 
 def _check_parent_spread(parent: Version, options: ComputeOptions) -> None:

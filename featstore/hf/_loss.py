@@ -1,0 +1,94 @@
+"""The distillation loss a ``Trainer.compute_loss`` override calls in one line: sparse forward or
+reverse KL to the stored top-k (:func:`featstore.kd.kd_loss`) at a temperature, mixed with the
+language-model loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from featstore import kd
+from featstore.errors import InvalidInput
+from featstore.hf._collator import TARGETS
+
+#: Keys a :class:`~featstore.hf.DistillCollator` batch carries that the model's forward never takes.
+_NOT_FOR_THE_MODEL = (*TARGETS, "index")
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """How the student learns from the teacher's top-k.
+
+    Attributes:
+        alpha: weight of the distillation term; ``1 - alpha`` weighs the language-model loss
+            (cross-entropy on ``labels``). 1: distillation alone (the LM loss is not computed).
+        temperature: the student's logits are divided by it; the teacher's stored log-probs
+            are at the temperature they were computed at (:class:`~featstore.hf.SoftLabels`
+            checks that it is this one). The KL is scaled by ``temperature**2``.
+        direction: ``"forward"`` (``KL(teacher || student)``) or ``"reverse"``.
+        rule: how the top-k stands for the whole distribution: ``"uniform_tail"`` (the mass
+            not kept, spread over the other classes) or ``"renormalize"`` (the top-k alone).
+    """
+
+    alpha: float = 0.5
+    temperature: float = 1.0
+    direction: str = "forward"
+    rule: str = "uniform_tail"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.alpha, int | float) and 0.0 <= self.alpha <= 1.0):
+            raise InvalidInput(f"alpha must be in [0, 1], got {self.alpha!r}.")
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise InvalidInput(f"temperature must be a finite number > 0, got {self.temperature!r}.")
+        if self.direction not in kd.DIRECTIONS:
+            raise InvalidInput(f"direction must be one of {kd.DIRECTIONS}, got {self.direction!r}.")
+        if self.rule not in ("uniform_tail", "renormalize"):
+            raise InvalidInput(f"rule must be 'uniform_tail' or 'renormalize', got {self.rule!r}.")
+
+
+def topk_kd_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], how: Distillation) -> torch.Tensor:
+    """The distillation term alone: the student's ``logits [B, L, V]`` against the batch's
+    ``target_*`` columns, averaged over the real positions (``target_mask``)."""
+    mask = batch["target_mask"]
+    real = mask[..., 0] > 0
+    kept = mask[real] > 0
+    ids = torch.where(kept, batch["target_token_ids"][real], -1)
+    logp = torch.where(kept, batch["target_logprobs"][real].float(), -math.inf)
+    rows = logits[:, :real.shape[1]][real]
+    return kd.kd_loss(rows, {"t.ids": ids, "t.values": logp}, "t", how.temperature, rule=how.rule,
+                      direction=how.direction)
+
+
+def distill_loss(model: torch.nn.Module, inputs: Mapping[str, Any], how: Distillation | None = None, *,
+                 return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    """``alpha * KD + (1 - alpha) * LM`` for a :class:`~featstore.hf.DistillCollator` batch: what
+    ``Trainer.compute_loss`` returns, so an override is one line::
+
+        class KDTrainer(transformers.Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5),
+                                       return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    The teacher's columns (and ``index``) are taken out before ``model(**inputs)``.
+    """
+    how = how or Distillation()
+    missing = [k for k in TARGETS if k not in inputs]
+    if missing:
+        raise InvalidInput(f"the batch has no {missing} (keys: {sorted(inputs)}): build it with "
+                           "featstore.hf.DistillCollator over featstore.hf.SoftLabels samples.")
+    batch = {k: v for k, v in inputs.items() if k not in _NOT_FOR_THE_MODEL}
+    if how.alpha == 1.0:
+        batch.pop("labels", None)  # distillation alone: no LM loss to compute
+    elif num_items_in_batch is not None:
+        batch["num_items_in_batch"] = num_items_in_batch  # the LM loss averages over the whole accumulated batch
+    outputs = model(**batch)
+    loss = topk_kd_loss(outputs.logits, inputs, how)
+    if how.alpha < 1.0:
+        loss = how.alpha * loss + (1.0 - how.alpha) * outputs.loss
+    return (loss, outputs) if return_outputs else loss
