@@ -61,6 +61,7 @@ BEGIN, END = "<!-- lm-distill:begin -->", "<!-- lm-distill:end -->"
 K = 50
 DISTILLKIT_BYTES = 114  # B/token at k=50, DistillKit's Parquet (issue 31's figure, not measured here)
 ARMS = ("sft", "store", "online_topk", "online_full")
+SHARD_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,13 @@ def corpus(p: Profile) -> tuple[list[str], list[str]]:
 
 # -- storing: featstore and datasets.map ----------------------------------------------------------
 def featstore_compute(store: Any, teacher: Any, tok: Any, data: hf.TokenizedTexts, p: Profile) -> Any:
-    """The teacher's top-50 over ``data``, stored compact (what the docs show)."""
+    """The teacher's top-50 over ``data``, stored compact (what the docs show). Shards of
+    ``SHARD_TOKENS`` token rows (one zstd chunk each), as a version of millions of tokens gets by
+    default: this one is small enough that the default would cut it into 8 shards of small chunks,
+    which compress less."""
     return store.compute("smollm2/stdlib", model=hf.CausalLMLogits(teacher), dataset=data, input_key="input_ids",
                          outputs={"logits": f"topkq:{K}"}, batch_size=p.batch,
+                         samples_per_shard=max(1, SHARD_TOKENS // p.max_tokens),
                          options=ComputeOptions(collate=pad_sequences, progress=False),
                          tokens=hf.teacher_tokens(tok, max_tokens=p.max_tokens))
 

@@ -19,6 +19,7 @@ same seam.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from featstore.codecs._parts import assemble
+from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, gather_rows
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.read._views import check_source
@@ -67,23 +70,69 @@ class TokenRows:
 
 
 class StoredRows:
-    """A version's per-token soft labels, read by sample index (the batch's samples in one read).
+    """A version's per-token soft labels, read by sample index.
 
-    The version's tokenizer and temperature are checked against the student's first
-    (:func:`~featstore.hf._identity.check_soft_labels`)."""
+    Stored rows (ids and 8-bit levels: ~100 B a token at K=50) are read a whole Zarr chunk at a
+    time (the unit zstd decodes anyway) and kept, in this process, up to ``cache_bytes`` (least
+    recently used out): a map-style dataset's batches are random samples, and a batch that
+    decoded a chunk for each sample and kept nothing would spend its time in zstd. The per-sample
+    ``token_start``/``token_length`` are read once (12 B a sample). The version's tokenizer and
+    temperature are checked against the student's first
+    (:func:`~featstore.hf._identity.check_soft_labels`).
+    """
 
-    def __init__(self, version: Any, output: str, tokenizer: Any, temperature: float) -> None:
+    def __init__(self, version: Any, output: str, tokenizer: Any, temperature: float,
+                 cache_bytes: int = 2**30) -> None:
         self.version = version
         self.spec: SoftLabelSpec = check_soft_labels(version, output, vocabulary(tokenizer), temperature)
+        arrays = version.manifest.arrays
+        self.parts = tuple(n for n, a in arrays.items() if a.output == output)
+        n = len(version)
+        self.starts = version.read_rows(TOKEN_START, 0, n).astype(np.int64)
+        self.lengths = version.read_rows(TOKEN_LENGTH, 0, n).astype(np.int64)
+        self.per_shard, self.chunk = arrays[self.parts[0]].tokens  # token rows a shard owns, rows a chunk holds
+        spp = version.manifest.layout.samples_per_shard
+        self.written = np.bincount(np.arange(n) // spp, weights=self.lengths).astype(np.int64)  # rows per shard
+        self.cache_bytes = cache_bytes
+        self._chunks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self._held = 0
 
     def __len__(self) -> int:
         return len(self.version)
 
+    def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker starts with an empty cache
+        return {**self.__dict__, "_chunks": OrderedDict(), "_held": 0}
+
+    def _read_chunk(self, c: int) -> dict[str, np.ndarray]:
+        """Every stored part of token chunk ``c`` (read once, then from the cache)."""
+        if c in self._chunks:
+            self._chunks.move_to_end(c)
+            return self._chunks[c]
+        lo = c * self.chunk
+        shard = lo // self.per_shard
+        hi = min(lo + self.chunk, shard * self.per_shard + int(self.written[shard]))
+        got = {p: self.version.token_rows(p, shard, lo, hi) for p in self.parts}
+        self._chunks[c] = got
+        self._held += sum(a.nbytes for a in got.values())
+        while len(self._chunks) > 1 and self._held > self.cache_bytes:
+            self._held -= sum(a.nbytes for a in self._chunks.popitem(last=False)[1].values())
+        return got
+
     def rows(self, indices: np.ndarray) -> TokenRows:
         """The rows of samples ``indices`` (in that order), ids int64 and float32 log-probs."""
+        idx = np.asarray(indices, dtype=np.int64)
+        lengths = self.lengths[idx]
+        rows = gather_rows(self.starts[idx], lengths)
+        chunk = rows // self.chunk
+        specs = self.version.manifest.arrays
+        stored = {p: np.empty((len(rows), *specs[p].shape), dtype=specs[p].dtype) for p in self.parts}
+        for c in np.unique(chunk):
+            at = np.flatnonzero(chunk == c)
+            for p, a in self._read_chunk(int(c)).items():
+                stored[p][at] = a[rows[at] - c * self.chunk]
+        batch = assemble(specs, {p: self.version.decode(p, a) for p, a in stored.items()})
         name = self.spec.output
-        got = self.version[np.asarray(indices, dtype=np.int64)]
-        return TokenRows(got[f"{name}.ids"], got[f"{name}.values"].float(), np.diff(got[f"{name}.offsets"].numpy()))
+        return TokenRows(batch[f"{name}.ids"], batch[f"{name}.values"].float(), lengths)
 
 
 class SoftLabels(torch.utils.data.Dataset):
@@ -102,14 +151,16 @@ class SoftLabels(torch.utils.data.Dataset):
         output: the soft-label output's name.
         input_key: the item's token ids; ``labels_key``: the item's labels (None: the token ids,
             every position trained).
+        cache_bytes: the stored rows (about 100 B a token at K=50) kept in each process, whole
+            chunks at a time, least recently used out (:class:`StoredRows`).
 
     >>> train = SoftLabels(store.open("smollm2/docs"), data, tokenizer=tok, temperature=1.0)
     >>> train[0]["target_logprobs"].shape      # [tokens, K]
     """
 
     def __init__(self, version: Any, dataset: Any, *, tokenizer: Any, temperature: float, output: str = "logits",
-                 input_key: str = "input_ids", labels_key: str | None = None) -> None:
-        self.teacher = StoredRows(version, output, tokenizer, temperature)
+                 input_key: str = "input_ids", labels_key: str | None = None, cache_bytes: int = 2**30) -> None:
+        self.teacher = StoredRows(version, output, tokenizer, temperature, cache_bytes)
         check_source(version, dataset)
         self.dataset = dataset
         self.input_key, self.labels_key = input_key, labels_key

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from featstore import kd
+from featstore.codecs._sparse import sparse_weights
+from featstore.distill._fused import FusedKD
 from featstore.errors import InvalidInput
 from featstore.hf._collator import TARGETS
 
@@ -90,9 +92,11 @@ def distill_loss(model: torch.nn.Module, inputs: Mapping[str, Any], how: Distill
                 return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5),
                                        return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
-    The model runs on ``input_ids`` and ``attention_mask`` (its own loss is not computed); one
-    ``log_softmax`` of its logits serves the LM cross-entropy (on ``labels``) and the KD term at
-    temperature 1 (two at another temperature), so distilling costs about what the LM loss does.
+    The model runs on ``input_ids`` and ``attention_mask`` (its own loss is not computed). KD is
+    averaged over the real positions, the LM cross-entropy (on ``labels``, as transformers
+    computes it, ``num_items_in_batch`` included) over the predicted tokens. The forward KL is
+    computed with the cross-entropy in one pass over the logits
+    (:class:`~featstore.distill._fused.FusedKD`), so distilling costs about what the LM loss does.
     """
     how = how or Distillation()
     missing = [k for k in TARGETS if k not in inputs]
@@ -102,9 +106,32 @@ def distill_loss(model: torch.nn.Module, inputs: Mapping[str, Any], how: Distill
     batch = {k: v for k, v in inputs.items() if k not in (*_NOT_FOR_THE_MODEL, "labels")}
     outputs = model(**batch)
     logits = outputs.logits.float()
-    logq = torch.log_softmax(logits / how.temperature, dim=-1)
-    loss = topk_kd_loss(logits, inputs, how, logq)
-    if how.alpha < 1.0:
-        lm_logq = logq if how.temperature == 1.0 else torch.log_softmax(logits, dim=-1)
-        loss = how.alpha * loss + (1.0 - how.alpha) * lm_loss(lm_logq, inputs["labels"], num_items_in_batch)
+    if how.direction == "forward":
+        loss = _fused_loss(logits, inputs, how, num_items_in_batch)
+    else:
+        logq = torch.log_softmax(logits / how.temperature, dim=-1)
+        loss = topk_kd_loss(logits, inputs, how, logq)
+        if how.alpha < 1.0:
+            lm_logq = logq if how.temperature == 1.0 else torch.log_softmax(logits, dim=-1)
+            loss = how.alpha * loss + (1.0 - how.alpha) * lm_loss(lm_logq, inputs["labels"], num_items_in_batch)
     return (loss, outputs) if return_outputs else loss
+
+
+def _fused_loss(logits: torch.Tensor, inputs: Mapping[str, Any], how: Distillation,
+                num_items_in_batch: Any) -> torch.Tensor:
+    """The forward-KL loss through :class:`FusedKD`: the batch's columns as its rows and weights."""
+    b, length, vocab = logits.shape
+    mask = inputs["target_mask"][:, :length]
+    real = mask[..., 0] > 0
+    kept = (mask > 0) & real.unsqueeze(-1)
+    k = mask.shape[-1]
+    ids = torch.where(kept, inputs["target_token_ids"][:, :length], -1).reshape(-1, k)
+    logp = torch.where(kept, inputs["target_logprobs"][:, :length].float(), -math.inf).reshape(-1, k)
+    w, tail = sparse_weights(ids, logp, None, vocab, how.rule)
+    kd_coef = real.reshape(-1).float() * (how.alpha * how.temperature ** 2 / real.sum().clamp(min=1))
+    target = torch.nn.functional.pad(inputs["labels"][:, 1:length], (0, 1), value=-100).reshape(-1)
+    predicted = target != -100
+    count = predicted.sum().clamp(min=1) if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    lm_coef = predicted.float() * ((1.0 - how.alpha) / count.to(torch.float32))
+    return FusedKD.apply(logits.reshape(-1, vocab), ids.clamp(min=0), ids >= 0, w, tail, kd_coef,
+                         target.clamp(min=0), lm_coef, how.temperature)

@@ -178,3 +178,44 @@ def test_a_student_from_the_teacher_has_its_configuration_and_fewer_layers():
     assert student.config.hidden_size == teacher.config.hidden_size and student.training
     again = hf.student_from(teacher, num_hidden_layers=1)
     assert all(torch.equal(a, b) for a, b in zip(student.parameters(), again.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("rule", ["uniform_tail", "renormalize"])
+@pytest.mark.parametrize("alpha,t,n", [(0.5, 1.0, None), (0.3, 2.0, 23), (1.0, 1.0, None), (0.0, 1.5, None)])
+def test_the_fused_forward_loss_has_the_plain_computations_value_and_gradient(world, rule, alpha, t, n):
+    _, v, data, tok = world
+    train = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0)
+    batch = hf.DistillCollator(pad_token_id=tok.pad_token_id, pad_to_multiple_of=8)(train.__getitems__([6, 7, 8]))
+    how = hf.Distillation(alpha=alpha, temperature=t, rule=rule)
+    logits = torch.randn(*batch["input_ids"].shape, len(tok), generator=torch.Generator().manual_seed(1)) * 3
+
+    class Model(torch.nn.Module):  # returns the given logits, so both computations see the same ones
+        def __init__(self, z):
+            super().__init__()
+            self.z = z
+
+        def forward(self, **kw):
+            return type("Out", (), {"logits": self.z})()
+
+    fused_z = logits.clone().requires_grad_()
+    fused = hf.distill_loss(Model(fused_z), batch, how, num_items_in_batch=n)
+    plain_z = logits.clone().requires_grad_()
+    plain = alpha * hf.topk_kd_loss(plain_z, batch, how) + (1 - alpha) * hf.lm_loss(
+        torch.log_softmax(plain_z, -1), batch["labels"], n)
+    assert float(fused.detach()) == pytest.approx(float(plain.detach()), rel=1e-5, abs=1e-6)
+    fused.backward()
+    plain.backward()
+    torch.testing.assert_close(fused_z.grad, plain_z.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_rows_are_the_versions_whatever_the_cache_holds(world):
+    _, v, data, tok = world
+    big = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0)
+    small = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0, cache_bytes=1)  # one chunk at a time
+    for idx in ([0, 47, 16, 31], [5, 5, 40], list(range(48))):
+        want = v[np.array(idx)]  # the version's own random access
+        flat = torch.cat([s["target_logprobs"] for s in big.__getitems__(idx)])
+        assert torch.equal(flat, want["logits.values"].float())
+        assert torch.equal(torch.cat([s["target_token_ids"] for s in small.__getitems__(idx)]), want["logits.ids"])
+    chunks = len({int(r) // big.teacher.chunk for r in v.read_rows("token_start", 0, 48)})
+    assert len(small.teacher._chunks) == 1 and len(big.teacher._chunks) >= chunks > 1
