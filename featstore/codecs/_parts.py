@@ -15,8 +15,8 @@ Chosen per output like the dense dtypes (``outputs={"logits": "topk:20"}``):
   Anshumann et al., ACL 2025), unlike top-k, which drops the tail.
 - ``topkq:K[:L][@T]``: the K largest classes of each row, compact (:mod:`featstore.codecs._quantised`):
   ``<name>.ids`` sorted ascending (uint16/uint32), ``<name>.values`` and ``<name>.tail``
-  (the mass not kept) as uint8 square-root levels, L of them (default 128); about 90 B/token at
-  K=50 on a 49,152-token vocabulary, against ~156 for ``topk:50``. Batches carry ids and
+  (the mass not kept) as uint8 square-root levels, L of them (default 128); about 92 B/token at
+  K=50 on a 49,152-token vocabulary, against ~154 for ``topk:50``. Batches carry ids and
   normalised float32 log-probabilities, like ``topk``.
 - ``int8``: per-row (per-sample) absmax quantisation of a dense output (embeddings): parts
   ``<name>`` (int8) and ``<name>.scale`` (float32, ``absmax / 127``); readers get
