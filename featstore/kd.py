@@ -32,9 +32,10 @@ from featstore.distill._ensemble import Ensemble, Teacher, ensemble, most_confid
 from featstore.errors import InvalidInput
 from featstore.codecs._sparse import sparse_weights
 from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
-                                         real_rows, row_mean, sparse_parts)
+                                         real_rows, reverse_kl_rows, row_mean, sparse_parts)
 
-__all__ = ["Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident"]
+__all__ = ["DIRECTIONS", "Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident",
+           "sparse_kl"]
 
 
 def _ensemble_args(what: str, name: object, rule: str | None) -> None:
@@ -68,9 +69,14 @@ def densify(batch: Mapping[str, torch.Tensor] | Ensemble, name: str | None = Non
     return rows.dense().reshape(*lead, num_classes)
 
 
+#: ``kd_loss``'s directions: ``KL(teacher || student)`` (mass-covering) or ``KL(student || teacher)``.
+DIRECTIONS = ("forward", "reverse")
+
+
 def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor] | Ensemble, name: str | None = None,
-            temperature: float = 1.0, *, rule: str | None = None) -> torch.Tensor:
-    """``KL(teacher || student at temperature) * temperature**2``, averaged over rows.
+            temperature: float = 1.0, *, rule: str | None = None, direction: str = "forward") -> torch.Tensor:
+    """``KL(teacher || student at temperature) * temperature**2``, averaged over rows
+    (``direction="reverse"``: ``KL(student || teacher)``, mode-seeking).
 
     Works on the sparse form directly (top-k/top-p: the kept classes plus the uniform tail, in
     closed form; sample: the unbiased estimate ``sum counts/S * (log p - log q)``), so no dense
@@ -80,12 +86,20 @@ def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor] | En
     :class:`Ensemble` in place of ``batch`` distils from the ensemble (sparse teachers: over the
     union of their supports plus one tail term per row, never ``[B, C]``).
 
+    The reverse direction needs the teacher's probability of every class: a top-k/top-p
+    teacher's tail gives it (under ``renormalize``, which has none, the student is renormalised
+    over the kept classes); a ``sample`` teacher and an ensemble are refused.
+
     >>> loss = kd_loss(student(x), batch, "logits", temperature=2.0)
     >>> loss = kd_loss(student(x), ensemble(batch, ["a/logits", "b/logits"]), temperature=2.0)
     >>> loss.backward()
     """
+    if direction not in DIRECTIONS:
+        raise InvalidInput(f"direction must be one of {DIRECTIONS}, got {direction!r}.")
     if isinstance(batch, Ensemble):
         _ensemble_args("kd_loss", name, rule)
+        if direction != "forward":
+            raise InvalidInput("kd_loss(ensemble) distils forward only (KL(teacher || student)); drop direction=.")
         return batch.kd_loss(student_logits, temperature)
     if name is None:
         raise InvalidInput("kd_loss(student_logits, batch, name): name the teacher's output in the batch.")
@@ -99,13 +113,28 @@ def kd_loss(student_logits: torch.Tensor, batch: Mapping[str, torch.Tensor] | En
             raise InvalidInput(f"student_logits is {list(student_logits.shape)}, {name!r} is "
                                f"{list(teacher.shape)}: pass the student's logits of the same rows and classes.")
         logp = torch.log_softmax(teacher.reshape(-1, classes) / t, dim=-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1) if direction == "forward" else (logq.exp() * (logq - logp)).sum(-1)
     else:
         ids, logp, counts = sparse_parts(batch, name, classes)
         if ids.shape[0] != logq.shape[0]:
             raise InvalidInput(f"student_logits has {logq.shape[0]} rows, {name!r} has {ids.shape[0]}.")
-        kl = _sparse_kl(logq, ids, logp, counts, check_rule(form, rule))
+        kl = sparse_kl(logq, ids, logp, counts, rule=check_rule(form, rule), direction=direction)
     return row_mean(kl, real_rows(batch, name)) * t * t
+
+
+def sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None = None, *,
+              rule: str = "uniform_tail", direction: str = "forward") -> torch.Tensor:
+    """Per row, the KL between a sparse teacher (``ids [R, K]``, ``-1`` unused; its stored
+    log-probabilities ``logp``, ``-inf`` unused; ``counts`` of a sample) rebuilt by ``rule`` and
+    a student's log-probabilities ``logq [R, C]``, in ``direction``, never building a dense
+    teacher: what :func:`kd_loss` averages, for a caller that has ``logq`` already (a language
+    model's loss shares one ``log_softmax`` with its cross-entropy)."""
+    if direction == "forward":
+        return _sparse_kl(logq, ids, logp, counts, rule)
+    if rule == "counts":
+        raise InvalidInput("a sample: output holds drawn ids and counts: the reverse KL needs the teacher's "
+                           "probability of every class; distil it forward.")
+    return reverse_kl_rows(logq, ids, *sparse_weights(ids, logp, None, logq.shape[-1], rule))
 
 
 def _sparse_kl(logq: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor | None,

@@ -1,4 +1,5 @@
-"""Per-token (ragged) outputs, the public module: :class:`Tokens`, padding and masks for Model A,
+"""Per-token (ragged) outputs, the public module: :class:`Tokens` (and the :class:`Vocabulary` of
+the tokenizer they speak), padding and masks for Model A,
 and the functions that turn a batch's flat token rows into padded ones (see
 :mod:`featstore.codecs` for how they are stored).
 
@@ -12,7 +13,8 @@ and the functions that turn a batch's flat token rows into padded ones (see
 from featstore.codecs._ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START,
                                       RaggedRows, RaggedWindow, Tokens, attention_mask, batch_mask, concat_rows,
                                       gather_rows, offsets, pack, pad_sequences, pad_value, padded, token_layout)
+from featstore.codecs._vocabulary import Vocabulary, vocabulary_digest
 
 __all__ = ["LENGTHS", "OFFSETS", "RAGGED_FORMS", "TOKEN_FIELDS", "TOKEN_LENGTH", "TOKEN_START", "RaggedRows",
            "RaggedWindow", "Tokens", "attention_mask", "batch_mask", "concat_rows", "gather_rows", "offsets", "pack",
-           "pad_sequences", "pad_value", "padded", "token_layout"]
+           "pad_sequences", "pad_value", "padded", "token_layout", "Vocabulary", "vocabulary_digest"]

@@ -33,6 +33,7 @@ from typing import Any
 
 
 from featstore.codecs._chunking import dividing_chunk
+from featstore.codecs._vocabulary import Vocabulary
 from featstore.errors import InvalidInput, OutputMismatch
 from featstore._lazy import lazy_module
 
@@ -61,14 +62,19 @@ class Tokens:
             time); sizes each shard's token range, so set it to the model's context length.
         outputs: the per-token outputs (``[B, L, ...]``, with ``L`` the mask's length); None:
             every output.
+        vocabulary: the tokenizer whose ids the outputs are over
+            (:class:`~featstore.codecs.Vocabulary`, e.g. ``featstore.hf.vocabulary(tok)``):
+            recorded in the fingerprint and the manifest, so a reader told the student's
+            tokenizer refuses logits of another one. None: not recorded (as before it existed).
 
     >>> Tokens(mask=lambda x: x["attention_mask"], max_tokens=512)  # doctest: +ELLIPSIS
-    Tokens(mask=<function <lambda> at ...>, max_tokens=512, outputs=None)
+    Tokens(mask=<function <lambda> at ...>, max_tokens=512, outputs=None, vocabulary=None)
     """
 
     mask: Callable[[Any], Any]
     max_tokens: int
     outputs: tuple[str, ...] | None = None
+    vocabulary: Vocabulary | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.mask):
@@ -82,6 +88,14 @@ class Tokens:
                 raise InvalidInput("Tokens.outputs must be a non-empty list of output names, "
                                    "or None for every output.")
             object.__setattr__(self, "outputs", tuple(self.outputs))
+        if self.vocabulary is not None and not isinstance(self.vocabulary, Vocabulary):
+            raise InvalidInput("Tokens.vocabulary takes a featstore.codecs.Vocabulary, e.g. "
+                               "featstore.hf.vocabulary(tokenizer).")
+
+    def identity(self) -> dict[str, Any]:
+        """What the fingerprint's ``tokens`` part records besides the mask and ``max_tokens``:
+        the tokenizer's identity, only where one was given (so every earlier id stays)."""
+        return {} if self.vocabulary is None else {"vocabulary": self.vocabulary.to_json()}
 
     def ragged_outputs(self, outputs: Sequence[str]) -> tuple[str, ...]:
         """The per-token outputs among ``outputs`` (checked: each must be one of them)."""

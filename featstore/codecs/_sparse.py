@@ -115,7 +115,7 @@ def check_finite(codec: Any, finite: torch.Tensor, first_sample: int, output: st
 
 
 #: The per-row diagnostics a sparse codec's device half hands its host half (besides the parts).
-DIAGNOSTICS = ("finite", "classes", "mass", "kept", "stored_mass", "kl")
+DIAGNOSTICS = ("finite", "classes", "mass", "kept", "stored_mass", "kl", "quant_kl")
 
 
 def sparse_diagnostics(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor,
@@ -130,7 +130,7 @@ def sparse_diagnostics(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor
         # on the first KL_ROWS rows of each batch: the KL needs two more passes over every class
         # of a row, which for a language model's per-token rows would cost more than the codec
         n = min(len(logp), KL_ROWS)
-        out["kl"] = _uniform_tail_kl(logp[:n], torch.gather(logp[:n], 1, ids[:n].clamp(min=0)), stored[:n], kept[:n])
+        out["kl"] = uniform_tail_kl(logp[:n], torch.gather(logp[:n], 1, ids[:n].clamp(min=0)), stored[:n], kept[:n])
     return out
 
 
@@ -146,10 +146,13 @@ def sparse_error(d: Mapping[str, torch.Tensor], rule: str) -> dict[str, Any]:
     if "kl" in d:
         kl = d["kl"]
         out.update(kl_sum=float(kl.sum()), kl_max=float(kl.max()), kl_rows=int(len(kl)))
+    if "quant_kl" in d:  # topkq: KL of the exact top-k to the stored one, every row
+        q = d["quant_kl"]
+        out.update(quant_kl_sum=float(q.sum()), quant_kl_max=float(q.max()))
     return out
 
 
-def _uniform_tail_kl(logp: torch.Tensor, true_kept: torch.Tensor, stored: torch.Tensor,
+def uniform_tail_kl(logp: torch.Tensor, true_kept: torch.Tensor, stored: torch.Tensor,
                      kept: torch.Tensor) -> torch.Tensor:
     """Per row, KL(teacher || its uniform-tail reconstruction from the stored float16 values),
     in closed form (no dense reconstruction): kept classes compare true and stored log-probs,

@@ -115,7 +115,8 @@ def _fingerprint_parts(request: ComputeRequest, keep: dict[str, FieldKey], outpu
         **({} if views is None else {"views": asdict(_views_spec(views))}),
         **({} if request.tokens is None else {"tokens": {"mask": describe_key(request.tokens.mask),
                                                          "outputs": list(ragged),
-                                                         "max_tokens": request.tokens.max_tokens}}),
+                                                         "max_tokens": request.tokens.max_tokens,
+                                                         **request.tokens.identity()}}),
     }
 
 

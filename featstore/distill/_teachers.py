@@ -120,6 +120,23 @@ def kl_rows(logq: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tail: torch.
     return kl + torch.where(has_tail, tail_kl, torch.zeros_like(tail_kl))
 
 
+def reverse_kl_rows(logq: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """Per row, ``KL(q || p)`` (the student's mass against the teacher's) for a sparse teacher
+    ``p``: ``w`` on ``ids`` (0 in unused slots), ``tail`` on each other class. A row without a
+    tail (the ``renormalize`` rule, or no mass left) gives the other classes probability 0, where
+    ``KL(q || p)`` is infinite: there the student is renormalised over the kept classes (as
+    top-k distillation losses do), ``sum_kept q' (log q' - log p)``."""
+    kept = ids >= 0
+    lq_kept = torch.gather(logq, 1, ids.clamp(min=0)).masked_fill(~kept, -math.inf)
+    logw = torch.where(kept & (w > 0), torch.log(w.clamp(min=1e-30)), torch.zeros_like(w))
+    q_kept = lq_kept.exp()
+    rest = (1.0 - q_kept.sum(-1)).clamp(min=0)
+    with_tail = (logq.exp() * logq).sum(-1) - (q_kept * logw).sum(-1) - rest * torch.log(tail.clamp(min=1e-30))
+    lq_r = lq_kept - torch.logsumexp(lq_kept, -1, keepdim=True)
+    renormalised = (lq_r.exp() * (lq_r.masked_fill(~kept, 0) - logw)).sum(-1)
+    return torch.where(tail > 0, with_tail, renormalised)
+
+
 @dataclass(frozen=True)
 class TeacherRows:
     """One teacher's distribution on each of a batch's ``R`` rows: what an ensemble combines and
