@@ -32,6 +32,8 @@ from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, gather_rows
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.read._views import check_source
+from featstore.versions import StoredVersion, stored
+from featstore.versions._committed import HasStoredVersion
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,9 @@ class StoredRows:
     (:func:`~featstore.hf._identity.check_soft_labels`).
     """
 
-    def __init__(self, version: Any, output: str, tokenizer: Any, temperature: float,
+    def __init__(self, version: StoredVersion | HasStoredVersion, output: str, tokenizer: Any, temperature: float,
                  cache_bytes: int = 2**30) -> None:
-        self.version = version
+        self.version = version = stored(version)
         self.spec: SoftLabelSpec = check_soft_labels(version, output, vocabulary(tokenizer), temperature)
         arrays = version.manifest.arrays
         self.parts = tuple(n for n, a in arrays.items() if a.output == output)
@@ -158,10 +160,11 @@ class SoftLabels(torch.utils.data.Dataset):
     >>> train[0]["target_logprobs"].shape      # [tokens, K]
     """
 
-    def __init__(self, version: Any, dataset: Any, *, tokenizer: Any, temperature: float, output: str = "logits",
-                 input_key: str = "input_ids", labels_key: str | None = None, cache_bytes: int = 2**30) -> None:
+    def __init__(self, version: StoredVersion | HasStoredVersion, dataset: Any, *, tokenizer: Any,
+                 temperature: float, output: str = "logits", input_key: str = "input_ids",
+                 labels_key: str | None = None, cache_bytes: int = 2**30) -> None:
         self.teacher = StoredRows(version, output, tokenizer, temperature, cache_bytes)
-        check_source(version, dataset)
+        check_source(self.teacher.version, dataset)
         self.dataset = dataset
         self.input_key, self.labels_key = input_key, labels_key
 

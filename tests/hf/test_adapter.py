@@ -12,6 +12,7 @@ import zarr
 
 from featstore import InvalidInput, SourceMismatch, Tokens, hf, kd
 from featstore.ragged import attention_mask, pad_sequences
+from featstore.versions import stored
 
 from tests.hf.conftest import K, MAX_TOKENS, N, compute_teacher
 from tests.hf.lm import llama, sentences, tokenizer
@@ -217,5 +218,5 @@ def test_rows_are_the_versions_whatever_the_cache_holds(world):
         flat = torch.cat([s["target_logprobs"] for s in big.__getitems__(idx)])
         assert torch.equal(flat, want["logits.values"].float())
         assert torch.equal(torch.cat([s["target_token_ids"] for s in small.__getitems__(idx)]), want["logits.ids"])
-    chunks = len({int(r) // big.teacher.chunk for r in v.read_rows("token_start", 0, 48)})
+    chunks = len({int(r) // big.teacher.chunk for r in stored(v).read_rows("token_start", 0, 48)})
     assert len(small.teacher._chunks) == 1 and len(big.teacher._chunks) >= chunks > 1
