@@ -120,3 +120,21 @@ def dask_client():
     yield client
     client.close()
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def shared_versions(tmp_path_factory, moto_endpoint):
+    """The versions many test files read, written once per session on first use (see
+    ``tests/helpers.py``: ``SharedVersions``); ``shared_versions["local"]`` and so on."""
+    from .helpers import SharedVersions
+
+    return SharedVersions(tmp_path_factory.mktemp("shared"), moto_endpoint)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_the_runner():
+    """Close the cluster ``write_version`` computed on (started only if a test wrote a version)."""
+    yield
+    from .helpers import close_runner
+
+    close_runner()

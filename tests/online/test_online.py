@@ -16,7 +16,7 @@ from featstore import ComputeOptions, DeviceSetupError, InvalidInput, Teacher
 from featstore.online import plan_teacher
 
 from ..augments import noisy_flip
-from ..models import TinyA, VectorData
+from ..models import Raises, TinyA, VectorData
 
 N = 333
 OUTPUTS = {"features": "float16", "logits": "float32"}
@@ -149,3 +149,21 @@ def test_teacher_bad_input_is_a_clear_error(stored):
     if not torch.cuda.is_available():
         with pytest.raises(DeviceSetupError, match="CUDA"):
             store.dataset("tiny/ds", teacher=teacher(device="cuda"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_model_a_raising_in_the_loop_reaches_training_as_documented(tmp_path, workers):
+    """docs/errors.md: in the training process itself the user's exception is the ComputeFailed's
+    ``__cause__``; from a DataLoader worker process PyTorch re-raises the class with a message
+    only, so the message carries the user's exception type, text and where it was raised."""
+    store = featstore.open_store(tmp_path / "store")
+    ds = store.dataset("tiny/raises", batch_size=32, seed=0, teacher=teacher(model=Raises()))
+    with pytest.raises(featstore.ComputeFailed) as err:
+        list(DataLoader(ds, batch_size=None, num_workers=workers, timeout=120 if workers else 0))
+    text = str(err.value)
+    assert "Model A raised RuntimeError: boom from Model A" in text
+    assert "Raised at tests/models.py:" in text and " in forward" in text
+    if workers:
+        assert err.value.__cause__ is None and "in DataLoader worker process" in text
+    else:
+        assert isinstance(err.value.__cause__, RuntimeError) and str(err.value.__cause__) == "boom from Model A"
