@@ -31,6 +31,21 @@ def test_every_subcommand_and_option_has_help_and_the_common_options():
             assert a.help and len(a.help) > 8, (name, a.dest)
 
 
+def test_the_command_line_page_shows_the_real_help_and_every_command(capsys, monkeypatch):
+    """docs/cli.md's `featstore --help` is the real output (at 100 columns, as the page says) and
+    every subcommand is on the page by its name (`featstore <command>`)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = page.split("$ featstore --help\n", 1)[1].split("```", 1)[0]
+    assert shown == capsys.readouterr().out
+    for name in _subparsers():
+        assert f"`featstore {name}" in page or f"`{name}`" in page, name
+
+
 def test_option_parsing():
     assert parse_outputs("features=float16, logits=float32") == {"features": "float16", "logits": "float32"}
     assert parse_value("8") == 8 and parse_value("false") is False and parse_value("a:b") == "a:b"

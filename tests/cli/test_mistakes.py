@@ -29,9 +29,9 @@ from featstore.cli._main import EXIT_CODES_HELP, Exit, _fail, exit_code, main
 
 from tests import daskprocs
 from tests import mistakes as M
+from tests.helpers import QUIET
 from tests.models import NaNAt
 
-QUIET = ComputeOptions(progress=False)
 NAME = "m/set"
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -15,11 +15,11 @@ import featstore
 from featstore import ComputeOptions, InvalidInput, VersionNotFound
 from featstore.compute._driver import choose_layout
 
+from tests.helpers import QUIET
 from tests.models import CountingA, TinyA, VectorData, assert_close_across_processes
 from tests.servers import ALL_STORES
 
 OUTPUTS = {"features": "float16", "logits": "float32"}
-QUIET = ComputeOptions(progress=False)
 
 
 def compute(store, client, name="tiny/train", model=None, data=None, **kw):

@@ -13,14 +13,13 @@ import urllib.request
 
 import pytest
 
-from featstore import ComputeOptions
 from featstore.compute._cluster import connect
 from featstore.compute._dask_logs import TaskFailureFilter
 
 from tests import daskprocs
+from tests.helpers import QUIET
 from tests.models import TinyA, VectorData
 
-QUIET = ComputeOptions(progress=False)
 
 
 def test_embedded_cluster_serves_the_featstore_page_without_set_up():

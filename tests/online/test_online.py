@@ -12,31 +12,29 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, DeviceSetupError, InvalidInput, Teacher
+from featstore import DeviceSetupError, InvalidInput, Teacher
 from featstore.online import plan_teacher
 
-from ..augments import noisy_flip
-from ..models import Raises, TinyA, VectorData
+from ..helpers import QUIET16, Raises, TinyA, VectorData, noisy_flip, write_version
 
 N = 333
 OUTPUTS = {"features": "float16", "logits": "float32"}
-OPTIONS = ComputeOptions(progress=False, chunk_rows=16)
 
 
 def teacher(**kw):
     args = dict(model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUTPUTS, samples_per_shard=32,
-                batch_size=32, options=OPTIONS)
+                batch_size=32, options=QUIET16)
     return Teacher(**{**args, **kw})
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory, dask_client):
+def stored(tmp_path_factory):
     """The same teacher computed and committed: plain and with 2 views."""
     store = featstore.open_store(tmp_path_factory.mktemp("online") / "store")
     args = dict(model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUTPUTS, samples_per_shard=32,
-                batch_size=32, client=dask_client, options=OPTIONS)
-    return store, store.compute("tiny/ds", **args), store.compute(
-        "tiny/views", views=featstore.Views(k=2, augment=noisy_flip), **args)
+                batch_size=32, options=QUIET16)
+    return store, write_version(store, "tiny/ds", **args), write_version(
+        store, "tiny/views", views=featstore.Views(k=2, augment=noisy_flip), **args)
 
 
 def epoch(ds, workers):

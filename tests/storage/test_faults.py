@@ -15,17 +15,16 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, StoreConflict, StoreUnavailable
+from featstore import StoreConflict, StoreUnavailable
 from featstore.storage._s3_create import PROBE_FOLDER
 from featstore.storage import S3_MAX_ATTEMPTS, Storage
 
 from featstore.testing import FaultProxy, Rule, wait_until
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET, TINY_OUTPUTS, TinyA, VectorData, write_version
 from tests.servers import both_servers, new_bucket
 
 N, SPP = 256, 64
-OUT = {"features": "float16", "logits": "float32"}
-QUIET = ComputeOptions(progress=False)
+OUT = TINY_OUTPUTS
 READ_TIMEOUT = 2  # seconds; the proxy's "timeout" fault stalls longer than this
 #: How long the proxy's "timeout" fault stalls: far past READ_TIMEOUT, so a client that honours
 #: its timeout hangs up first even on a loaded machine (the proxy stops waiting when it does).
@@ -63,11 +62,10 @@ def faulty(proxy, s3_endpoint):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dask_client):
+def reference(tmp_path_factory):
     """The fault-free result, computed once on local disk."""
     store = featstore.open_store(tmp_path_factory.mktemp("ref") / "store")
-    v = store.compute("flt/set", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
-                      batch_size=32, samples_per_shard=SPP, client=dask_client, options=QUIET)
+    v = write_version(store, "flt/set", n=N, outputs=OUT, samples_per_shard=SPP, options=QUIET)
     return v, {k: t.numpy() for k, t in v.load().items()}
 
 
