@@ -21,8 +21,8 @@ from featstore import ComputeOptions
 
 from tests.augments import CountingAugment, global_noise, noisy_flip  # noqa: F401 - re-exported
 from tests.models import (MULTI_OUTPUTS, CountingA, DoubleLin, FailsAt, GrowingData, IdData,  # noqa: F401
-                          MultiA, NaNAt, Raises, ReluLin, ShapeShift, SlowData, Tile, TinyA, TinyLM, TokenSeqs,
-                          VectorData, assert_close_across_processes, drop_a_token, on_grid)
+                          MultiA, NaNAt, Raises, RaisesFrom, ReluLin, ShapeShift, SlowData, Tile, TinyA, TinyLM,
+                          TokenSeqs, VectorData, assert_close_across_processes, drop_a_token, on_grid)
 
 #: Compute options without the terminal progress bar.
 QUIET = ComputeOptions(progress=False)
