@@ -51,9 +51,7 @@ def main() -> None:
     args = p.parse_args()
     from distributed import Client, LocalCluster
 
-    from featstore.testing._servers import SeaweedFS
-
-    from featstore.testing import FaultProxy, Rule
+    from featstore.testing import FaultProxy, Rule, SeaweedFS
 
     tmp = Path(tempfile.mkdtemp(prefix="race-repro-"))
     if args.server == "moto":

@@ -18,7 +18,7 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, Tokens
-from featstore.cli._main import main
+from featstore.cli import main
 from featstore.ragged import TOKEN_LENGTH, TOKEN_START, attention_mask, gather_rows
 from featstore.ragged import pad_sequences as pad_tokens
 

@@ -96,7 +96,7 @@ def test_a_failing_task_prints_one_clear_error_on_the_console(tmp_path):
     (["list", "{root}", "--storage-option", "nonsense"], 2),
 ])
 def test_cli_exit_codes(tmp_path, capsys, argv, code):
-    from featstore.cli._main import main
+    from featstore.cli import main
 
     assert main([a.format(root=tmp_path / "store") for a in argv] + ["--json"]) == code
     out = json.loads(capsys.readouterr().out)

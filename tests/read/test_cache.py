@@ -424,7 +424,7 @@ def windows(monkeypatch) -> Counter:
     """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
     ``"in place"`` (shard by shard, InPlace), counted where the reader decides
     (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
-    from featstore.read._dataset import FeatureDataset
+    from featstore import FeatureDataset
     from featstore.read._gather import ArenaRows
 
     counts: Counter = Counter()

@@ -22,8 +22,9 @@ import torch
 
 import featstore
 from featstore import InvalidInput
-from featstore.cli._main import main as cli_main
-from featstore.read._disk_cache import DiskCache, DiskCacheOptions, list_disk_cache
+from featstore import list_disk_cache
+from featstore.cli import main as cli_main
+from featstore.read._disk_cache import DiskCache, DiskCacheOptions
 from featstore.read._disk_tier import entry_name, scope_identity
 
 from featstore.testing import FaultProxy, Rule, wait_until

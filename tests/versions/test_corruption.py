@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, CorruptChunk
-from featstore.cli._main import main as cli
+from featstore.cli import main as cli
 
 from tests.helpers import TinyA, VectorData, write_version
 
