@@ -56,7 +56,6 @@ SLOW = (
     "tests/compute/test_resume.py", "tests/compute/test_real_cluster.py", "tests/test_demo.py",
     "tests/versions/test_commit_races.py::test_concurrent_commits_",
     "tests/cli/test_cli.py::test_json_output_of_every_store_subcommand",
-    "tests/cli/test_cli.py::test_storage_options_reach_the_store",
     "tests/codecs/test_ragged.py::test_extends_grows_token_sequences_and_reads_across_the_boundary",
     "tests/codecs/test_ragged.py::test_random_access_and_load_match_the_teachers_tokens",
     "tests/codecs/test_ragged.py::test_reader_yields_every_samples_tokens_once",
