@@ -36,6 +36,7 @@ def teacher_b(store, base, augment=noisy_flip, name="teacher-b/train", data=None
     """Another Model A (TinyA seed 1, a 5-class head stored top-3) on ``base``'s views."""
     if base.views is None and augment is noisy_flip:
         augment = None
+    kw = {"samples_per_shard": None, **kw}  # None: base's layout
     return write_version(store, name, model=TinyA(seed=1), dataset=data or VectorData(N), keep={"seen": "input"},
-                         outputs=OUT_B, batch_size=16, samples_per_shard=None, views_of=base.ref,
+                         outputs=OUT_B, batch_size=16, views_of=base.ref,
                          **({} if augment is None else {"augment": augment}), **kw)

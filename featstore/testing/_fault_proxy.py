@@ -10,9 +10,10 @@ Faults, chosen per request by :class:`Rule`:
 - ``"500"``: ``500 InternalError``, nothing forwarded.
 - ``"reset"``: the request is read, then the connection is reset (TCP RST), nothing forwarded.
 - ``"timeout"``: the request is read, then nothing is sent for ``stall`` seconds (longer than
-  the client's read timeout), then the connection is dropped; nothing forwarded. A client that
-  gives up first (its read timeout) closes the connection: the proxy stops waiting at once and
-  counts it in ``abandoned``, so a test proves the timeout by what it counts, not by a clock.
+  the client's read timeout), then the connection is dropped; nothing forwarded. A stall the
+  client waits out is counted in ``waited_out``: a client whose read timeout works has given up
+  before (the proxy then stops waiting when it sees the hang-up, counted in ``abandoned``), so a
+  test proves the timeout by what the proxy counts, not by a clock.
 - ``"lost_reply"``: the request IS forwarded and applied by the server, then the connection is
   reset before the reply reaches the client (the icechunk#2099 case for conditional writes).
 - ``"ignore_condition"``: the request is forwarded without its ``If-None-Match`` header (and
@@ -122,8 +123,10 @@ class FaultProxy:
         self.attempts: collections.Counter = collections.Counter()  # by request identity
         self.forwarded: collections.Counter = collections.Counter()  # by op, reached the server
         self.clients: collections.Counter = collections.Counter()  # by (op, path, client): who sent it
-        #: stalled attempts whose client hung up before the stall ended (its read timeout), by request identity
+        #: stalled attempts, by request identity: the client hung up before the stall ended (its
+        #: read timeout), or the stall ran its full length (the client waited it out)
         self.abandoned: collections.Counter = collections.Counter()
+        self.waited_out: collections.Counter = collections.Counter()
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
         self._faulted: set = set()
         self._owner: dict = {}  # request identity -> the one rule that faults it
@@ -167,7 +170,8 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self.lock:
-            for c in (self.requests, self.faults, self.attempts, self.forwarded, self.clients, self.abandoned):
+            for c in (self.requests, self.faults, self.attempts, self.forwarded, self.clients, self.abandoned,
+                      self.waited_out):
                 c.clear()
             self.retries = 0
             self._faulted.clear()
@@ -303,9 +307,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         if kind == "timeout":
-            if self._client_hangs_up(self.owner.stall):
-                with self.owner.lock:
-                    self.owner.abandoned[ident] += 1
+            hung_up = self._client_hangs_up(self.owner.stall)
+            with self.owner.lock:
+                (self.owner.abandoned if hung_up else self.owner.waited_out)[ident] += 1
             self._reset()
             return
         status, headers, data = self._forward(body, CONDITION_HEADERS if kind == "ignore_condition" else frozenset())
