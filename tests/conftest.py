@@ -115,6 +115,13 @@ SLOW = (
     "tests/versions/test_views.py::test_resume_mid_epoch_inside_a_view_cycle",
     "tests/versions/test_views.py::test_resume_recomputes_only_missing_view_shard_units",
     "tests/versions/test_views.py::test_view_receipts_compact_into_runs_and_a_resume_reads_them",
+    "tests/storage/test_s3_servers.py::test_the_probe_runs_once_per_process_and_store",
+    "tests/online/test_online.py::test_online_batches_equal_stored_batches",
+    "tests/compute/test_compute.py::test_round_trip_equals_model_outputs",
+    "tests/test_errors.py::test_output_shape_or_dtype_change_between_batches",
+    "tests/cli/test_cli.py::test_quick_commands_import_neither_torch_nor_dask",
+    "tests/test_edges.py::test_outputs_may_name_a_subset_of_what_a_returns",
+    "tests/format/test_plain_readers.py::test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently",
 )
 
 
