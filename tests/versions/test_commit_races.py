@@ -167,8 +167,11 @@ def test_commit_refuses_arrays_another_writer_laid_out_otherwise(local_store, da
 def test_commit_refuses_receipts_written_under_another_layout(local_store, dask_client):
     """A receipt for other rows than this layout's shard (written by another claim's run) is
     not committed: it is removed and the rerun recomputes that shard."""
+    # One shard per task, submitted in order: shard 6's task (sample 200 raises) starts only after
+    # shards 0-4 were taken, so shard 1 has its receipt when the failure cancels the rest (with
+    # two shards per task the failing task could run first, on a busy machine).
     kw = dict(model=TinyA(), keep=["target"], outputs={"features": "float16"}, batch_size=16,
-              samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
+              samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False, shards_per_task=1))
     with pytest.raises(ComputeFailed):
         local_store.compute("rcpt/set", dataset=FailsAt(256, 200), **kw)
     wait_quiet(dask_client)
