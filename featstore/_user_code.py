@@ -3,15 +3,21 @@ what featstore makes of what it raises.
 
 Whatever the user's code raises reaches the caller as a featstore error with the user's
 exception as its ``__cause__`` (``featstore --debug`` prints both): :class:`ComputeFailed`
-naming what was called, on which samples, and what to do, or :class:`DeviceSetupError` when it
-asked for CUDA where there is none. A featstore error raised inside (a factory that calls
-featstore) passes through unchanged. The driver (validation, fingerprints) and the Dask tasks
-call the user's code through these functions, so both say the same thing.
+naming what was called, on which samples, what to do and where the user's exception was raised,
+or :class:`DeviceSetupError` when it asked for CUDA where there is none. The message alone
+carries the user's exception type, text and place: a DataLoader worker process hands the
+training process an error's class and message only (no ``__cause__``). A featstore error raised
+inside (a factory that calls featstore) passes through unchanged. The driver (validation,
+fingerprints) and the Dask tasks call the user's code through these functions, so both say the
+same thing.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import sysconfig
+import traceback
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +57,35 @@ def user_error(exc: BaseException, what: str, fix: str, where: str = "") -> Feat
             f"{what} asks for CUDA, but this process sees no CUDA device ({type(exc).__name__}: {exc}). "
             "Build Model A on the CPU (no .cuda() or .to('cuda') in it): featstore moves it to each "
             "worker's GPU itself; or run the compute where a GPU is visible.")
-    return ComputeFailed(f"{what} raised {type(exc).__name__}: {exc}{' ' + where if where else ''}; {fix}")
+    at = raised_at(exc)
+    return ComputeFailed(f"{what} raised {type(exc).__name__}: {exc}{' ' + where if where else ''}; {fix}"
+                         + (f" Raised at {at}." if at else ""))
+
+
+#: featstore's own folder, and the standard library's and installed packages': frames in them
+#: are not the user's code.
+_FEATSTORE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARIES = tuple({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
+                    if k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised, as ``file:line in function``: the innermost frame of the user's
+    own code (else the innermost outside featstore), the file relative to the working folder when
+    it lies under it; "" for an exception that was never raised.
+
+    >>> raised_at(ValueError("never raised"))
+    ''
+    """
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_FEATSTORE)]
+    if not frames:
+        return ""
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARIES)]
+    frame = (own or frames)[-1]
+    path = os.path.abspath(frame.filename)
+    cwd = os.getcwd() + os.sep
+    return f"{path[len(cwd):] if path.startswith(cwd) else frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def describe(obj: Any) -> str:

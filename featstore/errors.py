@@ -169,8 +169,9 @@ def _rebuild_corrupt(message: str, version: str, array: str, chunk: str) -> Corr
 
 
 class ComputeFailed(FeatstoreError, RuntimeError):
-    """Model A, its factory or the dataset raised (the user's exception is the ``__cause__``);
-    finished shards are kept for resume."""
+    """Model A, its factory or the dataset raised (the user's exception is the ``__cause__``; the
+    message names its type, text and where it was raised, which is all that crosses a DataLoader
+    worker process); finished shards are kept for resume."""
 
 
 # -- warnings: the run goes on, but the caller should know -----------------------------------

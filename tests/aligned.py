@@ -4,23 +4,20 @@ with K views, teacher "b" (another model, other outputs) computed with ``views_o
 from __future__ import annotations
 
 import featstore
-from featstore import ComputeOptions
 
-from .augments import noisy_flip
-from .models import TinyA, VectorData
+from .helpers import TinyA, VectorData, noisy_flip, write_version
 
 N, SPP, K, SEED = 80, 32, 3, 7
 OUT_A = {"features": "float16", "logits": "float32"}
 OUT_B = {"logits": "topk:3"}  # another codec: b's batches carry logits.ids / logits.values
-QUIET = ComputeOptions(progress=False, chunk_rows=16)
 
 
-def teacher_a(store, client, views=K, name="teacher-a/train", data=None, **kw):
+def teacher_a(store, views=K, name="teacher-a/train", data=None, **kw):
     """Model A (TinyA seed 0) on ``views`` views of VectorData(N) (None: no views)."""
     aug = {} if views is None else {"views": featstore.Views(k=views, augment=noisy_flip, seed=SEED)}
-    return store.compute(name, model=TinyA(), dataset=data or VectorData(N),
+    return write_version(store, name, model=TinyA(), dataset=data or VectorData(N),
                          keep={"target": "target", "seen": "input"}, outputs=OUT_A, samples_per_shard=SPP,
-                         batch_size=16, client=client, options=QUIET, **aug, **kw)
+                         batch_size=16, **aug, **kw)
 
 
 def copy_to_s3(store, endpoint):
@@ -35,10 +32,11 @@ def copy_to_s3(store, endpoint):
     return featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": endpoint})
 
 
-def teacher_b(store, client, base, augment=noisy_flip, name="teacher-b/train", data=None, **kw):
+def teacher_b(store, base, augment=noisy_flip, name="teacher-b/train", data=None, **kw):
     """Another Model A (TinyA seed 1, a 5-class head stored top-3) on ``base``'s views."""
     if base.views is None and augment is noisy_flip:
         augment = None
-    return store.compute(name, model=TinyA(seed=1), dataset=data or VectorData(N),
-                         keep={"seen": "input"}, outputs=OUT_B, batch_size=16, client=client, options=QUIET,
-                         views_of=base.ref, **({} if augment is None else {"augment": augment}), **kw)
+    kw = {"samples_per_shard": None, **kw}  # None: base's layout
+    return write_version(store, name, model=TinyA(seed=1), dataset=data or VectorData(N), keep={"seen": "input"},
+                         outputs=OUT_B, batch_size=16, views_of=base.ref,
+                         **({} if augment is None else {"augment": augment}), **kw)

@@ -2,9 +2,10 @@
 
 ``python -m tests.lightning_child STRATEGY STORE REF OUT [STEPS]``:
 
-- ``OUT/grid``: one ``Trainer.fit`` over four plain DataLoaders at once (a CombinedLoader): the
+- ``OUT/grid``: one ``Trainer.fit`` over plain DataLoaders at once (a CombinedLoader): the
   dataset built in the LightningModule's ``__init__`` (before the process group exists) or in
-  ``train_dataloader()``, with persistent workers or not; 2 epochs, no ``set_epoch`` anywhere.
+  ``train_dataloader()``, with persistent workers or not (``CASES_OF``: ``ddp`` all four,
+  ``ddp_spawn`` the two early ones); 2 epochs, no ``set_epoch`` anywhere.
   Under ``ddp_spawn`` the early persistent loader's workers are spawned (that strategy's
   default: the dataset is pickled to them) and the others forked (the fork path; spawned workers
   each import torch, and 20 more would cost minutes on 2 cores).
@@ -31,6 +32,10 @@ import featstore
 
 CASES = {"early-persistent": (True, True), "early": (True, False), "late-persistent": (False, True),
          "late": (False, False)}
+#: The cases each strategy runs. Under ``ddp_spawn`` only the early datasets differ from ``ddp``'s
+#: (built in the parent process and pickled to the spawned ranks); a late one is built in its
+#: rank after the process group exists under either strategy, which ``ddp`` covers.
+CASES_OF = {"ddp_spawn": ("early-persistent", "early"), "ddp": tuple(CASES)}
 
 
 class Recorder(pl.LightningModule):
@@ -59,12 +64,13 @@ class Recorder(pl.LightningModule):
 
 
 class Grid(Recorder):
-    """Four loaders, one per case of CASES, each over its own dataset."""
+    """One loader per case the strategy runs (CASES_OF), each over its own dataset."""
 
-    def __init__(self, out: str, store: str, ref: str, spawned: bool) -> None:
+    def __init__(self, out: str, store: str, ref: str, strategy: str) -> None:
         super().__init__(out)
-        self.store, self.ref, self.spawned = store, ref, spawned
-        self.early = {k: self._dataset() for k, (early, _) in CASES.items() if early}
+        self.store, self.ref, self.spawned = store, ref, strategy == "ddp_spawn"
+        self.cases = {k: CASES[k] for k in CASES_OF[strategy]}
+        self.early = {k: self._dataset() for k, (early, _) in self.cases.items() if early}
 
     def _dataset(self) -> featstore.FeatureDataset:
         return featstore.open_store(self.store).dataset(self.ref, batch_size=25, seed=3)
@@ -75,7 +81,7 @@ class Grid(Recorder):
         loaders = {k: DataLoader(self.early[k] if early else self._dataset(), batch_size=None, num_workers=2,
                                  persistent_workers=persistent, timeout=300,
                                  multiprocessing_context="fork" if self.spawned and k != "early-persistent" else None)
-                   for k, (early, persistent) in CASES.items()}
+                   for k, (early, persistent) in self.cases.items()}
         return CombinedLoader(loaders, mode="max_size")
 
 
@@ -85,7 +91,7 @@ def _trainer(strategy: str, **kw) -> pl.Trainer:
 
 
 def grid(strategy: str, store: str, ref: str, out: str) -> None:
-    _trainer(strategy, max_epochs=2, enable_checkpointing=False).fit(Grid(out, store, ref, strategy == "ddp_spawn"))
+    _trainer(strategy, max_epochs=2, enable_checkpointing=False).fit(Grid(out, store, ref, strategy))
 
 
 def datamodule(strategy: str, store: str, ref: str, out: str, steps: int) -> None:

@@ -166,6 +166,21 @@ class Raises(nn.Module):
         raise RuntimeError("boom from Model A")
 
 
+class RaisesFrom(nn.Module):
+    """Identity on 4 columns of :class:`IdData`'s input until a batch holds sample ``at`` or a later
+    one: then it raises (a probe of the first samples passes; the epoch's later batches fail)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        if bool((x[:, 0] >= self.at).any()):
+            raise RuntimeError(f"boom from Model A at sample {self.at} or later")
+        return x[:, :4] * self.w
+
+
 class Tile(nn.Module):
     """Model A whose one output is its input tiled ``reps`` times: wide rows, exact values."""
 

@@ -24,7 +24,7 @@ def one_race(i: int, upstream: str, proxy_url: str, tmp: Path, scheduler: str, e
     import featstore
 
     from .servers import new_bucket
-    from .test_commit_races import race
+    from .versions.test_commit_races import race
 
     url = f"s3://{new_bucket(upstream, 'race')}/feats"
     results = race(url, proxy_url, tmp / f"sync{i}", scheduler, *extra)
@@ -51,9 +51,7 @@ def main() -> None:
     args = p.parse_args()
     from distributed import Client, LocalCluster
 
-    from featstore.testing._servers import SeaweedFS
-
-    from featstore.testing import FaultProxy, Rule
+    from featstore.testing import FaultProxy, Rule, SeaweedFS
 
     tmp = Path(tempfile.mkdtemp(prefix="race-repro-"))
     if args.server == "moto":

@@ -25,9 +25,8 @@ from featstore.versions._fingerprints import class_code, code_digest
 from featstore.versions import stored
 
 from . import tmpfs
-from .models import DoubleLin, ReluLin, SlowData, TinyA, VectorData
+from .helpers import QUIET, DoubleLin, ReluLin, SlowData, TinyA, VectorData, write_version
 
-QUIET = ComputeOptions(progress=False)
 OUT = {"features": "float32", "logits": "float32"}
 
 
@@ -100,11 +99,10 @@ N, SPP = 512, 32
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dask_client):
+def reference(tmp_path_factory):
     store = featstore.open_store(tmp_path_factory.mktemp("ref") / "store")
-    v = store.compute("edge/ref", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
-                      batch_size=16, samples_per_shard=SPP, client=dask_client, options=QUIET)
-    return v.load()
+    return write_version(store, "edge/ref", n=N, outputs=OUT, batch_size=16, samples_per_shard=SPP,
+                         options=QUIET).load()
 
 
 def _in_thread(fn):

@@ -14,9 +14,9 @@ from featstore import (ComputeOptions, EmptyDataset, FeatstoreError, InvalidName
                        NonFiniteOutput, OutputMismatch, StoreUnavailable, VersionNotFound)
 from featstore._allowed_names import check_name, check_tag
 
+from .helpers import QUIET
 from .models import IdData, NaNAt, Raises, ShapeShift, TinyA, VectorData
 
-QUIET = ComputeOptions(progress=False)
 
 
 def nothing_committed(store, name):

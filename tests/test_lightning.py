@@ -3,7 +3,8 @@ wherever the dataset was built, every epoch is a new order without set_epoch, an
 featstore.lightning's data module resumes a mid-epoch checkpoint with every sample once.
 
 Each run is a subprocess (tests/lightning_child.py, tests/torchrun_child.py); one Trainer covers
-the four dataset cases of a strategy at once, to keep 2-core CI cheap.
+the dataset cases of a strategy at once (ddp: four; ddp_spawn: the two that differ from ddp), to keep
+2-core CI cheap.
 """
 
 from __future__ import annotations
@@ -16,24 +17,19 @@ from pathlib import Path
 
 import pytest
 
-import featstore
-from featstore import ComputeOptions
 from featstore.versions import stored
 
-from .lightning_child import CASES
-from .models import TinyA, VectorData
+from .helpers import SharedVersions
+from .lightning_child import CASES_OF
 from tests.read.test_clients import figures
 
 ROOT = Path(__file__).resolve().parents[1]
-N = 400  # 4 consumers (2 ranks x 2 workers) of 100 samples: no padding, so ranks are disjoint
+N = SharedVersions.KINDS["local-400"][0]  # 4 consumers (2 ranks x 2 workers) of 100: no padding, ranks disjoint
 
 
 @pytest.fixture(scope="module")
-def version(tmp_path_factory, dask_client):
-    store = featstore.open_store(tmp_path_factory.mktemp("lightning") / "store")
-    return store.compute("lightning/v", model=TinyA(), dataset=VectorData(N), keep=["target"],
-                         outputs={"features": "float16", "logits": "float32"}, samples_per_shard=32,
-                         client=dask_client, options=ComputeOptions(progress=False, chunk_rows=16))
+def version(shared_versions):
+    return shared_versions["local-400"]
 
 
 def _run(args: list[str], timeout: float = 600) -> None:
@@ -79,7 +75,7 @@ def _check_split(ranks: list[dict[str, list[int]]], key: str, what: str) -> dict
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
 def test_lightning_ranks_and_epochs_wherever_the_dataset_is_built(runs, strategy):
     ranks = _ranks(runs(strategy) / "grid")
-    for case in CASES:
+    for case in CASES_OF[strategy]:
         for epoch in (0, 1):
             _check_split(ranks, f"{epoch}/{case}", f"{strategy} {case} epoch {epoch}")
         assert ranks[0][f"0/{case}"] != ranks[0][f"1/{case}"], f"{case}: epoch 1 repeated epoch 0's order"

@@ -21,9 +21,9 @@ from typing import Any
 
 from featstore.compute._options import ComputeOptions
 from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk,
-                              DeviceSetupError, DistributedSetupError, FeatstoreWarning, IncompatibleFormat,
-                              InvalidInput, StoreConflict, StoreFull, StoreNotFound, StoreUnavailable,
-                              VersionNotFound)
+                              DeviceSetupError, DistributedSetupError, FeatstoreError, FeatstoreWarning,
+                              IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
+                              StoreUnavailable, VersionNotFound)
 
 # The command line imports only what each command needs: `featstore --help`, list, info, tag,
 # delete, gc, verify and cache never import torch or Dask (the compute and read sides, and the
@@ -97,6 +97,21 @@ class _Parser(argparse.ArgumentParser):
         raise InvalidInput(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')}; "
                            f"see `{self.prog} --help`)")
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """argparse's, except that an argument the subcommand does not know is reported by that
+        subcommand (its usage, `featstore verify --help`), not by the top-level parser."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            (self._subcommand_parser(ns) or self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    def _subcommand_parser(self, ns: argparse.Namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(ns, action.dest, None))
+        return None
+
 
 def parse_value(text: str) -> Any:
     """A ``--storage-option`` value: JSON when it parses (numbers, true/false, null, lists),
@@ -138,6 +153,51 @@ def _store(args: argparse.Namespace, create: bool = False) -> Any:
     return open_store(args.url, storage_options=storage_options(args), create=create)
 
 
+@contextlib.contextmanager
+def _store_to_write(args: argparse.Namespace) -> Iterator[Any]:
+    """The store ``compute`` or ``advise`` writes to, created when there is none yet; a local
+    folder this command created is removed again if it holds no file when the command ends (the
+    compute failed before writing: a model path that does not import, an unreachable scheduler;
+    or ``advise``, which deletes what it measured). Only empty folders are removed."""
+    try:
+        store, made = _store(args), False
+    except StoreNotFound:
+        store, made = _store(args, create=True), True
+    try:
+        yield store
+    finally:
+        if made and store.storage.is_local:
+            for folder, _, _ in os.walk(store.storage.root, topdown=False):
+                with contextlib.suppress(OSError):  # not empty: something was written, and is kept
+                    os.rmdir(folder)
+
+
+@contextlib.contextmanager
+def _compute_first(store: Any, ref: str) -> Iterator[None]:
+    """A ref to a feature set without any committed version says which command makes one (the
+    store's own message names the Python call, ``store.compute``); other misses pass as they are."""
+    try:
+        yield
+    except VersionNotFound as exc:
+        name = ref.partition("@")[0]
+        try:
+            if store.versions(name):
+                raise
+            sets = store.names()
+        except FeatstoreError:
+            raise exc from None
+        raise VersionNotFound(
+            f"feature set {name!r} has no committed version in {store.url}; existing sets: {sets or 'none'}. "
+            f"Compute it first: featstore compute {store.url} {name} --model PKG.MODULE:FACTORY --dataset "
+            "PKG.MODULE:FACTORY (see `featstore compute --help`).") from exc
+
+
+def _open(store: Any, ref: str) -> Any:
+    """``store.open(ref)``, with the command line's advice for a feature set that has no version."""
+    with _compute_first(store, ref):
+        return store.open(ref)
+
+
 # ---------------------------------------------------------------------------------------------
 # Subcommands: each returns (exit code, JSON-able result, human text).
 # ---------------------------------------------------------------------------------------------
@@ -153,13 +213,13 @@ def cmd_compute(args: argparse.Namespace) -> Result:
     """Compute Model A's outputs over a dataset on Dask and commit them as a version."""
     from featstore.cli._import_path import Factory, FactoryDataset
 
-    store = _store(args, create=True)
     options = ComputeOptions(progress=not args.no_progress and not args.json, model_id=args.model_id,
                              dataset_id=args.dataset_id, connect_timeout=args.connect_timeout)
-    v = store.compute(args.name, model=Factory(args.model), dataset=FactoryDataset(args.dataset),
-                      input_key=_key(args.input_key), keep=[_key(k) for k in args.keep],
-                      outputs=parse_outputs(args.outputs), batch_size=args.batch_size,
-                      samples_per_shard=args.samples_per_shard, client=args.scheduler, options=options)
+    with _store_to_write(args) as store:
+        v = store.compute(args.name, model=Factory(args.model), dataset=FactoryDataset(args.dataset),
+                          input_key=_key(args.input_key), keep=[_key(k) for k in args.keep],
+                          outputs=parse_outputs(args.outputs), batch_size=args.batch_size,
+                          samples_per_shard=args.samples_per_shard, client=args.scheduler, options=options)
     m = v.manifest
     out = {**_version_json(v), "shards": m.layout.n_shards, "arrays": sorted(m.arrays), "timings": m.timings}
     return Exit.OK, out, f"committed {v.name}@{v.id}: {len(v)} samples, {m.layout.n_shards} shards"
@@ -192,13 +252,13 @@ def cmd_list(args: argparse.Namespace) -> Result:
 
 def cmd_info(args: argparse.Namespace) -> Result:
     """Print a version's manifest (layout, arrays, codecs, statistics, timings)."""
-    m = _store(args).open(args.ref).manifest.to_json()
+    m = _open(_store(args), args.ref).manifest.to_json()
     return Exit.OK, m, json.dumps(m, indent=2, sort_keys=True)
 
 
 def cmd_verify(args: argparse.Namespace) -> Result:
     """Read every shard of a version and check it against its compute-time digest."""
-    v = _store(args).open(args.ref)
+    v = _open(_store(args), args.ref)
     problems = v.verify(progress=not args.json)
     summary = (f"{v.name}@{v.id}: {v.manifest.layout.n_shards} shards x {len(v.manifest.arrays)} arrays checked, "
                f"{len(problems)} bad")
@@ -211,7 +271,7 @@ def cmd_export(args: argparse.Namespace) -> Result:
     Every shard object is copied byte for byte to its default key, the metadata consolidated, and
     the copy read back against the version's digests: the route for zarr, xarray and TensorStore
     to versions made with extends= or spread over prefixes."""
-    v = _store(args).open(args.ref)
+    v = _open(_store(args), args.ref)
     out = v.export(args.dest, storage_options={k: parse_value(x) for k, x in
                                                _pairs(args.dest_option, "--dest-option").items()} or None,
                    verify=not args.no_verify, progress=not args.json)
@@ -224,14 +284,16 @@ def cmd_export(args: argparse.Namespace) -> Result:
 def cmd_tag(args: argparse.Namespace) -> Result:
     """Point a tag (NAME@TAG) at a version."""
     store = _store(args)
-    v = store.open(args.ref)
+    v = _open(store, args.ref)
     store.tag(v, args.tag)
     return Exit.OK, {"name": v.name, "tag": args.tag, "version": v.id}, f"{v.name}@{args.tag} -> {v.id}"
 
 
 def cmd_delete(args: argparse.Namespace) -> Result:
     """Delete a committed version (its tags, manifest and data)."""
-    name, _, vid = _store(args).delete(args.ref).partition("@")  # a version with a damaged manifest too
+    store = _store(args)
+    with _compute_first(store, args.ref):
+        name, _, vid = store.delete(args.ref).partition("@")  # a version with a damaged manifest too
     return Exit.OK, {"name": name, "version": vid, "deleted": True}, f"deleted {name}@{vid}"
 
 
@@ -345,14 +407,15 @@ def cmd_advise(args: argparse.Namespace) -> Result:
     from featstore.cli._import_path import Factory, FactoryDataset, resolve
     from featstore.online import Teacher, Workload, advise
 
-    store = _store(args, create=True)
     dataset = FactoryDataset(args.dataset)
     teacher = Teacher(model=Factory(args.model), dataset=dataset, input_key=_key(args.input_key),
                       keep=[_key(k) for k in args.keep], outputs=parse_outputs(args.outputs), device=args.device,
                       batch_size=args.batch_size)
     student = resolve(args.student)() if args.student else None
     work = Workload(args.samples_total or len(dataset), args.epochs, args.views, args.students)
-    advice = advise(store, teacher, work, samples=args.samples, batch_size=args.read_batch_size, student=student)
+    with _store_to_write(args) as store:
+        advice = advise(store, teacher, work, samples=args.samples, batch_size=args.read_batch_size,
+                        student=student)
     return Exit.OK, advice.to_json(), f"{advice.table()}\n\n{advice.reason}"
 
 

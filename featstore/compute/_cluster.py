@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import urllib.parse
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -35,6 +38,8 @@ ClusterSpec: TypeAlias = "Client | DaskCluster | str | None"
 
 #: The scheduler preload that adds featstore's dashboard page (``dask scheduler --preload ...``).
 DASHBOARD_PRELOAD = "featstore.dashboard"
+#: The embedded cluster's dashboard port (Dask's default); another is taken when it is in use.
+DASHBOARD_PORT = 8787
 
 
 @dataclass
@@ -132,22 +137,43 @@ def start(plan: ClusterPlan) -> Cluster:
     """Start the embedded cluster ``plan`` describes (see :func:`featstore.compute.plan_cluster`):
     worker processes get their share of the cores, GPU workers one GPU each; the scheduler
     preloads featstore's dashboard page."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     n = plan.n_workers
     # Two threads in the in-process CPU worker: one shard task's first fetch and last write
     # overlap the next task's forward (Model A's forwards take turns, see
     # Cluster.serial_forward); one thread per worker process.
     # LocalCluster's keyword arguments, of many kinds (Dask types them as Any)
-    common: dict[str, Any] = dict(threads_per_worker=1 if plan.processes else 2, dashboard_address="127.0.0.1:8787",
-                                  silence_logs=logging.ERROR, memory_limit=0,
-                                  scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]})
+    common: dict[str, Any] = dict(threads_per_worker=1 if plan.processes else 2,
+                                  dashboard_address=f"127.0.0.1:{DASHBOARD_PORT}", silence_logs=logging.ERROR,
+                                  memory_limit=0, scheduler_kwargs={"preload": [DASHBOARD_PRELOAD]})
     if plan.processes:
         # env= and preload= are for worker processes only (an in-process worker keeps this
         # process's environment and logging, quieted below)
         common.update(host="127.0.0.1", env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))},
                       preload=["featstore.compute._dask_logs"])
     resources = {GPU: 1} if plan.gpu_ids else None
+    with warnings.catch_warnings():
+        # Dask's own "Port 8787 is already in use" (a UserWarning naming its site-packages
+        # file) is said once below, in featstore's words, with the port taken instead
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
+        cluster = _local_cluster(plan, n, resources, common)
+    _say_dashboard_port(cluster)
+    quiet_task_failures()
+    c = Client(cluster)
+    try:
+        c.wait_for_workers(n, timeout=120)
+    except BaseException:
+        c.close()
+        cluster.close()
+        raise
+    return Cluster(c, [cluster, c], in_process=not plan.processes)
+
+
+def _local_cluster(plan: ClusterPlan, n: int, resources: dict | None, common: dict) -> Any:
+    """The embedded cluster object of ``plan``'s kind (not yet connected to)."""
+    from distributed import LocalCluster
+
     if plan.kind == "dask-cuda":
         from dask_cuda import LocalCUDACluster
 
@@ -162,15 +188,19 @@ def start(plan: ClusterPlan) -> Cluster:
         cluster.scale(n)
     else:
         cluster = LocalCluster(n_workers=n, processes=plan.processes, resources=resources, **common)
-    quiet_task_failures()
-    c = Client(cluster)
+    return cluster
+
+
+def _say_dashboard_port(cluster: Any) -> None:
+    """One line on stderr when the dashboard is not on :data:`DASHBOARD_PORT` (another program,
+    often another Dask cluster, holds it): which port this cluster's dashboard took instead."""
     try:
-        c.wait_for_workers(n, timeout=120)
-    except BaseException:
-        c.close()
-        cluster.close()
-        raise
-    return Cluster(c, [cluster, c], in_process=not plan.processes)
+        port = urllib.parse.urlsplit(cluster.dashboard_link).port
+    except (AttributeError, KeyError, ValueError):  # no dashboard (bokeh missing): nothing to say
+        return
+    if port is not None and port != DASHBOARD_PORT:
+        print(f"featstore: port {DASHBOARD_PORT} is taken (another Dask dashboard?); this cluster's dashboard "
+              f"listens on port {port} instead", file=sys.stderr)
 
 
 def _has_dask_cuda() -> bool:

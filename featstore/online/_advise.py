@@ -19,6 +19,7 @@ them from a scratch version of the first ``samples`` items, filled, read back an
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -201,7 +202,7 @@ def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s
                       samples_per_shard=layout.samples_per_shard, options=opts)
         took = time.perf_counter() - t0
     finally:
-        store.storage.delete(name, recursive=True)  # the scratch feature set, whatever the compute left
+        _remove_scratch(store, name)  # whatever the compute left
     return max(0.0, took - n * per_sample_s)
 
 
@@ -244,7 +245,7 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
                      if "/c/" in key)
         t_read, t_student = _read_epoch(version, batch_size, student)
     finally:
-        _drop(store, planned)
+        _remove_scratch(store, planned.req.name)
     return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
 
 
@@ -272,11 +273,21 @@ def _read_epoch(version: Any, batch_size: int, student: Callable | None) -> tupl
     return took - t_student, t_student
 
 
-def _drop(store: Any, planned: Any) -> None:
-    """Delete the scratch version (committed or not): its folder and everything in it."""
-    from featstore.versions._keys import version_key
-
-    store.storage.delete(version_key(planned.req.name, planned.vid), recursive=True)
+def _remove_scratch(store: Any, name: str) -> None:
+    """Delete the scratch feature set ``name`` (its versions, committed or not, and everything in
+    them) and, on a local store, the folders above it that it leaves empty: the advisor leaves
+    nothing in the user's store (``gc`` has nothing of it to find). A folder another run still
+    uses is not empty, and stays."""
+    store.storage.delete(name, recursive=True)
+    if not store.storage.is_local:
+        return  # object stores have no folders: the keys are gone with the objects
+    parent = name.rpartition("/")[0]
+    while parent:
+        try:
+            os.rmdir(store.storage.path(parent))
+        except OSError:  # not empty (another advise runs), or already gone
+            return
+        parent = parent.rpartition("/")[0]
 
 
 def advise(store: Any, teacher: Any, workload: Workload, *, samples: int = 1024, batch_size: int = 256,

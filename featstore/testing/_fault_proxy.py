@@ -10,7 +10,10 @@ Faults, chosen per request by :class:`Rule`:
 - ``"500"``: ``500 InternalError``, nothing forwarded.
 - ``"reset"``: the request is read, then the connection is reset (TCP RST), nothing forwarded.
 - ``"timeout"``: the request is read, then nothing is sent for ``stall`` seconds (longer than
-  the client's read timeout), then the connection is dropped; nothing forwarded.
+  the client's read timeout), then the connection is dropped; nothing forwarded. A stall the
+  client waits out is counted in ``waited_out``: a client whose read timeout works has given up
+  before (the proxy then stops waiting when it sees the hang-up, counted in ``abandoned``), so a
+  test proves the timeout by what the proxy counts, not by a clock.
 - ``"lost_reply"``: the request IS forwarded and applied by the server, then the connection is
   reset before the reply reaches the client (the icechunk#2099 case for conditional writes).
 - ``"ignore_condition"``: the request is forwarded without its ``If-None-Match`` header (and
@@ -29,6 +32,7 @@ import http.client
 import os
 import random
 import re
+import select
 import socket
 import socketserver
 import struct
@@ -121,6 +125,10 @@ class FaultProxy:
         self.attempts: collections.Counter = collections.Counter()  # by request identity
         self.forwarded: collections.Counter = collections.Counter()  # by op, reached the server
         self.clients: collections.Counter = collections.Counter()  # by (op, path, client): who sent it
+        #: stalled attempts, by request identity: the client hung up before the stall ended (its
+        #: read timeout), or the stall ran its full length (the client waited it out)
+        self.abandoned: collections.Counter = collections.Counter()
+        self.waited_out: collections.Counter = collections.Counter()
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
         self._faulted: set = set()
         self._owner: dict = {}  # request identity -> the one rule that faults it
@@ -164,7 +172,8 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self.lock:
-            for c in (self.requests, self.faults, self.attempts, self.forwarded, self.clients):
+            for c in (self.requests, self.faults, self.attempts, self.forwarded, self.clients, self.abandoned,
+                      self.waited_out):
                 c.clear()
             self.retries = 0
             self._faulted.clear()
@@ -230,6 +239,25 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _client_hangs_up(self, within: float) -> bool:
+        """Send nothing for up to ``within`` seconds; True as soon as the client closes the
+        connection (it gave up on the reply), False when the stall ran out (or the proxy stops)."""
+        end = time.monotonic() + within
+        while not self.owner._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
+            if not readable:
+                continue
+            try:
+                if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                    return True  # an orderly close
+            except OSError:
+                return True  # reset by the client
+            self.owner._stop.wait(min(left, 0.05))  # bytes waiting (not a hang-up): do not spin on them
+        return False
+
     def _forward(self, body: bytes, drop: frozenset[str] = frozenset()) -> tuple[int, list[tuple[str, str]], bytes]:
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP]
         if drop & {k.lower() for k, _ in headers}:
@@ -281,7 +309,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         if kind == "timeout":
-            self.owner._stop.wait(self.owner.stall)
+            hung_up = self._client_hangs_up(self.owner.stall)
+            with self.owner.lock:
+                (self.owner.abandoned if hung_up else self.owner.waited_out)[ident] += 1
             self._reset()
             return
         status, headers, data = self._forward(body, CONDITION_HEADERS if kind == "ignore_condition" else frozenset())

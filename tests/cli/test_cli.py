@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from featstore import ComputeOptions
 from featstore.cli._main import build_parser, main, parse_outputs, parse_value
 
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET, write_version
 from tests.servers import ALL_STORES, new_bucket
 
 
@@ -31,13 +30,28 @@ def test_every_subcommand_and_option_has_help_and_the_common_options():
             assert a.help and len(a.help) > 8, (name, a.dest)
 
 
+def test_the_command_line_page_shows_the_real_help_and_every_command(capsys, monkeypatch):
+    """docs/cli.md's `featstore --help` is the real output (at 100 columns, as the page says) and
+    every subcommand is on the page by its name (`featstore <command>`)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = page.split("$ featstore --help\n", 1)[1].split("```", 1)[0]
+    assert shown == capsys.readouterr().out
+    for name in _subparsers():
+        assert f"`featstore {name}" in page or f"`{name}`" in page, name
+
+
 def test_option_parsing():
     assert parse_outputs("features=float16, logits=float32") == {"features": "float16", "logits": "float32"}
     assert parse_value("8") == 8 and parse_value("false") is False and parse_value("a:b") == "a:b"
 
 
 @pytest.mark.parametrize("where", ALL_STORES)
-def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client, where, request):
+def test_json_output_of_every_store_subcommand(tmp_path, capsys, where, request):
     import featstore
 
     if where == "local":
@@ -46,9 +60,8 @@ def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client, wh
         endpoint = request.getfixturevalue(f"{where}_endpoint")
         root, options = f"s3://{new_bucket(endpoint)}/feats", {"endpoint_url": endpoint}
     store = featstore.open_store(root, storage_options=options or None)
-    v = store.compute("c/set", model=TinyA(), dataset=VectorData(64),
-                      outputs={"features": "float32", "logits": "float32"}, batch_size=16,
-                      samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
+    v = write_version(store, "c/set", n=64, outputs={"features": "float32", "logits": "float32"}, keep=(),
+                      batch_size=16, options=QUIET)
 
     def run(*argv: str) -> tuple[int, object]:
         code = main([*argv, *(a for k, val in options.items() for a in ("--storage-option", f"{k}={val}")), "--json"])
@@ -77,9 +90,11 @@ def test_json_output_of_every_store_subcommand(tmp_path, capsys, dask_client, wh
 
 @pytest.mark.parametrize("option", ["endpoint_url=http://127.0.0.1:1", "anon=true"])
 def test_storage_options_reach_the_store(tmp_path, capsys, option):
-    # An unreachable endpoint is a store-unavailable exit (3), not a traceback.
+    # An unreachable endpoint is a store-unavailable exit (3), not a traceback. One attempt (a
+    # JSON option value; the budget itself is tests/storage/test_faults.py's): no backoff waits.
     code = main(["list", "s3://no-bucket/x", "--storage-option", option,
-                 "--storage-option", "endpoint_url=http://127.0.0.1:1", "--json"])
+                 "--storage-option", "endpoint_url=http://127.0.0.1:1", "--storage-option",
+                 'config_kwargs={"retries": {"mode": "standard", "total_max_attempts": 1}}', "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 3 and out["error"] == "StoreUnavailable"
 

@@ -29,9 +29,9 @@ from featstore.cli._main import EXIT_CODES_HELP, Exit, _fail, exit_code, main
 
 from tests import daskprocs
 from tests import mistakes as M
+from tests.helpers import QUIET
 from tests.models import NaNAt
 
-QUIET = ComputeOptions(progress=False)
 NAME = "m/set"
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -201,7 +201,7 @@ CLI_CASES = {
     "missing-dataset-option": (lambda r: ["compute", r, NAME, "--model", "tests.mistakes:linear"], InvalidInput,
                                Exit.USAGE, r"required: --dataset.*featstore compute --help"),
     "unknown-option": (lambda r: ["list", r, "--colour"], InvalidInput, Exit.USAGE,
-                       r"unrecognized arguments: --colour"),
+                       r"unrecognized arguments: --colour.*see `featstore list --help`"),
     "bad-storage-option": (lambda r: ["list", r, "--storage-option", "nonsense"], InvalidInput, Exit.USAGE,
                            r"is not KEY=VALUE"),
 }
@@ -215,7 +215,17 @@ def test_cli_mistake(case, tmp_path):
     assert got == code and doc["exit_code"] == int(code) and doc["error"] == error.__name__, doc
     assert re.search(fix, doc["message"], re.S), doc["message"]
     assert stderr.count("featstore: error: ") == 1 and "Traceback" not in stderr
-    assert not (root / NAME).exists()  # nothing claimed, nothing committed
+    assert not root.exists()  # nothing claimed, nothing committed: not even an empty store folder is left
+
+
+def test_cli_unknown_feature_set_names_the_command_that_computes_it(tmp_path):
+    root = tmp_path / "store"
+    featstore.open_store(root)
+    for argv in (["info", str(root), NAME], ["verify", str(root), f"{NAME}@best"], ["delete", str(root), NAME]):
+        got, doc, _ = run_cli(argv)
+        assert got == Exit.NOT_FOUND and doc["error"] == "VersionNotFound", doc
+        assert f"featstore compute {root} {NAME} --model" in doc["message"], doc["message"]
+        assert "store.compute" not in doc["message"]  # the Python call is not what a shell user runs
 
 
 def test_cli_store_path_is_a_file(tmp_path):

@@ -15,9 +15,9 @@ from featstore.format._manifests import Manifest
 from featstore.codecs._parts import parts_codec
 from featstore.codecs._sparse import PAD_ID
 
+from tests.helpers import QUIET
 from tests.models import VectorData
 
-QUIET = ComputeOptions(progress=False)
 
 
 def _logits(rows=64, classes=300, seed=0, scale=3.0):

@@ -16,11 +16,11 @@ from featstore import ComputeOptions, InvalidInput, VersionNotFound
 from featstore.compute._driver import choose_layout
 from featstore.versions import stored
 
+from tests.helpers import QUIET
 from tests.models import CountingA, TinyA, VectorData, assert_close_across_processes
 from tests.servers import ALL_STORES
 
 OUTPUTS = {"features": "float16", "logits": "float32"}
-QUIET = ComputeOptions(progress=False)
 
 
 def compute(store, client, name="tiny/train", model=None, data=None, **kw):
@@ -329,3 +329,28 @@ def test_a_shard_size_no_chunk_divides_is_refused_naming_sizes_that_work(local_s
                             batch_size=32, samples_per_shard=500, client=dask_client,
                             options=ComputeOptions(progress=False, chunk_rows=128))
     assert local_store.storage.find("") == []
+
+
+def test_a_taken_dashboard_port_is_said_once_in_featstores_words(local_store, capfd):
+    """With port 8787 held by another program, the embedded cluster's dashboard takes another
+    port: featstore says so in one line of its own, naming the port, and Dask's raw UserWarning
+    (with its site-packages path) does not reach the user."""
+    import re
+    import socket
+    import warnings
+
+    with socket.socket() as holder:
+        try:
+            holder.bind(("127.0.0.1", 8787))
+            holder.listen()
+        except OSError:
+            pass  # another program holds it already: the case itself
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            local_store.compute("port/set", model=TinyA(), dataset=VectorData(40), outputs={"features": "float32"},
+                                options=ComputeOptions(progress=False))
+    err = capfd.readouterr().err
+    assert [str(w.message) for w in caught if "already in use" in str(w.message)] == []
+    said = re.findall(r"featstore: port 8787 is taken .* listens on port (\d+) instead", err)
+    assert len(said) == 1, err
+    assert f"featstore: Dask dashboard at http://127.0.0.1:{said[0]}/status" in err

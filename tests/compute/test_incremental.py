@@ -12,15 +12,15 @@ import torch
 import zarr
 from torch.utils.data import DataLoader
 
-from featstore import ComputeOptions, DatasetMismatch, InvalidInput
 from featstore.versions import stored
+from featstore import DatasetMismatch, InvalidInput
 
+from tests.helpers import QUIET
 from tests.models import GrowingData, Tile, TinyA
 from tests.servers import ALL_STORES
 
 SPP = 32
 OUT = {"features": "float32", "logits": "float16"}
-QUIET = ComputeOptions(progress=False)
 
 
 def run(store, n, client, extends=None, name="grow/set", model=None, seed=0, **kw):

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 import featstore
-from featstore import ComputeOptions
 from featstore.compute._shard_task import PROBE_ROWS
 from featstore.versions import stored
 
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET, TinyA, VectorData, write_version
 from tests.servers import ALL_STORES, new_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +36,8 @@ KILLS = {"local": int(os.environ.get("FEATSTORE_KILLS_LOCAL", 4)),
 
 
 def compute(store, client, data, seed=0):
-    return store.compute("kill/me", model=TinyA(seed=seed), dataset=data, keep=["target"], outputs=OUT,
-                         batch_size=16, samples_per_shard=SPP, client=client,
-                         options=ComputeOptions(progress=False))
+    return write_version(store, "kill/me", model=TinyA(seed=seed), dataset=data, outputs=OUT, batch_size=16,
+                         samples_per_shard=SPP, client=client, options=QUIET)
 
 
 def spawn_child(url: str, endpoint: str | None, seed: int = 0) -> subprocess.Popen:
@@ -61,9 +59,9 @@ def kill_when(proc: subprocess.Popen, done: callable, at_least: int, extra_delay
 
 
 @pytest.fixture(scope="module")
-def clean_digests(tmp_path_factory, dask_client):
-    v = compute(featstore.open_store(tmp_path_factory.mktemp("clean") / "s"), dask_client, VectorData(N))
-    return v.id, [s.digests for s in stored(v).shard_receipts()], v.load()
+def clean_digests(tmp_path_factory):
+    v = compute(featstore.open_store(tmp_path_factory.mktemp("clean") / "s"), None, VectorData(N))
+    return v.id, [s.digests for s in v.shard_receipts()], v.load()
 
 
 def receipts_of(store) -> set[int]:

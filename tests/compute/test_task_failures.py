@@ -8,10 +8,10 @@ import pytest
 from featstore import ComputeFailed, ComputeOptions, NonFiniteOutput
 from featstore.versions._fingerprints import sample_positions
 
+from tests.helpers import QUIET
 from tests.models import FailsAt, IdData, NaNAt, TinyA, VectorData
 
 N, SPP, BAD = 256, 32, 200
-QUIET = ComputeOptions(progress=False)
 
 
 def receipts(store) -> set[int]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import featstore
-from featstore import ComputeOptions, CorruptChunk, IncompatibleFormat
+from featstore import CorruptChunk, IncompatibleFormat
 
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET, write_version
 
 SRC = Path(featstore.__file__).parent
 NAME = "meta/set"
@@ -39,12 +39,10 @@ def test_featstore_source_never_deserialises_code():
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory, dask_client):
+def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("meta") / "store"
     store = featstore.open_store(root)
-    v = store.compute(NAME, model=TinyA(), dataset=VectorData(96), keep=["target"],
-                      outputs={"features": "float16", "logits": "float32"}, batch_size=32, samples_per_shard=32,
-                      client=dask_client, options=ComputeOptions(progress=False))
+    v = write_version(store, NAME, n=96, options=QUIET)
     store.tag(v, "best")
     return root, v.id
 

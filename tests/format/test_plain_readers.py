@@ -18,40 +18,36 @@ import zarr
 
 import featstore
 from featstore import ComputeOptions, Tokens
-from featstore.cli._main import main
+from featstore.cli import main
 from featstore.ragged import TOKEN_LENGTH, TOKEN_START, attention_mask, gather_rows
 from featstore.ragged import pad_sequences as pad_tokens
 from featstore.versions import stored
 
-from tests.augments import noisy_flip
-from tests.models import MULTI_OUTPUTS, GrowingData, MultiA, TinyA, TinyLM, TokenSeqs, VectorData
-
-QUIET = ComputeOptions(progress=False, chunk_rows=16)
+from tests.helpers import (MULTI_OUTPUTS, GrowingData, MultiA, TinyA, TinyLM, TokenSeqs, noisy_flip, write_version)
 READERS = ("tensorstore", "zarr", "xarray")
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, dask_client):
+def versions(tmp_path_factory):
     """One version per kind a plain reader meets."""
     store = featstore.open_store(tmp_path_factory.mktemp("plain") / "store")
     out = {
-        "codecs": store.compute("plain/codecs", model=MultiA(), dataset=VectorData(100), keep=["target"],
-                                outputs=MULTI_OUTPUTS, samples_per_shard=32, client=dask_client, options=QUIET),
-        "views": store.compute("plain/views", model=TinyA(), dataset=VectorData(70), keep=["target"],
-                               outputs={"features": "float16", "logits": "topk:2"}, views=2, augment=noisy_flip,
-                               samples_per_shard=32, client=dask_client, options=QUIET),
-        "tokens": store.compute("plain/tokens", model=TinyLM(), dataset=TokenSeqs(40), keep=["target"],
+        "codecs": write_version(store, "plain/codecs", model=MultiA(), n=100, outputs=MULTI_OUTPUTS,
+                                batch_size=256),
+        "views": write_version(store, "plain/views", n=70, outputs={"features": "float16", "logits": "topk:2"},
+                               views=2, augment=noisy_flip, batch_size=256),
+        "tokens": write_version(store, "plain/tokens", model=TinyLM(), dataset=TokenSeqs(40),
                                 outputs={"logits": "topk:4"}, batch_size=8, samples_per_shard=16,
-                                tokens=Tokens(mask=attention_mask, max_tokens=12), client=dask_client,
+                                tokens=Tokens(mask=attention_mask, max_tokens=12),
                                 options=ComputeOptions(progress=False, collate=pad_tokens)),
-        "spread": store.compute("plain/spread", model=TinyA(), dataset=VectorData(90), keep=["target"],
-                                outputs={"features": "bfloat16", "logits": "sample:3"}, samples_per_shard=16,
-                                client=dask_client, options=ComputeOptions(progress=False, spread_prefixes=4)),
+        "spread": write_version(store, "plain/spread", n=90, outputs={"features": "bfloat16", "logits": "sample:3"},
+                                samples_per_shard=16, batch_size=256,
+                                options=ComputeOptions(progress=False, spread_prefixes=4)),
     }
-    parent = store.compute("plain/grown", model=TinyA(), dataset=GrowingData(64), outputs={"features": "int8"},
-                           samples_per_shard=16, client=dask_client, options=QUIET)
-    out["extends"] = store.compute("plain/grown", model=TinyA(), dataset=GrowingData(100), extends=parent,
-                                   outputs={"features": "int8"}, client=dask_client, options=QUIET)
+    grown = dict(model=TinyA(), outputs={"features": "int8"}, keep=(), samples_per_shard=16, batch_size=256)
+    parent = write_version(store, "plain/grown", dataset=GrowingData(64), **grown)
+    out["extends"] = write_version(store, "plain/grown", dataset=GrowingData(100), extends=parent,
+                                   **{**grown, "samples_per_shard": None})
     return out
 
 

@@ -13,14 +13,13 @@ import urllib.request
 
 import pytest
 
-from featstore import ComputeOptions
 from featstore.compute._cluster import connect
 from featstore.compute._dask_logs import TaskFailureFilter
 
 from tests import daskprocs
+from tests.helpers import QUIET
 from tests.models import TinyA, VectorData
 
-QUIET = ComputeOptions(progress=False)
 
 
 def test_embedded_cluster_serves_the_featstore_page_without_set_up():
@@ -97,7 +96,7 @@ def test_a_failing_task_prints_one_clear_error_on_the_console(tmp_path):
     (["list", "{root}", "--storage-option", "nonsense"], 2),
 ])
 def test_cli_exit_codes(tmp_path, capsys, argv, code):
-    from featstore.cli._main import main
+    from featstore.cli import main
 
     assert main([a.format(root=tmp_path / "store") for a in argv] + ["--json"]) == code
     out = json.loads(capsys.readouterr().out)

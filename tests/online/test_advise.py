@@ -105,7 +105,10 @@ def test_advise_measures_on_a_real_store_and_leaves_nothing(tmp_path):
     assert sum(steps) == 2 * 512  # B's step timed on two read epochs of the scratch version
     assert advice.mode in MODES and advice.predicted == predict(c, advice.workload)
     assert "| fill" in advice.table() and advice.reason
-    assert store.names() == [] and store.storage.find("") == []  # the scratch version is gone
+    assert store.names() == [] and store.storage.find("") == []  # the scratch versions are gone
+    # and so are their folders (docs/modes.md: deleted after; nothing left for gc to find)
+    assert [p.relative_to(tmp_path) for p in (tmp_path / "store").rglob("*")] == []
+    assert store.gc(older_than=0, dry_run=True) == []
 
 
 def test_advise_command_prints_the_table_and_json(tmp_path, capsys):
@@ -116,5 +119,6 @@ def test_advise_command_prints_the_table_and_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["predicted_s"]) == set(MODES) and out["recommended"] in MODES
     assert out["workload"] == {"samples": 1200, "epochs": 3, "views": 1, "students": 1}
+    assert not (tmp_path / "store").exists()  # the store it made for the scratch versions: gone again
     assert main(["advise", str(tmp_path / "store"), "--model", "tests.cli_factories:small_model", "--dataset",
                  "tests.cli_factories:small_dataset", "--epochs", "0"]) == 2  # a usage error

@@ -23,21 +23,19 @@ from featstore.online import OnlineDataset
 from featstore.versions import stored
 
 from .. import fill_child
-from ..augments import noisy_flip
 from ..fill_child import N, fill_teacher
-from ..models import TinyA, VectorData
+from ..helpers import TinyA, VectorData, noisy_flip, write_version
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dask_client):
+def reference(tmp_path_factory):
     """What store.compute commits for the fill's teacher."""
     t = fill_teacher()
     store = featstore.open_store(tmp_path_factory.mktemp("ref") / "store")
-    return store.compute("fill/ref", model=t.model, dataset=t.dataset, keep=t.keep, outputs=t.outputs,
-                         samples_per_shard=t.samples_per_shard, batch_size=t.batch_size, client=dask_client,
-                         options=t.options)
+    return write_version(store, "fill/ref", model=t.model, dataset=t.dataset, keep=t.keep, outputs=t.outputs,
+                         samples_per_shard=t.samples_per_shard, batch_size=t.batch_size, options=t.options)
 
 
 def epoch(ds, workers):

@@ -12,31 +12,29 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, DeviceSetupError, InvalidInput, Teacher
+from featstore import DeviceSetupError, InvalidInput, Teacher
 from featstore.online import plan_teacher
 
-from ..augments import noisy_flip
-from ..models import TinyA, VectorData
+from ..helpers import QUIET16, IdData, RaisesFrom, TinyA, VectorData, noisy_flip, write_version
 
 N = 333
 OUTPUTS = {"features": "float16", "logits": "float32"}
-OPTIONS = ComputeOptions(progress=False, chunk_rows=16)
 
 
 def teacher(**kw):
     args = dict(model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUTPUTS, samples_per_shard=32,
-                batch_size=32, options=OPTIONS)
+                batch_size=32, options=QUIET16)
     return Teacher(**{**args, **kw})
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory, dask_client):
+def stored(tmp_path_factory):
     """The same teacher computed and committed: plain and with 2 views."""
     store = featstore.open_store(tmp_path_factory.mktemp("online") / "store")
     args = dict(model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUTPUTS, samples_per_shard=32,
-                batch_size=32, client=dask_client, options=OPTIONS)
-    return store, store.compute("tiny/ds", **args), store.compute(
-        "tiny/views", views=featstore.Views(k=2, augment=noisy_flip), **args)
+                batch_size=32, options=QUIET16)
+    return store, write_version(store, "tiny/ds", **args), write_version(
+        store, "tiny/views", views=featstore.Views(k=2, augment=noisy_flip), **args)
 
 
 def epoch(ds, workers):
@@ -149,3 +147,22 @@ def test_teacher_bad_input_is_a_clear_error(stored):
     if not torch.cuda.is_available():
         with pytest.raises(DeviceSetupError, match="CUDA"):
             store.dataset("tiny/ds", teacher=teacher(device="cuda"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_model_a_raising_in_the_loop_reaches_training_as_documented(tmp_path, workers):
+    """docs/errors.md: in the training process itself the user's exception is the ComputeFailed's
+    ``__cause__``; from a DataLoader worker process PyTorch re-raises the class with a message
+    only, so the message carries the user's exception type, text and where it was raised."""
+    store = featstore.open_store(tmp_path / "store")
+    late = teacher(model=RaisesFrom(100), dataset=IdData(200), keep=[], outputs={"out": "float32"})
+    ds = store.dataset("tiny/raises", batch_size=32, seed=0, teacher=late)  # its probe of A passes
+    with pytest.raises(featstore.ComputeFailed) as err:
+        list(DataLoader(ds, batch_size=None, num_workers=workers, timeout=120 if workers else 0))
+    text = str(err.value)
+    assert "Model A raised RuntimeError: boom from Model A at sample 100 or later" in text
+    assert "Raised at tests/models.py:" in text and " in forward" in text
+    if workers:
+        assert err.value.__cause__ is None and "in DataLoader worker process" in text
+    else:
+        assert isinstance(err.value.__cause__, RuntimeError) and "boom from Model A" in str(err.value.__cause__)

@@ -20,48 +20,36 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, CorruptChunk, InvalidInput
-from featstore.read._cache import NodeCache, Space, sweep_stale
 from featstore.versions import stored
+from featstore import CorruptChunk, InvalidInput
+from featstore.read._cache import NodeCache, Space, sweep_stale
 
-from tests.models import TinyA, VectorData
 
 N = 333
 SPP = 32
 REPO = Path(__file__).resolve().parents[2]
 
 
-class _Versions(dict):
-    """The same data four ways, each computed on first use: local zstd (decoded through the
-    cache), local uncompressed (mapped in place), S3 (compression "auto": zstd) and S3
-    uncompressed."""
+#: This file's names for the shared versions it reads (tests/helpers.py: SharedVersions): local
+#: zstd (decoded through the cache), local uncompressed (mapped in place), S3 (compression "auto":
+#: zstd) and S3 uncompressed.
+KINDS = {"zstd": "local-zstd", "raw": "local-raw", "s3": "s3", "s3-raw": "s3-raw"}
 
-    def __init__(self, root: Path, client, endpoint: str) -> None:
+
+class _Versions(dict):
+    """The shared versions by this file's names, each written on first use."""
+
+    def __init__(self, shared, endpoint: str) -> None:
         super().__init__()
-        self.root, self.client, self.endpoint = root, client, endpoint
+        self.shared, self.endpoint = shared, endpoint
 
     def __missing__(self, kind: str) -> featstore.Version:
-        if kind.startswith("s3"):
-            import uuid
-
-            import boto3
-
-            bucket = f"cache-{uuid.uuid4().hex[:10]}"
-            boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=bucket)
-            store = featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": self.endpoint})
-        else:
-            store = featstore.open_store(self.root / kind)
-        comp = {"zstd": "zstd", "raw": "none", "s3-raw": "none"}.get(kind, "auto")
-        self[kind] = store.compute("c/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
-                                   outputs={"features": "float16", "logits": "float32"},
-                                   samples_per_shard=SPP, batch_size=32, client=self.client,
-                                   options=ComputeOptions(progress=False, chunk_rows=16, compression=comp))
-        return self[kind]
+        return self.shared[KINDS[kind]]
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, dask_client, moto_endpoint):
-    return _Versions(tmp_path_factory.mktemp("cache"), dask_client, moto_endpoint)
+def versions(shared_versions, moto_endpoint):
+    return _Versions(shared_versions, moto_endpoint)
 
 
 def batches(ds, workers: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -100,7 +88,7 @@ def own_copy(versions: _Versions, kind: str, tmp_path: Path) -> featstore.Versio
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=src):
         for obj in page.get("Contents", []):
             s3.copy_object(Bucket=dst, Key=obj["Key"], CopySource={"Bucket": src, "Key": obj["Key"]})
-    return featstore.open_store(f"s3://{dst}/{prefix}", {"endpoint_url": versions.endpoint}).open(f"c/ds@{v.id}")
+    return featstore.open_store(f"s3://{dst}/{prefix}", {"endpoint_url": versions.endpoint}).open(v.ref)
 
 
 def delete_shard_objects(v: featstore.Version) -> int:
@@ -200,8 +188,8 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
 def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_path):
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(stored(src).storage.root, root)
-    v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    shutil.copytree(src.storage.root, root)
+    v = featstore.open_store(root).open(src.ref)
     plain = v.dataset(batch_size=16, seed=2)
     plain.set_epoch(1)
     want = batches(plain, workers=2)
@@ -259,8 +247,8 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(stored(src).storage.root, root)
-    v = featstore.open_store(root).open(f"c/ds@{src.id}")
+    shutil.copytree(src.storage.root, root)
+    v = featstore.open_store(root).open(src.ref)
     plain = {k: v for k, v in RANK_OPTIONS.items() if not k.startswith("cache")}
     want, shards = {}, {}
     for r in (0, 1):
@@ -274,7 +262,7 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
         assert shards[r, 1] - shards[r, 0] and shards[r, 1] - shards[r, 0] <= shards[1 - r, 0]
     sync = tmp_path / "sync"
     sync.mkdir()
-    ranks = [child(str(root), f"c/ds@{src.id}", "rank", str(r), str(sync)) for r in (0, 1)]
+    ranks = [child(str(root), src.ref, "rank", str(r), str(sync)) for r in (0, 1)]
     deadline = time.monotonic() + 240
     while not all((sync / f"done-{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
@@ -294,14 +282,14 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
 def private_copy(v, tmp_path: Path) -> featstore.Version:
     """The version in a store of its own: a cache folder no other test (or this process) uses."""
-    shutil.copytree(stored(v).storage.root, tmp_path / "store")
-    return featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
+    shutil.copytree(v.storage.root, tmp_path / "store")
+    return featstore.open_store(tmp_path / "store").open(v.ref)
 
 
 @pytest.mark.parametrize("mode", ["normal", "kill-worker"])
 def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(stored(v).storage.root, f"c/ds@{v.id}", mode)
+    proc = child(v.storage.root, v.ref, mode)
     folder = Path(proc.stdout.readline().strip())
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
@@ -315,7 +303,7 @@ def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
 
 def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(stored(v).storage.root, f"c/ds@{v.id}", "hang")
+    proc = child(v.storage.root, v.ref, "hang")
     folder = Path(proc.stdout.readline().strip())
     assert proc.stdout.readline().startswith("samples") and proc.stdout.readline().strip() == "ready"
     assert entries(folder)  # decoded shards in shared memory
@@ -348,7 +336,7 @@ def test_corrupt_shard_detected_on_the_mapped_path(versions, tmp_path):
     src = versions["raw"]
     shutil.copytree(stored(src).storage.root, tmp_path / "store")
     store = featstore.open_store(tmp_path / "store")
-    v = store.open(f"c/ds@{src.id}")
+    v = store.open(src.ref)
     assert v.manifest.arrays["logits"].compression == "none"
     flip(Path(stored(v).storage.path(stored(v).key)) / "logits" / "c" / "4" / "0")
     with pytest.raises(CorruptChunk, match="logits/c/4/0"):
@@ -363,8 +351,8 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
     import featstore.format._shard_decoder as fmt
 
     src = versions["raw"]
-    shutil.copytree(stored(src).storage.root, tmp_path / "store")
-    v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
+    shutil.copytree(src.storage.root, tmp_path / "store")
+    v = featstore.open_store(tmp_path / "store").open(src.ref)
     checks: list[str] = []
     real = fmt._check_crc
     monkeypatch.setattr(fmt, "_check_crc", lambda data, what, ref: checks.append(what) or real(data, what, ref))
@@ -391,9 +379,9 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
 
 def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
     src = versions["zstd"]
-    shutil.copytree(stored(src).storage.root, tmp_path / "store")
-    v = featstore.open_store(tmp_path / "store").open(f"c/ds@{src.id}")
-    flip(Path(stored(v).storage.path(stored(v).key)) / "features" / "c" / "3" / "0", at=0.5)
+    shutil.copytree(src.storage.root, tmp_path / "store")
+    v = featstore.open_store(tmp_path / "store").open(src.ref)
+    flip(Path(v.storage.path(v.key)) / "features" / "c" / "3" / "0", at=0.5)
     ds = v.dataset(batch_size=16, cache="memory", cache_bytes=2**24)
     for _ in range(2):  # the second time too: nothing bad was kept
         with pytest.raises(CorruptChunk, match="features/c/3/0"):
@@ -435,7 +423,7 @@ def _held_slots() -> int:
 def windows(monkeypatch) -> Counter:
     """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
     ``"in place"`` (shard by shard, InPlace), counted where the reader decides
-    (``ArenaSource._rows``, wrapped: it still does what it did)."""
+    (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
     from featstore.read._gather import ArenaRows
     from featstore.read._sources import ArenaSource
 
@@ -485,9 +473,9 @@ def test_arena_slots_are_let_go_after_an_epoch_an_abandoned_one_and_an_error(ver
     assert _held_slots() > 0  # the windows in flight hold theirs
     it.close()
     assert _held_slots() == 0
-    shutil.copytree(stored(v).storage.root, tmp_path / "store")
-    bad = featstore.open_store(tmp_path / "store").open(f"c/ds@{v.id}")
-    flip(Path(stored(bad).storage.path(stored(bad).key)) / "features" / "c" / "7" / "0")
+    shutil.copytree(v.storage.root, tmp_path / "store")
+    bad = featstore.open_store(tmp_path / "store").open(v.ref)
+    flip(Path(bad.storage.path(bad.key)) / "features" / "c" / "7" / "0")
     with pytest.raises(CorruptChunk, match="features/c/7/0"):
         list(bad.dataset(batch_size=16, seed=1))
     assert _held_slots() == 0

@@ -13,20 +13,16 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import featstore
-from featstore import ComputeOptions, DistributedSetupError, InvalidInput
+from featstore import DistributedSetupError, InvalidInput
 
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET16, SharedVersions, TinyA, VectorData
 
-N, BS = 400, 20
-QUIET = ComputeOptions(progress=False, chunk_rows=16)
+N, BS = SharedVersions.KINDS["local-400"][0], 20
 
 
 @pytest.fixture(scope="module")
-def version(tmp_path_factory, dask_client):
-    store = featstore.open_store(tmp_path_factory.mktemp("clients") / "store")
-    return store.compute("clients/v", model=TinyA(), dataset=VectorData(N), keep=["target"],
-                         outputs={"features": "float16", "logits": "float32"}, samples_per_shard=32,
-                         client=dask_client, options=QUIET)
+def version(shared_versions):
+    return shared_versions["local-400"]
 
 
 def _indices(batches) -> list[list[int]]:
@@ -213,10 +209,10 @@ def test_hugging_face_dataset_as_compute_dataset_and_source(tmp_path, dask_clien
     hf = datasets.Dataset.from_dict({"input": data.x.numpy(), "target": data.y.numpy()}).with_format("torch")
     store = featstore.open_store(tmp_path / "store")
     v = store.compute("hf/train", model=TinyA(), dataset=hf, keep=["target"], outputs={"logits": "float32"},
-                      samples_per_shard=32, client=dask_client, options=QUIET)
+                      samples_per_shard=32, client=dask_client, options=QUIET16)
     again = store.compute("hf/train", model=TinyA(), dataset=datasets.Dataset.from_dict(
         {"input": data.x.numpy(), "target": data.y.numpy()}).with_format("torch"), keep=["target"],
-        outputs={"logits": "float32"}, samples_per_shard=32, client=dask_client, options=QUIET)
+        outputs={"logits": "float32"}, samples_per_shard=32, client=dask_client, options=QUIET16)
     assert again.id == v.id  # a stable fingerprint: the same table is the same dataset
     assert torch.equal(v.load()["target"], data.y)
     batches = list(v.dataset(batch_size=16, seed=0, source=hf))

@@ -6,39 +6,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from featstore import ComputeOptions, InvalidInput
 from featstore.versions import stored
+from featstore import InvalidInput
 
-from tests.models import TinyA, VectorData
+from tests.helpers import epoch
 
 N = 333
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, dask_client, moto_endpoint):
-    """One version (N samples, shards of 32) on local disk and one on S3."""
-    import uuid
-
-    import boto3
-
-    import featstore
-
-    out = {}
-    bucket = f"ds-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    for kind, store in [("local", featstore.open_store(tmp_path_factory.mktemp("ds") / "store")),
-                        ("s3", featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": moto_endpoint}))]:
-        out[kind] = store.compute("tiny/ds", model=TinyA(), dataset=VectorData(N), keep=["target"],
-                                  outputs={"features": "float16", "logits": "float32"},
-                                  samples_per_shard=32, batch_size=32, client=dask_client,
-                                  options=ComputeOptions(progress=False, chunk_rows=16))
-    return out
-
-
-def epoch(ds, workers, context=None, timeout=120):
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
-                        timeout=timeout if workers else 0)
-    return list(loader)
+def versions(shared_versions):
+    """One version (N samples, shards of 32) on local disk and one on S3, shared with other files."""
+    return {kind: shared_versions[kind] for kind in ("local", "s3")}
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -12,28 +12,28 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions
-from featstore.versions import stored
 
 from tests.ddp_child import run
-from tests.models import TinyA, VectorData
-
-LAYOUTS = {"11-shards": (333, 32), "fewer-shards-than-consumers": (100, 48)}
+from tests.helpers import write_version
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, dask_client):
+def layouts(shared_versions, tmp_path_factory):
+    """11 shards for 2 or 3 ranks (333 samples in shards of 32: uneven at every consumer count),
+    and fewer shards than consumers (100 samples in shards of 48)."""
     store = featstore.open_store(tmp_path_factory.mktemp("ddp") / "store")
-    return {k: store.compute(f"ddp/{k}", model=TinyA(), dataset=VectorData(n), samples_per_shard=spp,
-                             outputs={"features": "float32", "logits": "float32"}, client=dask_client,
-                             options=ComputeOptions(progress=False, chunk_rows=16))
-            for k, (n, spp) in LAYOUTS.items()}
+    return {"11-shards": shared_versions["local"],
+            "fewer-shards-than-consumers": write_version(store, "ddp/fewer", n=100, samples_per_shard=48)}
 
 
+# Real gloo process groups for what only they show: each rank's dataset takes its rank and world
+# size from torch.distributed, in DataLoader workers too, and a collective per step plus one after
+# the loop complete (uneven batch counts would hang). Both layouts, both world sizes, with and
+# without workers, each once; the ranks x workers x layouts arithmetic (equal counts per consumer,
+# coverage, the padding) is tests/read/test_plan.py's, over every combination, in milliseconds;
+# equal batch counts per rank through real DataLoader workers, tests/read/test_dataset.py's.
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("layout,world,workers", [("11-shards", 2, 0), ("fewer-shards-than-consumers", 3, 2)])
 def test_ddp_ranks_yield_equal_batches_and_cover_every_sample(layouts, layout, world, workers, tmp_path):
     version = layouts[layout]
     mp.spawn(run, args=(world, str(tmp_path / "init"), version, workers, str(tmp_path)), nprocs=world,
@@ -50,23 +50,15 @@ def test_ddp_ranks_yield_equal_batches_and_cover_every_sample(layouts, layout, w
 
 
 @pytest.fixture(scope="module")
-def s3_version(dask_client, moto_endpoint):
+def s3_version(shared_versions):
     """The S3 version and its values, read here once (so each test's own Version object is fresh)."""
-    import uuid
-
-    import boto3
-
-    bucket = f"dl-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    store = featstore.open_store(f"s3://{bucket}/f", {"endpoint_url": moto_endpoint})
-    v = store.compute("dl/s3", model=TinyA(), dataset=VectorData(250), samples_per_shard=32,
-                      outputs={"features": "float32", "logits": "float32"}, client=dask_client,
-                      options=ComputeOptions(progress=False, chunk_rows=16))
+    v = shared_versions["s3"]
     return v, v.load()
 
 
-# Every start method with 2 workers; 4 workers once (spawn, the slowest and strictest).
-MATRIX = [(0, None)] + [(2, c) for c in ("fork", "spawn", "forkserver")] + [(4, "spawn")]
+# Every start method with 2 workers (what a start method changes is the same for 2 workers as
+# for 4; how 4 consumers split the samples is tests/read/test_plan.py's arithmetic).
+MATRIX = [(0, None)] + [(2, c) for c in ("fork", "spawn", "forkserver")]
 
 
 @pytest.mark.timeout(180)
@@ -77,8 +69,7 @@ def test_dataloader_matrix_on_s3(s3_version, workers, context, parent_used_s3):
         pytest.skip(f"this platform has no {context!r} start method ({multiprocessing.get_all_start_methods()})")
     s3_version, expected = s3_version
     # A fresh Version object each time: the "parent did not use S3" case must really not have.
-    version = featstore.open_store(stored(s3_version).storage.url, stored(s3_version).storage._options).open(
-        f"dl/s3@{s3_version.id}")
+    version = featstore.open_store(s3_version.storage.url, s3_version.storage._options).open(s3_version.ref)
     if parent_used_s3:
         assert torch.equal(version.load()["features"], expected["features"])
     ds = version.dataset(batch_size=20, seed=4)
@@ -88,6 +79,6 @@ def test_dataloader_matrix_on_s3(s3_version, workers, context, parent_used_s3):
                             timeout=60 if workers else 0)
         batches = list(loader)
         idx = torch.cat([b["index"] for b in batches])
-        assert sorted(idx.tolist()) == list(range(250))  # exactly once per epoch
+        assert sorted(idx.tolist()) == list(range(len(version)))  # exactly once per epoch
         for field in ("features", "logits"):  # and each row is the stored row of its index
             assert torch.equal(torch.cat([b[field] for b in batches]), expected[field][idx]), field

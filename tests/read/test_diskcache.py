@@ -14,39 +14,33 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
-import boto3
 import pytest
 import torch
 
 import featstore
-from featstore import ComputeOptions, InvalidInput
-from featstore.cli._main import main as cli_main
-from featstore.read._cache import DiskCacheOptions, list_disk_cache
+from featstore import InvalidInput
+from featstore import list_disk_cache
+from featstore.cli import main as cli_main
+from featstore.read._cache import DiskCacheOptions
 from featstore.read._objects import entry_name, scope_identity
+from featstore.versions import StoredVersion, stored
 
 from featstore.testing import FaultProxy, Rule, wait_until
-from featstore.versions import StoredVersion, stored
-from tests.models import TinyA, VectorData
+from tests.helpers import write_version
 
 N, SPP = 333, 32  # 11 shards x 3 arrays: zstd float16 features, raw float32 logits, zstd int64 target
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def remote(dask_client, moto_endpoint):
+def remote(shared_versions, moto_endpoint):
     """One version on S3 (moto), read through a counting proxy: (url, proxy, version, object keys)."""
-    bucket = f"disk-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    url = f"s3://{bucket}/feats"
-    v = featstore.open_store(url, {"endpoint_url": moto_endpoint}).compute(
-        "d/ds", model=TinyA(), dataset=VectorData(N), keep=["target"], client=dask_client,
-        outputs={"features": "float16", "logits": "float32"}, samples_per_shard=SPP, batch_size=32,
-        options=ComputeOptions(progress=False, chunk_rows=16))
-    keys = [stored(v).object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
+    v = shared_versions["s3"]
+    url = v.storage.url
+    keys = [v.object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
     proxy = FaultProxy(moto_endpoint).start()
     yield url, proxy, v, keys
     proxy.stop()
@@ -331,8 +325,7 @@ def test_cache_command_and_api_list_and_clear(remote, tmp_path, capsys):
     assert featstore.clear_disk_cache(str(tmp_path)) == row["bytes"]
 
 
-def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote, tmp_path, local_store,
-                                                                         dask_client):
+def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote, tmp_path, local_store):
     v = remote[2]
     for bad, match in [({"cache": "ssd"}, "cache must be"), ({"cache_dir": "x"}, "cache_dir"),
                        ({"cache": "disk", "disk_bytes": 5}, "disk_bytes"),
@@ -340,10 +333,7 @@ def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote,
                        ({"cache": "memory+disk", "disk_bytes": 0}, "disk_bytes")]:
         with pytest.raises(InvalidInput, match=match):
             v.dataset(**bad)
-    lv = local_store.compute("d/local", model=TinyA(), dataset=VectorData(40), keep=["target"],
-                             outputs={"features": "float16"}, samples_per_shard=SPP, batch_size=32,
-                             options=ComputeOptions(progress=False, chunk_rows=16),
-                             client=dask_client)
+    lv = write_version(local_store, "d/local", n=40, outputs={"features": "float16"})
     ds = lv.dataset(cache="disk", cache_dir=str(tmp_path / "c"))
     assert ds._process().disk is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
 

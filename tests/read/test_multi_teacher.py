@@ -28,11 +28,10 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def teams(tmp_path_factory, moto_endpoint):
-    """(store, a, b) on local disk and the same objects on S3 (moto), b computed on a's views (on
-    the embedded cluster: one real LocalCluster with a worker thread, the fastest here)."""
+    """(store, a, b) on local disk and the same objects on S3 (moto), b computed on a's views."""
     store = featstore.open_store(tmp_path_factory.mktemp("multi") / "store")
-    a = teacher_a(store, None)
-    b = teacher_b(store, None, a)
+    a = teacher_a(store)
+    b = teacher_b(store, a)
     s3 = copy_to_s3(store, moto_endpoint)
     return {"local": (store, a, b), "s3": (s3, s3.open(a.ref), s3.open(b.ref))}
 
@@ -213,12 +212,12 @@ def test_ddp_ranks_and_the_memory_cache(teams):
 
 def test_misaligned_teachers_are_refused_before_any_batch(teams):
     store, a, b = teams["local"]
-    plain = teacher_a(store, None, views=None, name="teacher-c/plain")
+    plain = teacher_a(store, views=None, name="teacher-c/plain")
     with pytest.raises(VersionsMisaligned, match=r"views \(K=3 vs none\)") as err:
         store.dataset({"a": a, "c": plain})
     assert err.value.differs == ("views",) and "views_of=" in str(err.value)
     with pytest.raises(VersionsMisaligned, match="dataset length") as err:
-        store.dataset({"c": plain, "d": teacher_a(store, None, views=None, name="teacher-d/more",
+        store.dataset({"c": plain, "d": teacher_a(store, views=None, name="teacher-d/more",
                                                   data=VectorData(N + 16))})
     assert err.value.differs == ("dataset length", "dataset content")
     with pytest.raises(featstore.InvalidName):

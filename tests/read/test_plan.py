@@ -20,6 +20,10 @@ LAYOUTS = {
     "even": [16] * 6,
     "ragged-tail": [32] * 5 + [3],
     "many-small": [5] * 23 + [2],
+    # the layouts tests/read/test_ddp.py reads under real gloo ranks: 333 samples in shards of 32,
+    # and 100 in shards of 48 (fewer shards than 2 ranks x 2 workers)
+    "ddp-11-shards": [32] * 10 + [13],
+    "ddp-fewer-shards-than-consumers": [48, 48, 4],
 }
 
 

@@ -8,8 +8,6 @@ the typed error): run with ``-s`` to see them.
 
 from __future__ import annotations
 
-import time
-
 import boto3
 import numpy as np
 import pytest
@@ -17,19 +15,21 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, StoreConflict, StoreUnavailable
+from featstore.versions import stored
+from featstore import StoreConflict, StoreUnavailable
 from featstore.storage._s3_create import PROBE_FOLDER
 from featstore.storage import S3_MAX_ATTEMPTS, Storage
 
 from featstore.testing import FaultProxy, Rule
-from featstore.versions import stored
-from tests.models import TinyA, VectorData
+from tests.helpers import QUIET, TINY_OUTPUTS, TinyA, VectorData, write_version
 from tests.servers import both_servers, new_bucket
 
 N, SPP = 256, 64
-OUT = {"features": "float16", "logits": "float32"}
-QUIET = ComputeOptions(progress=False)
+OUT = TINY_OUTPUTS
 READ_TIMEOUT = 2  # seconds; the proxy's "timeout" fault stalls longer than this
+#: How long the proxy's "timeout" fault stalls: far past READ_TIMEOUT, so a client that honours
+#: its timeout hangs up first even on a loaded machine (the proxy stops waiting when it does).
+STALL = 30
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def proxies():
 @pytest.fixture
 def proxy(proxies, s3_server, s3_endpoint):
     if s3_server not in proxies:
-        proxies[s3_server] = FaultProxy(s3_endpoint, stall=READ_TIMEOUT + 2).start()
+        proxies[s3_server] = FaultProxy(s3_endpoint, stall=STALL).start()
     return proxies[s3_server]
 
 
@@ -63,11 +63,10 @@ def faulty(proxy, s3_endpoint):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dask_client):
+def reference(tmp_path_factory):
     """The fault-free result, computed once on local disk."""
     store = featstore.open_store(tmp_path_factory.mktemp("ref") / "store")
-    v = store.compute("flt/set", model=TinyA(), dataset=VectorData(N), keep=["target"], outputs=OUT,
-                      batch_size=32, samples_per_shard=SPP, client=dask_client, options=QUIET)
+    v = write_version(store, "flt/set", n=N, outputs=OUT, samples_per_shard=SPP, options=QUIET)
     return v, {k: t.numpy() for k, t in v.load().items()}
 
 
@@ -260,7 +259,7 @@ def test_persistent_503_and_reset_end_in_store_unavailable_within_the_budget(fau
     (writes, listings, the zarr path, FEATSTORE_S3_CLIENT=s3fs). The s3fs 503 case runs with the
     user's own botocore budget of 2 attempts (featstore's default 5 makes it 25 attempts, ~36 s:
     measured, not run in CI); the arithmetic is the same."""
-    url, opts, _, _ = faulty
+    url, opts, _, bucket = faulty
     user = with_retries(opts, 2)
     rule_503 = Rule("503", ops=("GET",), path=r"/x/obj", times=None)
     rule_reset = Rule("reset", ops=("GET",), path=r"/x/obj", times=None)
@@ -271,12 +270,14 @@ def test_persistent_503_and_reset_end_in_store_unavailable_within_the_budget(fau
     error, attempts = _read_attempts(proxy, url, opts, rule_reset)
     print(f"[persistent] obstore: reset with featstore's policy: {attempts} attempts, {type(error).__name__}")
     assert isinstance(error, StoreUnavailable) and attempts == S3_MAX_ATTEMPTS
-    # A stall past the read timeout: each attempt gives up after the timeout, not the stall.
-    t0 = time.monotonic()
+    # A stall past the read timeout: each attempt gives up after the timeout, not the stall: the
+    # error comes with no stall waited out to its end (STALL is 15 read timeouts; the proxy counts).
     error, attempts = _read_attempts(proxy, url, user, Rule("timeout", ops=("GET",), path=r"/x/obj", times=None))
-    took = time.monotonic() - t0
-    print(f"[persistent] obstore: stall with 2 attempts: {attempts} attempts, {took:.1f} s, {type(error).__name__}")
-    assert isinstance(error, StoreUnavailable) and attempts == 2 and took < 2 * proxy.stall
+    waited_out = sum(n for k, n in proxy.waited_out.items() if k[1] == f"/{bucket}/feats/x/obj")
+    print(f"[persistent] obstore: stall with 2 attempts: {attempts} attempts, {waited_out} stalls waited out, "
+          f"{type(error).__name__}")
+    assert isinstance(error, StoreUnavailable) and "cannot reach the store" in str(error)
+    assert attempts == 2 and waited_out == 0  # the budget, each attempt ended by the read timeout
 
     monkeypatch.setenv("FEATSTORE_S3_CLIENT", "s3fs")
     error, attempts = _read_attempts(proxy, url, user, rule_503, client="botocore")

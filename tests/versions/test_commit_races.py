@@ -27,6 +27,7 @@ from featstore.versions._keys import split_version_key, version_key
 from featstore.versions._receipts import finished_shards, forget_receipts, read_receipts, write_receipt
 
 from tests.models import FailsAt, TinyA, VectorData
+from tests.race_child import N
 from tests.servers import both_servers, new_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,24 +35,47 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = [(0, 32), (0, 32), (0, 64), (1, 32)]
 
 
-def race(url: str, endpoint: str, sync: Path, scheduler: str, *extra: str) -> list[dict]:
+def races(targets: list[tuple[str, str]], sync: Path, scheduler: str, *extra: str) -> list[list[dict]]:
+    """One race per target (``(url, endpoint)``, endpoint "" for a local store), one after
+    another, run by the same len(RUNS) processes (started once: their start-up is paid once, not
+    per store): in each race every process starts its compute at the same signal. Returns each
+    target's results, one per process in RUNS order."""
     sync.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.race_child", url, endpoint, str(seed), str(spp),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.race_child", json.dumps(targets), str(seed), str(spp),
                                str(sync), str(i), scheduler, *extra], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i, (seed, spp) in enumerate(RUNS)]
-    deadline = time.monotonic() + 120  # hang guard
-    while len(list(sync.glob("ready-*"))) < len(RUNS):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+    try:
+        results = []
+        for k in range(len(targets)):
+            _wait_for(procs, [sync / f"ready-{k}-{i}" for i in range(len(RUNS))])
+            (sync / f"go-{k}").touch()  # every process starts this store's compute at once
+            done = [sync / f"result-{k}-{i}.json" for i in range(len(RUNS))]
+            _wait_for(procs, done)
+            results.append([json.loads(p.read_text()) for p in done])
+        for p in procs:
+            p.communicate(timeout=60)
+        return results
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _wait_for(procs: list[subprocess.Popen], files: list[Path], timeout: float = 240) -> None:
+    """Until every file exists (a hang guard: the processes' output if one dies or time runs out)."""
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            raise AssertionError("a racing process died or hung:\n" + "\n".join(
+                (p.communicate()[0] or "")[-2000:] for p in procs))
         time.sleep(0.05)
-    (sync / "go").touch()  # every child starts its compute at once
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, out[-3000:]
-        results.append(json.loads(lines[-1][7:]))
-    return results
+
+
+def race(url: str, endpoint: str, sync: Path, scheduler: str, *extra: str) -> list[dict]:
+    """One race on one store (tests/race_repro.py)."""
+    return races([(url, endpoint)], sync, scheduler, *extra)[0]
 
 
 def check(store: featstore.FeatureStore, results: list[dict], manifest_keys: list[str], label: str) -> None:
@@ -71,27 +95,37 @@ def check(store: featstore.FeatureStore, results: list[dict], manifest_keys: lis
         assert store.open(f"race/set@{tag}").verify() == []
     computed = sum(r["computed"] for r in same)
     print(f"\n[races] {label}: {len(RUNS)} processes, {len(same)} on one fingerprint -> 1 commit "
-          f"(shards computed across them: {computed}, of {192 // same[0]['spp']}), 1 other version; "
+          f"(shards computed across them: {computed}, of {N // same[0]['spp']}), 1 other version; "
           f"tags {len(tags)} all resolve")
 
 
-@pytest.mark.timeout(300)
-def test_concurrent_commits_local(tmp_path, dask_client):
-    root = tmp_path / "store"
-    results = race(str(root), "", tmp_path / "sync", dask_client.scheduler.address)
-    store = featstore.open_store(root)
+@pytest.fixture(scope="module")
+def raced(tmp_path_factory, dask_client, moto_endpoint, seaweedfs_endpoint):
+    """The races on local disk, moto and SeaweedFS, run once by one set of processes:
+    {backend: (url, endpoint, results)}."""
+    tmp = tmp_path_factory.mktemp("races")
+    targets = {"local": (str(tmp / "store"), "")}
+    for server, endpoint in (("moto", moto_endpoint), ("seaweedfs", seaweedfs_endpoint)):
+        targets[server] = (f"s3://{new_bucket(endpoint, 'race')}/feats", endpoint)
+    results = races(list(targets.values()), tmp / "sync", dask_client.scheduler.address)
+    return {k: (*target, r) for (k, target), r in zip(targets.items(), results, strict=True)}
+
+
+@pytest.mark.timeout(600)  # the first of these runs the three races (a hang guard)
+def test_concurrent_commits_local(raced):
+    url, _, results = raced["local"]
+    root = Path(url)
     keys = [str(p.relative_to(root)) for p in root.rglob("manifest.json")]
-    check(store, results, keys, "local")
+    check(featstore.open_store(root), results, keys, "local")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @both_servers
-def test_concurrent_commits_s3(tmp_path, dask_client, s3_endpoint, s3_server):
-    bucket = new_bucket(s3_endpoint, "race")
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    url = f"s3://{bucket}/feats"
-    results = race(url, s3_endpoint, tmp_path / "sync", dask_client.scheduler.address)
-    store = featstore.open_store(url, storage_options={"endpoint_url": s3_endpoint})
+def test_concurrent_commits_s3(raced, s3_server):
+    url, endpoint, results = raced[s3_server]
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    store = featstore.open_store(url, storage_options={"endpoint_url": endpoint})
     keys = [o["Key"].removeprefix("feats/") for o in s3.list_objects_v2(Bucket=bucket)["Contents"]
             if o["Key"].endswith("manifest.json")]
     check(store, results, keys, s3_server)
@@ -133,8 +167,11 @@ def test_commit_refuses_arrays_another_writer_laid_out_otherwise(local_store, da
 def test_commit_refuses_receipts_written_under_another_layout(local_store, dask_client):
     """A receipt for other rows than this layout's shard (written by another claim's run) is
     not committed: it is removed and the rerun recomputes that shard."""
+    # One shard per task, submitted in order: shard 6's task (sample 200 raises) starts only after
+    # shards 0-4 were taken, so shard 1 has its receipt when the failure cancels the rest (with
+    # two shards per task the failing task could run first, on a busy machine).
     kw = dict(model=TinyA(), keep=["target"], outputs={"features": "float16"}, batch_size=16,
-              samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
+              samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False, shards_per_task=1))
     with pytest.raises(ComputeFailed):
         local_store.compute("rcpt/set", dataset=FailsAt(256, 200), **kw)
     wait_quiet(dask_client)

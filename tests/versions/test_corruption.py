@@ -12,24 +12,21 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
-from featstore import ComputeOptions, CorruptChunk
-from featstore.cli._main import main as cli
 from featstore.versions import stored
+from featstore import ComputeOptions, CorruptChunk
+from featstore.cli import main as cli
 
-from tests.models import TinyA, VectorData
+from tests.helpers import TinyA, VectorData, write_version
 
 FLIPS = 120  # random single-bit flips per run (FEATSTORE_FLIPS overrides for a longer local run)
 LOADER_FLIPS = 60  # through 2 DataLoader workers: 60 on local disk, 20 on S3
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory, dask_client):
+def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine") / "store"
     store = featstore.open_store(root)
-    v = store.compute("c/set", model=TinyA(), dataset=VectorData(256), keep=["target"],
-                      outputs={"features": "float16", "logits": "float32"}, batch_size=32,
-                      samples_per_shard=64, client=dask_client,
-                      options=ComputeOptions(progress=False, chunk_rows=16))
+    v = write_version(store, "c/set", n=256, samples_per_shard=64)
     return root, v.id
 
 

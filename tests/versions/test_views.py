@@ -3,7 +3,6 @@ the student's input; on local disk and S3 (moto), with 0 and 2 DataLoader worker
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 
 import pytest
@@ -18,8 +17,8 @@ from featstore.versions._receipts import forget_receipts
 from featstore.versions._views import view_seed
 from featstore.versions import stored
 
-from tests.augments import CountingAugment, global_noise, noisy_flip
-from tests.models import CountingA, TinyA, VectorData
+from tests.helpers import (CountingA, CountingAugment, TinyA, VectorData, global_noise, noisy_flip, s3_store,
+                           write_version)
 
 N, SPP, K = 80, 32, 3
 OUT = {"features": "float16", "logits": "float32"}
@@ -33,7 +32,7 @@ def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, m
         kw.update(views=views, augment=augment, augment_seed=7)
     else:
         kw.update(views=featstore.Views(k=views, augment=augment, seed=7))
-    return store.compute("tiny/views", model=model or TinyA(), dataset=data or VectorData(N),
+    return write_version(store, "tiny/views", model=model or TinyA(), dataset=data or VectorData(N),
                          keep={"target": "target", "seen": "input", "flip": "flip"}, outputs=OUT,
                          samples_per_shard=SPP, batch_size=16, client=client,
                          options=ComputeOptions(progress=False, chunk_rows=16, model_id=model_id,
@@ -41,15 +40,11 @@ def compute(store, client, data=None, model=None, augment=noisy_flip, views=K, m
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, dask_client, moto_endpoint):
-    """One K-view version on local disk and one on S3."""
-    import boto3
-
-    bucket = f"views-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+def versions(tmp_path_factory, moto_endpoint):
+    """One K-view version on local disk and one on S3 (written by the tests' runner)."""
     stores = {"local": featstore.open_store(tmp_path_factory.mktemp("views") / "store"),
-              "s3": featstore.open_store(f"s3://{bucket}/feats", {"endpoint_url": moto_endpoint})}
-    return {kind: compute(store, dask_client) for kind, store in stores.items()}
+              "s3": s3_store(moto_endpoint, bucket="views")}
+    return {kind: compute(store, None) for kind, store in stores.items()}
 
 
 def epochs(ds, workers, epochs_, resume=None):

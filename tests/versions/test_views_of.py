@@ -11,18 +11,17 @@ import featstore
 from featstore import InvalidInput, VersionsMisaligned
 from featstore.versions._alignment import Alignment, check_aligned
 
-from ..aligned import QUIET, K, N, SEED, SPP, teacher_a, teacher_b
-from ..augments import noisy_flip
-from ..models import TinyA, VectorData
+from ..aligned import K, N, SEED, SPP, teacher_a, teacher_b
+from ..helpers import QUIET16, TinyA, VectorData, noisy_flip
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, dask_client):
+def pair(tmp_path_factory):
     import featstore
 
     store = featstore.open_store(tmp_path_factory.mktemp("views_of") / "store")
-    a = teacher_a(store, dask_client)
-    return store, a, teacher_b(store, dask_client, a)
+    a = teacher_a(store)
+    return store, a, teacher_b(store, a)
 
 
 def nothing_committed(store, name):
@@ -52,29 +51,29 @@ def test_the_link_is_part_of_the_fingerprint(pair, dask_client):
     # the same Model A' on the same views, but computed on its own (no link): another version
     alone = store.compute("teacher-b/alone", model=TinyA(seed=1), dataset=VectorData(N), keep={"seen": "input"},
                           outputs={"logits": "topk:3"}, batch_size=16, client=dask_client,
-                          options=QUIET, views=featstore.Views(k=K, augment=noisy_flip, seed=SEED),
+                          options=QUIET16, views=featstore.Views(k=K, augment=noisy_flip, seed=SEED),
                           samples_per_shard=SPP)
     assert alone.views_of is None and "views_of" not in alone.manifest.fingerprint_parts
     assert alone.id != b.id and alone.manifest.views == b.manifest.views
     # ...whose rows are the same: it aligns with both
     check_aligned({"a": a, "alone": alone, "b": b})
     # a rerun of the linked compute finds b committed: nothing is computed again
-    assert teacher_b(store, dask_client, a).id == b.id
+    assert teacher_b(store, a).id == b.id
 
 
-def test_a_version_without_views_links_the_same_samples(tmp_path, dask_client):
+def test_a_version_without_views_links_the_same_samples(tmp_path):
     import featstore
 
     store = featstore.open_store(tmp_path / "store")
-    a = teacher_a(store, dask_client, views=None)
-    b = teacher_b(store, dask_client, a)
+    a = teacher_a(store, views=None)
+    b = teacher_b(store, a)
     assert b.views is None and b.views_of == a.ref and b.manifest.layout == a.manifest.layout
     assert torch.equal(a.load()["seen"], b.load()["seen"])
     with pytest.raises(VersionsMisaligned, match="has no views") as err:
-        teacher_b(store, dask_client, a, name="bad/views", augment=noisy_flip, views=2)
+        teacher_b(store, a, name="bad/views", augment=noisy_flip, views=2)
     assert err.value.differs == ("views",)
     with pytest.raises(VersionsMisaligned, match="dataset content") as err:  # same length, other order
-        teacher_b(store, dask_client, a, name="bad/order", data=Reversed(VectorData(N)))
+        teacher_b(store, a, name="bad/order", data=Reversed(VectorData(N)))
     assert err.value.differs == ("dataset content",)
     assert nothing_committed(store, "bad/views") and nothing_committed(store, "bad/order")
 
@@ -101,7 +100,7 @@ class Reversed(torch.utils.data.Dataset):
 def test_misaligned_computes_are_refused_naming_what_differs(pair, kw, differs, match):
     store, a, _ = pair
     with pytest.raises(VersionsMisaligned, match=match) as err:
-        teacher_b(store, None, a, name="bad/b", **kw)  # refused before a cluster is even started
+        teacher_b(store, a, name="bad/b", **kw)  # refused before any task runs
     assert err.value.differs == differs
     assert nothing_committed(store, "bad/b")
 
@@ -109,9 +108,9 @@ def test_misaligned_computes_are_refused_naming_what_differs(pair, kw, differs, 
 def test_views_of_needs_the_augment_and_no_extends(pair):
     store, a, _ = pair
     with pytest.raises(InvalidInput, match="pass augment="):
-        teacher_b(store, None, a, name="bad/b", augment=None)
+        teacher_b(store, a, name="bad/b", augment=None)
     with pytest.raises(InvalidInput, match="do not combine"):
-        teacher_b(store, None, a, name="bad/b", augment=None, extends=a.ref)
+        teacher_b(store, a, name="bad/b", augment=None, extends=a.ref)
 
 
 def test_alignment_of_datasets_named_by_id():
