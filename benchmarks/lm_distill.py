@@ -53,6 +53,7 @@ from featstore import ComputeOptions, hf  # noqa: E402
 from featstore.codecs._parts import finalize_error, parts_codec  # noqa: E402
 from featstore.format._arrays import ZSTD_LEVEL  # noqa: E402
 from featstore.ragged import pad_sequences  # noqa: E402
+from featstore.versions import stored  # noqa: E402
 
 from .procfs import dir_bytes  # noqa: E402
 from .sections import write_marked  # noqa: E402
@@ -368,7 +369,7 @@ def measure(p: Profile) -> dict[str, Any]:
         again = featstore_compute(store, teacher, tok, data, p)
         res["featstore_rerun_s"] = time.perf_counter() - t0
         assert again.ref == v.ref
-        folder = v.storage.path(v.key)
+        folder = stored(v).storage.path(stored(v).key)
         res["featstore_bytes"] = dir_bytes(folder)
         res["featstore_softlabel_bytes"] = sum(dir_bytes(os.path.join(folder, a)) for a in v.manifest.arrays
                                                if a.startswith("logits."))

@@ -48,7 +48,7 @@ def main(root: str = "./example-lm-store") -> None:
                       input_key="input_ids", outputs={"logits": "topkq:50"}, batch_size=8,
                       options=featstore.ComputeOptions(collate=pad_sequences, progress=False),
                       tokens=hf.teacher_tokens(tok, max_tokens=MAX_TOKENS))
-    stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(v.storage.path(v.key)) for f in fs)
+    stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(v.url) for f in fs)
     error = v.manifest.stats["logits.ids"]["codec_error"]
     print(f"stored {v.ref}: {data.tokens:,} tokens in {time.perf_counter() - t0:.0f} s, "
           f"{stored / data.tokens:.1f} B/token, KL(exact top-50 || stored) {error['quant_kl_mean']:.1e} nats, "

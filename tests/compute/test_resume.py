@@ -61,7 +61,7 @@ def kill_when(proc: subprocess.Popen, done: callable, at_least: int, extra_delay
 @pytest.fixture(scope="module")
 def clean_digests(tmp_path_factory):
     v = compute(featstore.open_store(tmp_path_factory.mktemp("clean") / "s"), None, VectorData(N))
-    return v.id, [s.digests for s in v.shard_receipts()], v.load()
+    return v.id, [s.digests for s in stored(v).shard_receipts()], v.load()
 
 
 def receipts_of(store) -> set[int]:

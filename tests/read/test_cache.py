@@ -188,7 +188,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
 def test_workers_share_one_copy_and_later_epochs_read_no_storage(versions, tmp_path):
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(src.storage.root, root)
+    shutil.copytree(stored(src).storage.root, root)
     v = featstore.open_store(root).open(src.ref)
     plain = v.dataset(batch_size=16, seed=2)
     plain.set_epoch(1)
@@ -247,7 +247,7 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
     src = versions["zstd"]
     root = tmp_path / "store"
-    shutil.copytree(src.storage.root, root)
+    shutil.copytree(stored(src).storage.root, root)
     v = featstore.open_store(root).open(src.ref)
     plain = {k: v for k, v in RANK_OPTIONS.items() if not k.startswith("cache")}
     want, shards = {}, {}
@@ -282,14 +282,14 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
 
 def private_copy(v, tmp_path: Path) -> featstore.Version:
     """The version in a store of its own: a cache folder no other test (or this process) uses."""
-    shutil.copytree(v.storage.root, tmp_path / "store")
+    shutil.copytree(stored(v).storage.root, tmp_path / "store")
     return featstore.open_store(tmp_path / "store").open(v.ref)
 
 
 @pytest.mark.parametrize("mode", ["normal", "kill-worker"])
 def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(v.storage.root, v.ref, mode)
+    proc = child(stored(v).storage.root, v.ref, mode)
     folder = Path(proc.stdout.readline().strip())
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
@@ -303,7 +303,7 @@ def test_folder_removed_when_the_last_user_exits(versions, mode, tmp_path):
 
 def test_folder_of_killed_users_is_swept_by_the_next_user(versions, tmp_path):
     v = private_copy(versions["zstd"], tmp_path)
-    proc = child(v.storage.root, v.ref, "hang")
+    proc = child(stored(v).storage.root, v.ref, "hang")
     folder = Path(proc.stdout.readline().strip())
     assert proc.stdout.readline().startswith("samples") and proc.stdout.readline().strip() == "ready"
     assert entries(folder)  # decoded shards in shared memory
@@ -351,7 +351,7 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
     import featstore.format._shard_decoder as fmt
 
     src = versions["raw"]
-    shutil.copytree(src.storage.root, tmp_path / "store")
+    shutil.copytree(stored(src).storage.root, tmp_path / "store")
     v = featstore.open_store(tmp_path / "store").open(src.ref)
     checks: list[str] = []
     real = fmt._check_crc
@@ -379,9 +379,9 @@ def test_mapped_chunks_are_checked_once_per_map_and_again_after_a_rewrite(versio
 
 def test_corrupt_shard_never_enters_the_cache(versions, tmp_path):
     src = versions["zstd"]
-    shutil.copytree(src.storage.root, tmp_path / "store")
+    shutil.copytree(stored(src).storage.root, tmp_path / "store")
     v = featstore.open_store(tmp_path / "store").open(src.ref)
-    flip(Path(v.storage.path(v.key)) / "features" / "c" / "3" / "0", at=0.5)
+    flip(Path(stored(v).storage.path(stored(v).key)) / "features" / "c" / "3" / "0", at=0.5)
     ds = v.dataset(batch_size=16, cache="memory", cache_bytes=2**24)
     for _ in range(2):  # the second time too: nothing bad was kept
         with pytest.raises(CorruptChunk, match="features/c/3/0"):
@@ -473,9 +473,9 @@ def test_arena_slots_are_let_go_after_an_epoch_an_abandoned_one_and_an_error(ver
     assert _held_slots() > 0  # the windows in flight hold theirs
     it.close()
     assert _held_slots() == 0
-    shutil.copytree(v.storage.root, tmp_path / "store")
+    shutil.copytree(stored(v).storage.root, tmp_path / "store")
     bad = featstore.open_store(tmp_path / "store").open(v.ref)
-    flip(Path(bad.storage.path(bad.key)) / "features" / "c" / "7" / "0")
+    flip(Path(stored(bad).storage.path(stored(bad).key)) / "features" / "c" / "7" / "0")
     with pytest.raises(CorruptChunk, match="features/c/7/0"):
         list(bad.dataset(batch_size=16, seed=1))
     assert _held_slots() == 0

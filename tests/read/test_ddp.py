@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 import featstore
-
+from featstore.versions import stored
 from tests.ddp_child import run
 from tests.helpers import write_version
 
@@ -69,7 +69,8 @@ def test_dataloader_matrix_on_s3(s3_version, workers, context, parent_used_s3):
         pytest.skip(f"this platform has no {context!r} start method ({multiprocessing.get_all_start_methods()})")
     s3_version, expected = s3_version
     # A fresh Version object each time: the "parent did not use S3" case must really not have.
-    version = featstore.open_store(s3_version.storage.url, s3_version.storage._options).open(s3_version.ref)
+    storage = stored(s3_version).storage
+    version = featstore.open_store(storage.url, storage._options).open(s3_version.ref)
     if parent_used_s3:
         assert torch.equal(version.load()["features"], expected["features"])
     ds = version.dataset(batch_size=20, seed=4)

@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 def remote(shared_versions, moto_endpoint):
     """One version on S3 (moto), read through a counting proxy: (url, proxy, version, object keys)."""
     v = shared_versions["s3"]
-    url = v.storage.url
-    keys = [v.object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
+    url = stored(v).storage.url
+    keys = [stored(v).object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
     proxy = FaultProxy(moto_endpoint).start()
     yield url, proxy, v, keys
     proxy.stop()
