@@ -131,9 +131,10 @@ class ShardRows:
                                                              np.arange(span.b0, span.b1)))
         mask = values.pop(TOKEN_MASK, None)
         staged = unstage(values)
-        for name in spec.ragged:
-            if name in values:
-                values[name] = pack(values[name], mask, name)[0]
+        if mask is not None:  # per-token outputs (spec.ragged) come only with Tokens, which sets the mask
+            for name in spec.ragged:
+                if name in values:
+                    values[name] = pack(values[name], mask, name)[0]
         check_batch(spec, values, span.b1 - span.b0, span.b0)  # a staged output was checked on the device
         enc, st = encode_batch(spec, {**values, **staged}, span.b0, span.token0)
         for n, arr in enc.items():

@@ -152,9 +152,10 @@ def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers,
     batches joined into one array of the shard's token rows, and each sample's first token row
     (``token_start``), now that the shard's counts are known; in place (idempotent), and
     returned as the arrays they all are now."""
-    if TOKEN_START in buffers:
-        buffers[TOKEN_START][:] = index * tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
-        stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
+    token_start, lengths = buffers.get(TOKEN_START), buffers.get(TOKEN_LENGTH)
+    if isinstance(token_start, np.ndarray) and isinstance(lengths, np.ndarray):  # per-sample: never lists
+        token_start[:] = index * tokens_per_shard(spec) + offsets(lengths)[:-1]
+        stats[TOKEN_START] = value_stats(torch.from_numpy(token_start))
     for name, buf in buffers.items():
         if isinstance(buf, list):
             a = spec.arrays[name]
