@@ -24,9 +24,7 @@ from typing import Any
 
 
 from featstore.errors import ComputeFailed, DeviceSetupError, FeatstoreError, InvalidInput
-from featstore._lazy import lazy_module
-
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
+from featstore._lazy import torch  # imported on first use: the quick commands never need it
 
 #: What torch says when code asks for CUDA on a machine (or build) without it.
 CUDA_MISSING = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver",
@@ -130,7 +128,7 @@ def call_factory(factory: Any, what: str) -> Any:
         raise user_error(exc, f"{what} {describe(factory)}", "fix it, then rerun.") from exc
 
 
-def build_model(model: Any) -> torch.nn.Module:
+def build_model(model: object) -> torch.nn.Module:
     """Model A: ``model`` itself (an ``nn.Module``) or what its zero-argument factory builds."""
     if isinstance(model, torch.nn.Module):
         return model

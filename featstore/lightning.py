@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
@@ -159,7 +159,7 @@ class FeatureDataModule(LightningDataModule):
                  val_options: ReaderOptions | None = None, loader: LoaderOptions | None = None,
                  source: MapDataset | None = None, val_source: MapDataset | None = None, augment: Augment | None = None,
                  source_fields: Sequence[FieldKey] | Mapping[str, FieldKey] | None = None,
-                 source_id: str | None = None, **reader: object) -> None:
+                 source_id: str | None = None, **reader: Any) -> None:
         super().__init__()
         self._store_arg, self._storage_options = store, storage_options
         self.refs = {"train": train, **({"val": val} if val is not None else {})}

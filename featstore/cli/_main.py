@@ -16,7 +16,7 @@ import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from featstore.compute._options import ComputeOptions
@@ -109,7 +109,8 @@ class _Parser(argparse.ArgumentParser):
     def _subcommand_parser(self, ns: argparse.Namespace) -> argparse.ArgumentParser | None:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                return action.choices.get(getattr(ns, action.dest, None))
+                command = getattr(ns, action.dest, None)
+                return action.choices.get(command) if isinstance(command, str) else None
         return None
 
 
@@ -199,9 +200,16 @@ def _open(store: Any, ref: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Subcommands: each returns (exit code, JSON-able result, human text).
+# Subcommands: each returns a Result.
 # ---------------------------------------------------------------------------------------------
-Result = tuple[int, Any, str]
+@dataclass(frozen=True)
+class Result:
+    """What a subcommand did: its exit code, the JSON document ``--json`` prints (anything
+    ``json.dumps`` takes, other values as their ``str``) and the text printed without it."""
+
+    code: Exit
+    data: object
+    text: str
 
 
 def _version_json(v: Any, tags: dict[str, str] | None = None) -> dict[str, Any]:
@@ -222,7 +230,7 @@ def cmd_compute(args: argparse.Namespace) -> Result:
                           samples_per_shard=args.samples_per_shard, client=args.scheduler, options=options)
     m = v.manifest
     out = {**_version_json(v), "shards": m.layout.n_shards, "arrays": sorted(m.arrays), "timings": m.timings}
-    return Exit.OK, out, f"committed {v.name}@{v.id}: {len(v)} samples, {m.layout.n_shards} shards"
+    return Result(Exit.OK, out, f"committed {v.name}@{v.id}: {len(v)} samples, {m.layout.n_shards} shards")
 
 
 def _key(text: str | None) -> Any:
@@ -247,13 +255,13 @@ def cmd_list(args: argparse.Namespace) -> Result:
             rows.append({"name": name, "version": vid, "samples": None, "created_at": None,
                          "tags": sorted(t for t, target in tags.items() if target == vid), "damaged": str(exc)})
             lines.append(f"{name}@{vid}  DAMAGED: {exc}")
-    return Exit.OK, rows, "\n".join(lines) or "(no committed versions)"
+    return Result(Exit.OK, rows, "\n".join(lines) or "(no committed versions)")
 
 
 def cmd_info(args: argparse.Namespace) -> Result:
     """Print a version's manifest (layout, arrays, codecs, statistics, timings)."""
     m = _open(_store(args), args.ref).manifest.to_json()
-    return Exit.OK, m, json.dumps(m, indent=2, sort_keys=True)
+    return Result(Exit.OK, m, json.dumps(m, indent=2, sort_keys=True))
 
 
 def cmd_verify(args: argparse.Namespace) -> Result:
@@ -262,8 +270,9 @@ def cmd_verify(args: argparse.Namespace) -> Result:
     problems = v.verify(progress=not args.json)
     summary = (f"{v.name}@{v.id}: {v.manifest.layout.n_shards} shards x {len(v.manifest.arrays)} arrays checked, "
                f"{len(problems)} bad")
-    return (Exit.DAMAGED if problems else Exit.OK, {"name": v.name, "version": v.id, "ok": not problems,
-            "problems": problems}, "\n".join([*problems, summary]))
+    return Result(Exit.DAMAGED if problems else Exit.OK,
+                  {"name": v.name, "version": v.id, "ok": not problems, "problems": problems},
+                  "\n".join([*problems, summary]))
 
 
 def cmd_export(args: argparse.Namespace) -> Result:
@@ -277,8 +286,8 @@ def cmd_export(args: argparse.Namespace) -> Result:
                    verify=not args.no_verify, progress=not args.json)
     res = {"name": v.name, "version": v.id, "url": out.url, "objects": out.objects, "bytes": out.bytes,
            "shards_checked": out.shards_checked}
-    return Exit.OK, res, (f"exported {v.name}@{v.id} to {out.url}: {out.objects} shard objects, {out.bytes} bytes, "
-                          f"{out.shards_checked} shards checked")
+    return Result(Exit.OK, res, (f"exported {v.name}@{v.id} to {out.url}: {out.objects} shard objects, "
+                                 f"{out.bytes} bytes, {out.shards_checked} shards checked"))
 
 
 def cmd_tag(args: argparse.Namespace) -> Result:
@@ -286,7 +295,7 @@ def cmd_tag(args: argparse.Namespace) -> Result:
     store = _store(args)
     v = _open(store, args.ref)
     store.tag(v, args.tag)
-    return Exit.OK, {"name": v.name, "tag": args.tag, "version": v.id}, f"{v.name}@{args.tag} -> {v.id}"
+    return Result(Exit.OK, {"name": v.name, "tag": args.tag, "version": v.id}, f"{v.name}@{args.tag} -> {v.id}")
 
 
 def cmd_delete(args: argparse.Namespace) -> Result:
@@ -294,7 +303,7 @@ def cmd_delete(args: argparse.Namespace) -> Result:
     store = _store(args)
     with _compute_first(store, args.ref):
         name, _, vid = store.delete(args.ref).partition("@")  # a version with a damaged manifest too
-    return Exit.OK, {"name": name, "version": vid, "deleted": True}, f"deleted {name}@{vid}"
+    return Result(Exit.OK, {"name": name, "version": vid, "deleted": True}, f"deleted {name}@{vid}")
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
@@ -303,8 +312,8 @@ def cmd_gc(args: argparse.Namespace) -> Result:
     whose manifest is damaged."""
     deleted = _store(args).gc(older_than=args.older_than, dry_run=args.dry_run, damaged=args.damaged)
     verb = "would delete" if args.dry_run else "deleted"
-    return (Exit.OK, {"deleted": deleted, "dry_run": args.dry_run},
-            "\n".join([*deleted, f"{verb} {len(deleted)} objects"]))
+    return Result(Exit.OK, {"deleted": deleted, "dry_run": args.dry_run},
+                  "\n".join([*deleted, f"{verb} {len(deleted)} objects"]))
 
 
 def cmd_cache(args: argparse.Namespace) -> Result:
@@ -317,13 +326,13 @@ def cmd_cache(args: argparse.Namespace) -> Result:
         from featstore.read import clear_disk_cache
 
         freed = clear_disk_cache(args.dir, unused_only=args.unused)
-        return Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes"
+        return Result(Exit.OK, {"cleared_bytes": freed}, f"removed {freed} bytes")
     from featstore.read import list_disk_cache
 
     rows = [asdict(s) for s in list_disk_cache(args.dir)]
     text = "\n".join(f"{r['version']}  {r['store']}  {r['entries']} objects  {r['bytes']} bytes"
                      f"{'  in use' if r['in_use'] else ''}" for r in rows)
-    return Exit.OK, rows, text or "(the disk cache is empty)"
+    return Result(Exit.OK, rows, text or "(the disk cache is empty)")
 
 
 def cmd_demo(args: argparse.Namespace) -> Result:
@@ -333,7 +342,7 @@ def cmd_demo(args: argparse.Namespace) -> Result:
 
     res = run_demo(args.root, n=args.n, epochs=args.epochs, workers=args.workers,
                    storage_options=storage_options(args))
-    return Exit.OK, res, ""
+    return Result(Exit.OK, res, "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,8 +351,9 @@ def cmd_demo(args: argparse.Namespace) -> Result:
 REF_HELP = "NAME (its newest version), NAME@TAG or NAME@VERSION"
 
 
-def _describe(text: str) -> str:
-    return textwrap.fill(" ".join(text.split()), 88)
+def _describe(text: str | None) -> str:
+    """A docstring as one paragraph of the help's width (no docstring: no description)."""
+    return textwrap.fill(" ".join((text or "").split()), 88)
 
 
 def _first_line(fn: Callable) -> str:
@@ -363,7 +373,7 @@ def _common(p: argparse.ArgumentParser, url: bool = True) -> None:
 
 
 def _add_compute(sub: Any) -> None:
-    c = sub.add_parser("compute", help=_first_line(cmd_compute), description=_describe(cmd_compute.__doc__ + (
+    c = sub.add_parser("compute", help=_first_line(cmd_compute), description=_describe((cmd_compute.__doc__ or "") + (
         " Model A and the dataset are named by import path (pkg.module:factory) and built on each "
         "Dask worker; rerunning the same command resumes or returns the committed version. The "
         "Dask dashboard's featstore page shows the progress (where the scheduler has featstore's "
@@ -416,7 +426,7 @@ def cmd_advise(args: argparse.Namespace) -> Result:
     with _store_to_write(args) as store:
         advice = advise(store, teacher, work, samples=args.samples, batch_size=args.read_batch_size,
                         student=student)
-    return Exit.OK, advice.to_json(), f"{advice.table()}\n\n{advice.reason}"
+    return Result(Exit.OK, advice.to_json(), f"{advice.table()}\n\n{advice.reason}")
 
 
 def _add_advise(sub: Any) -> None:
@@ -445,7 +455,7 @@ def _add_advise(sub: Any) -> None:
 
 
 def _add_simple(sub: Any, name: str, fn: Callable[[argparse.Namespace], Result],
-                extra: Callable[[argparse.ArgumentParser], None]) -> None:
+                extra: Callable[[argparse.ArgumentParser], object]) -> None:
     p = sub.add_parser(name, help=_first_line(fn), description=_describe(fn.__doc__), epilog=EXIT_CODES_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(p)
@@ -512,14 +522,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _emit(args: argparse.Namespace, code: int, result: Any, text: str, warned: list[str]) -> int:
+def _emit(args: argparse.Namespace, result: Result, warned: list[str]) -> int:
+    """Print a subcommand's result (with ``--json`` its document, the warnings added); its exit code."""
     if args.json:
-        if warned and isinstance(result, dict):
-            result = {**result, "warnings": warned}
-        print(json.dumps(result, indent=2, sort_keys=True, default=str))
-    elif text:
-        print(text)
-    return int(code)
+        data = {**result.data, "warnings": warned} if warned and isinstance(result.data, dict) else result.data
+        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    elif result.text:
+        print(result.text)
+    return int(result.code)
 
 
 @contextlib.contextmanager
@@ -529,7 +539,7 @@ def _warnings_on_one_line() -> Iterator[list[str]]:
     warned: list[str] = []
     shown = warnings.showwarning
 
-    def show(message: Any, category: type, *rest: Any, **kw: Any) -> None:
+    def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
         if issubclass(category, FeatstoreWarning):
             warned.append(str(message))
             print(f"featstore: warning: {_one_line(message)}", file=sys.stderr)
@@ -542,7 +552,7 @@ def _warnings_on_one_line() -> Iterator[list[str]]:
         yield warned
 
 
-def _one_line(text: Any) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -578,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         with _warnings_on_one_line() as warned:
-            return _emit(args, *args.fn(args), warned)
+            return _emit(args, args.fn(args), warned)
     except SystemExit:  # --help, --version
         raise
     except BaseException as exc:  # noqa: BLE001 - the one place a command's failure becomes an exit code

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 
 from featstore.errors import InvalidInput, NonFiniteOutput
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 @dataclass(frozen=True)
 class Codec:

@@ -46,14 +46,12 @@ from typing import Any
 from featstore.codecs._dense import OUTPUT_CODECS, finite_rows
 from featstore.errors import IncompatibleFormat, InvalidInput
 from featstore._allowed_names import check_field
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
 import featstore.codecs._quantised as _quantised
 from featstore.codecs._sparse import (PAD_ID, SAMPLE_SEED, check_finite, encode_int8, fp16_logp,
                                       sample_ids, sparse_diagnostics, sparse_error, store_ids, top_p, ids_dtype)
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 
 @dataclass(frozen=True)

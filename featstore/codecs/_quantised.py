@@ -36,11 +36,9 @@ import math
 from typing import Any
 
 
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 from featstore.codecs._sparse import KL_ROWS, uniform_tail_kl
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 #: The default number of square-root levels: KL ~ (K + 1) / (6 L**2) is ~5e-4 nats at K = 50.
 DEFAULT_LEVELS = 128

@@ -35,10 +35,8 @@ from typing import Any
 from featstore.codecs._chunking import dividing_chunk
 from featstore.codecs._vocabulary import Vocabulary
 from featstore.errors import InvalidInput, OutputMismatch
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 #: The per-sample arrays of a version with per-token outputs (reserved field names).
 TOKEN_START = "token_start"

@@ -13,16 +13,14 @@ from typing import Any
 
 from featstore.codecs._dense import Codec, finite_rows
 from featstore.codecs._parts import finalize_error, merge_error
-from featstore._lazy import lazy_module
+from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
-torch = lazy_module("torch")  # imported on first use: the quick commands never need it
-np = lazy_module("numpy")  # likewise numpy: listing and tagging versions never touch an array
 
 #: Sample ids with NaN/Inf recorded per output.
 NONFINITE_KEPT = 1000
 
 
-def value_stats(values: torch.Tensor, all_finite: bool | None = None) -> dict[str, float]:
+def value_stats(values: torch.Tensor, all_finite: bool | None = None) -> dict[str, float | None]:
     """Sufficient statistics of a batch for the manifest (merged with :func:`merge_stats`).
 
     ``all_finite``: pass it when the caller already checked, to skip a second pass.

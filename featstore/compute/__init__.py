@@ -9,7 +9,30 @@ CPU, and extending a parent version.
 The names are imported when first used: most of this package's modules import torch and Dask.
 """
 
+from typing import TYPE_CHECKING
+
 from featstore._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: imported on first use)
+    from featstore.compute._batches import collate_batch as collate_batch
+    from featstore.compute._cluster import Cluster as Cluster, connect as connect
+    from featstore.compute._decision import ComputePlan as ComputePlan, decide as decide
+    from featstore.compute._devices import worker_devices as worker_devices
+    from featstore.compute._driver import commit_run as commit_run, compute as compute
+    from featstore.compute._extends import DatasetPrefix as DatasetPrefix
+    from featstore.compute._layout import choose_layout as choose_layout
+    from featstore.compute._malloc import tuned as tuned
+    from featstore.compute._options import (ComputeOptions as ComputeOptions, LOCAL_SHARD_BYTES as LOCAL_SHARD_BYTES,
+                                            OBJECT_STORE_SHARD_BYTES as OBJECT_STORE_SHARD_BYTES)
+    from featstore.compute._request import (ComputeCall as ComputeCall, ComputeRequest as ComputeRequest,
+                                            IN_PROCESS as IN_PROCESS)
+    from featstore.compute._runners import (DaskRunner as DaskRunner, InProcessRunner as InProcessRunner,
+                                            ShardRunner as ShardRunner)
+    from featstore.compute._shard_rows import (compute_shard as compute_shard, shard_batches as shard_batches,
+                                               ShardRows as ShardRows)
+    from featstore.compute._shard_task import probe as probe, run_shards as run_shards, worker_model as worker_model
+    from featstore.compute._shard_writing import open_arrays as open_arrays, write_shard as write_shard
+    from featstore.compute._task_spec import ArrayProbe as ArrayProbe, Probe as Probe, TaskSpec as TaskSpec
 
 _NAMES = {
     "ComputeOptions": "_options", "OBJECT_STORE_SHARD_BYTES": "_options", "LOCAL_SHARD_BYTES": "_options",

@@ -21,8 +21,9 @@ from featstore._user_types import Item, MapDataset
 from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
 from featstore.codecs._statistics import merge_stats
 from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
-from featstore.compute._shard_writing import (ShardBuffers, check_batch, device_stage, encode_batch, encodes_on_device,
-                                              finish_buffers, shard_buffers, tokens_per_shard, unstage)
+from featstore.compute._shard_writing import (ShardBuffers, StoredRows, check_batch, device_stage, encode_batch,
+                                              encodes_on_device, finish_buffers, shard_buffers, tokens_per_shard,
+                                              unstage)
 from featstore.compute._task_spec import TaskSpec
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore.errors import FeatstoreError
@@ -131,9 +132,10 @@ class ShardRows:
                                                              np.arange(span.b0, span.b1)))
         mask = values.pop(TOKEN_MASK, None)
         staged = unstage(values)
-        for name in spec.ragged:
-            if name in values:
-                values[name] = pack(values[name], mask, name)[0]
+        if mask is not None:  # per-token outputs (spec.ragged) come only with Tokens, which sets the mask
+            for name in spec.ragged:
+                if name in values:
+                    values[name] = pack(values[name], mask, name)[0]
         check_batch(spec, values, span.b1 - span.b0, span.b0)  # a staged output was checked on the device
         enc, st = encode_batch(spec, {**values, **staged}, span.b0, span.token0)
         for n, arr in enc.items():
@@ -149,6 +151,11 @@ class ShardRows:
         shard's token rows, and ``token_start`` filled in."""
         finish_buffers(self.spec, self.index, self.buffers, self.stats)
         return self
+
+    def arrays(self) -> StoredRows:
+        """Every array's rows as stored, once :meth:`finish` joined each per-token array's
+        batches (before, the per-token arrays are left out)."""
+        return {n: b for n, b in self.buffers.items() if isinstance(b, np.ndarray)}
 
     def stored_bytes(self) -> int:
         """Bytes of the shard's rows as stored (before compression)."""

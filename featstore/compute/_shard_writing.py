@@ -29,6 +29,8 @@ from featstore._json import json_list
 #: A shard's rows being built: per array its rows (a list of batches' token rows for a
 #: per-token array until :func:`finish_buffers` joins them).
 ShardBuffers: TypeAlias = dict[str, np.ndarray | list[np.ndarray]]
+#: A shard's rows as stored, once finished: one array per array name.
+StoredRows: TypeAlias = dict[str, np.ndarray]
 #: A batch of values to store: Model A's outputs, kept fields, and per output the device half
 #: of a sparse codec (:func:`device_stage`).
 Values: TypeAlias = dict[str, torch.Tensor | dict[str, torch.Tensor]]
@@ -146,15 +148,16 @@ def tokens_per_shard(spec: TaskSpec) -> int:
     return 0 if a is None else spec.layout.of(a).samples_per_shard
 
 
-def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers,
-                   stats: dict[str, ArrayStats]) -> dict[str, np.ndarray]:
+def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers | StoredRows,
+                   stats: dict[str, ArrayStats]) -> StoredRows:
     """A shard's buffers once all its batches are in, as they are stored: each per-token array's
     batches joined into one array of the shard's token rows, and each sample's first token row
     (``token_start``), now that the shard's counts are known; in place (idempotent), and
     returned as the arrays they all are now."""
-    if TOKEN_START in buffers:
-        buffers[TOKEN_START][:] = index * tokens_per_shard(spec) + offsets(buffers[TOKEN_LENGTH])[:-1]
-        stats[TOKEN_START] = value_stats(torch.from_numpy(buffers[TOKEN_START]))
+    token_start, lengths = buffers.get(TOKEN_START), buffers.get(TOKEN_LENGTH)
+    if isinstance(token_start, np.ndarray) and isinstance(lengths, np.ndarray):  # per-sample: never lists
+        token_start[:] = index * tokens_per_shard(spec) + offsets(lengths)[:-1]
+        stats[TOKEN_START] = value_stats(torch.from_numpy(token_start))
     for name, buf in buffers.items():
         if isinstance(buf, list):
             a = spec.arrays[name]
@@ -163,7 +166,7 @@ def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers,
 
 
 def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
-                buffers: ShardBuffers, stats: dict[str, ArrayStats]) -> ShardReceipt:
+                buffers: ShardBuffers | StoredRows, stats: dict[str, ArrayStats]) -> ShardReceipt:
     """Store shard ``index``'s rows (``buffers``, as :class:`~featstore.compute.ShardRows` built
     them) into ``arrays``, then its receipt (digests and ``stats``): the receipt is written last,
     it is the marker that the shard is stored."""

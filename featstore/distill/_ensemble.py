@@ -42,6 +42,7 @@ store teachers you mean to mix at one temperature.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 
 from featstore.errors import InvalidInput
 from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, lead_shape, output_form, read_rows,
-                                         real_rows, row_mean)
+                                         real_rows, row_mean, sparse_slots)
 
 HOWS = ("mean", "weighted", "select")
 #: A per-row selection rule: the teachers' rows (in the ensemble's order) -> ``[R]`` teacher positions.
@@ -128,7 +129,7 @@ class Ensemble:
         if self.how == "select":
             return _pick(name, teachers, self._choose(teachers), dense)
         if dense:
-            mix = sum(a * t.dense() for a, t in zip(self.weights, teachers, strict=True))
+            mix = functools.reduce(torch.add, (a * t.dense() for a, t in zip(self.weights, teachers, strict=True)))
             return TeacherRows(name, num_classes, mix)
         return _union(name, teachers, self.weights)
 
@@ -188,10 +189,11 @@ def _pick(name: str, teachers: list[TeacherRows], choice: torch.Tensor, dense: b
         for i, t in enumerate(teachers):
             out[choice == i] = t.dense()[choice == i]
         return TeacherRows(name, classes, out)
-    width = max(t.ids.shape[1] for t in teachers)
-    ids = torch.stack([F.pad(t.ids, (0, width - t.ids.shape[1]), value=-1) for t in teachers])
+    slots = sparse_slots(teachers)
+    width = max(s.ids.shape[1] for s in slots)
+    ids = torch.stack([F.pad(s.ids, (0, width - s.ids.shape[1]), value=-1) for s in slots])
     probs = torch.stack([F.pad(t.probs, (0, width - t.probs.shape[1])) for t in teachers])
-    tail = torch.stack([t.tail for t in teachers])
+    tail = torch.stack([s.tail for s in slots])
     return TeacherRows(name, classes, probs[choice, rows], ids[choice, rows], tail[choice, rows])
 
 
@@ -200,13 +202,14 @@ def _union(name: str, teachers: list[TeacherRows], weights: Sequence[float]) -> 
     (``[R, sum K_i]`` slots, -1 beyond the union) plus the tail ``T = sum a_i t_i`` elsewhere."""
     n, classes = len(teachers), teachers[0].classes
     a = torch.tensor(weights, dtype=torch.float32)
-    ids = torch.cat([t.ids for t in teachers], 1)
-    tags = torch.cat([torch.full_like(t.ids, i) for i, t in enumerate(teachers)], 1)
+    slots = sparse_slots(teachers)
+    ids = torch.cat([s.ids for s in slots], 1)
+    tags = torch.cat([torch.full_like(s.ids, i) for i, s in enumerate(slots)], 1)
     kept = ids >= 0
     # per slot: a_i v_i(c), and the a_i t_i that teacher i would have given c from its tail
     present = torch.cat([t.probs for t in teachers], 1) * a[tags] * kept
-    own_tail = torch.cat([t.tail[:, None].expand_as(t.ids) for t in teachers], 1) * a[tags] * kept
-    tail = (a[:, None] * torch.stack([t.tail for t in teachers])).sum(0)
+    own_tail = torch.cat([s.tail[:, None].expand_as(s.ids) for s in slots], 1) * a[tags] * kept
+    tail = (a[:, None] * torch.stack([s.tail for s in slots])).sum(0)
     # sort by (class, teacher): one class's slots become adjacent, unused slots go last
     none = classes * n
     key, order = torch.where(kept, ids * n + tags, none).sort(1)

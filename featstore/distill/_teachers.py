@@ -13,7 +13,7 @@ unless :meth:`TeacherRows.dense` is asked.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +138,15 @@ def reverse_kl_rows(logq: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tail
 
 
 @dataclass(frozen=True)
+class SparseSlots:
+    """The sparse side of :class:`TeacherRows`, both parts present: ``ids [R, K]`` (``-1`` in
+    unused slots) and ``tail [R]``."""
+
+    ids: torch.Tensor
+    tail: torch.Tensor
+
+
+@dataclass(frozen=True)
 class TeacherRows:
     """One teacher's distribution on each of a batch's ``R`` rows: what an ensemble combines and
     what a ``select`` rule of :func:`featstore.kd.ensemble` is given.
@@ -173,18 +182,25 @@ class TeacherRows:
         """``R``, the number of rows."""
         return self.probs.shape[0]
 
-    def _rest(self) -> torch.Tensor:
-        return self.classes - (self.ids >= 0).sum(-1)
+    def _slots(self) -> SparseSlots | None:
+        """``ids`` and ``tail`` together when the rows are sparse; None when dense."""
+        if self.ids is None:
+            return None
+        if self.tail is None:
+            raise InvalidInput(f"TeacherRows {self.name!r} has ids but no tail: sparse rows take both "
+                               "(tail [R]: the probability of each class not in ids, 0 if none).")
+        return SparseSlots(self.ids, self.tail)
 
     def dense(self) -> torch.Tensor:
         """The rows as dense ``[R, C]`` probabilities (builds ``[R, C]``: for sparse rows, only
         when you want it)."""
-        if not self.sparse:
+        s = self._slots()
+        if s is None:
             return self.probs
-        kept = self.ids >= 0
-        dense = self.tail[:, None].repeat(1, self.classes)
-        rows = torch.arange(self.rows)[:, None].expand_as(self.ids)
-        dense[rows[kept], self.ids[kept]] = self.probs[kept]
+        kept = s.ids >= 0
+        dense = s.tail[:, None].repeat(1, self.classes)
+        rows = torch.arange(self.rows)[:, None].expand_as(s.ids)
+        dense[rows[kept], s.ids[kept]] = self.probs[kept]
         return dense
 
     def prob(self, classes: torch.Tensor) -> torch.Tensor:
@@ -193,22 +209,25 @@ class TeacherRows:
         if c.shape[0] != self.rows or bool(((c < 0) | (c >= self.classes)).any()):
             raise InvalidInput(f"prob() takes one class id in [0, {self.classes}) per row ({self.rows} rows), "
                                f"got shape {tuple(classes.shape)}.")
-        if not self.sparse:
+        s = self._slots()
+        if s is None:
             return self.probs.gather(1, c[:, None])[:, 0]
-        hit = self.ids == c[:, None]
-        return torch.where(hit.any(-1), (self.probs * hit).sum(-1), self.tail)
+        hit = s.ids == c[:, None]
+        return torch.where(hit.any(-1), (self.probs * hit).sum(-1), s.tail)
 
     def max_prob(self) -> torch.Tensor:
         """``[R]``: each row's largest class probability (its confidence)."""
-        if not self.sparse:
+        s = self._slots()
+        if s is None:
             return self.probs.amax(-1)
         kept = self.probs.amax(-1) if self.probs.shape[-1] else torch.zeros(self.rows)
-        return torch.maximum(kept, torch.where(self._rest() > 0, self.tail, torch.zeros_like(self.tail)))
+        rest = self.classes - (s.ids >= 0).sum(-1)  # classes not in a slot: they hold the tail
+        return torch.maximum(kept, torch.where(rest > 0, s.tail, torch.zeros_like(s.tail)))
 
     def argmax(self) -> torch.Tensor:
         """``[R]``: each row's most probable class (sparse: the most probable kept class, -1 for
         a row with none kept)."""
-        if not self.sparse:
+        if self.ids is None:
             return self.probs.argmax(-1)
         if not self.probs.shape[-1]:
             return torch.full((self.rows,), -1)
@@ -216,9 +235,23 @@ class TeacherRows:
 
     def kl(self, logq: torch.Tensor) -> torch.Tensor:
         """Per row, ``KL(these rows || q)`` for student log-probabilities ``logq [R, C]``."""
-        if not self.sparse:
+        s = self._slots()
+        if s is None:
             return (torch.xlogy(self.probs, self.probs) - self.probs * logq).sum(-1)
-        return kl_rows(logq, self.ids, self.probs, self.tail)
+        return kl_rows(logq, s.ids, self.probs, s.tail)
+
+
+def sparse_slots(teachers: Sequence[TeacherRows]) -> list[SparseSlots]:
+    """Each of ``teachers``' sparse side, in order: :class:`InvalidInput` if one is dense (the
+    sparse ensemble takes sparse teachers only)."""
+    out = []
+    for t in teachers:
+        s = t._slots()
+        if s is None:
+            raise InvalidInput(f"teacher {t.name!r} is dense; a sparse ensemble takes sparse teachers only "
+                               "(read their sparse parts, or combine dense teachers with combined()).")
+        out.append(s)
+    return out
 
 
 def read_rows(batch: Mapping[str, torch.Tensor], name: str, classes: int, *, rule: str | None = None,

@@ -12,9 +12,12 @@ record the tokenizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where it is used (featstore.hf imports without it)
+    from transformers import PreTrainedModel
 
 from featstore.codecs._ragged import Tokens, attention_mask
 from featstore.errors import InvalidInput
@@ -72,7 +75,8 @@ def teacher_tokens(tokenizer: Any, max_tokens: int, name: str | None = None) -> 
     return Tokens(mask=attention_mask, max_tokens=max_tokens, vocabulary=vocabulary(tokenizer, name))
 
 
-def student_from(teacher: torch.nn.Module, num_hidden_layers: int = 2, seed: int = 0, **changes: Any) -> Any:
+def student_from(teacher: PreTrainedModel, num_hidden_layers: int = 2, seed: int = 0,
+                 **changes: Any) -> PreTrainedModel:
     """A randomly initialised model of the teacher's architecture and configuration (its
     vocabulary, hence its tokenizer) with ``num_hidden_layers`` layers and any other ``changes``
     to the configuration: a student whose logits line up with the teacher's soft labels. Seeded;

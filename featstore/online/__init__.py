@@ -6,7 +6,16 @@ pays here). Builds on the compute and read sides (the one package that uses both
 The names are imported when first used: this package's modules import torch.
 """
 
+from typing import TYPE_CHECKING
+
 from featstore._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: imported on first use)
+    from featstore.online._advise import (Advice as Advice, advise as advise, bound as bound, Costs as Costs,
+                                          MODES as MODES, predict as predict, recommend as recommend, terms as terms,
+                                          Workload as Workload)
+    from featstore.online._reading import online_dataset as online_dataset, OnlineDataset as OnlineDataset
+    from featstore.online._teacher import plan_teacher as plan_teacher, Planned as Planned, Teacher as Teacher
 
 _NAMES = {
     "Teacher": "_teacher", "Planned": "_teacher", "plan_teacher": "_teacher",

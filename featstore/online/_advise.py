@@ -24,9 +24,22 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featstore.errors import InvalidInput
+
+if TYPE_CHECKING:  # the advisor's arithmetic imports none of them (torch, Dask, zarr)
+    import torch
+
+    from featstore.compute._options import ComputeOptions
+    from featstore.format._manifests import Layout
+    from featstore.online._teacher import Teacher
+    from featstore.storage import Storage
+    from featstore.store import FeatureStore
+    from featstore.versions._committed import StoredVersion
+
+#: Model B's step on one batch, timed by :func:`measure` (what it returns is ignored).
+Student = Callable[["dict[str, torch.Tensor]"], object]
 
 MODES = ("online", "compute-then-read", "fill")
 
@@ -160,8 +173,8 @@ class Advice:
                 "predicted_s": self.predicted, "recommended": self.mode, "reason": self.reason}
 
 
-def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 256,
-            student: Callable[[dict[str, Any]], Any] | None = None) -> Costs:
+def measure(store: FeatureStore, teacher: Teacher, *, samples: int = 1024, batch_size: int = 256,
+            student: Student | None = None) -> Costs:
     """Measure :class:`Costs` on this machine and ``store``: the teacher is planned as training
     would plan it (timed: ``plan_s``; it gives the real shard layout), then a scratch version of
     the first ``samples`` items (at least one real shard) is computed shard by shard in that
@@ -170,13 +183,13 @@ def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 
     given) and deleted; last the same items are computed by ``store.compute`` into another
     scratch version (deleted): what it takes beyond those per-sample costs is
     ``compute_fixed_s``."""
-    from featstore.online._reading import plan_teacher
+    from featstore.online._teacher import plan_new
 
     if not isinstance(samples, int) or samples < 1:
         raise InvalidInput(f"samples must be a positive int, got {samples!r}.")
     plain = dataclasses.replace(teacher, fill=False, views=None, augment=None)
     t0 = time.perf_counter()
-    real = plan_teacher(store.catalog, "advise/plan", plain)
+    real = plan_new(store.catalog, "advise/plan", plain)
     plan_s = time.perf_counter() - t0
     layout = real.version.manifest.layout
     n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
@@ -185,7 +198,7 @@ def measure(store: Any, teacher: Any, *, samples: int = 1024, batch_size: int = 
     return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, fixed)
 
 
-def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s: float) -> float:
+def _compute_fixed_s(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, per_sample_s: float) -> float:
     """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
     the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
     version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
@@ -206,14 +219,15 @@ def _compute_fixed_s(store: Any, teacher: Any, n: int, layout: Any, per_sample_s
     return max(0.0, took - n * per_sample_s)
 
 
-def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
-             student: Callable | None) -> tuple[float, float, float, float, float]:
+def _scratch(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, batch_size: int,
+             student: Student | None) -> tuple[float, float, float, float, float]:
     """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
     and its stored bytes per sample."""
     from featstore.online._fill import FillState, try_commit
     from featstore.compute._extends import DatasetPrefix
     from featstore.online._inputs import InputPrefetch
-    from featstore.online._reading import plan_teacher, shard_batches, shard_buffers
+    from featstore.online._reading import shard_batches, shard_buffers
+    from featstore.online._teacher import plan_new
     from featstore.compute._shard_task import worker_model
     from featstore.compute._shard_writing import open_arrays, write_shard
 
@@ -223,7 +237,7 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
                                model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
     scratch = dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=opts,
                                   samples_per_shard=layout.samples_per_shard)
-    planned = plan_teacher(store.catalog, f"advise/scratch-{tag}", scratch)
+    planned = plan_new(store.catalog, f"advise/scratch-{tag}", scratch)
     try:
         spec, device = planned.spec, scratch.torch_device()
         net = worker_model(scratch.model, spec.model_key, 0, device)
@@ -241,21 +255,31 @@ def _scratch(store: Any, teacher: Any, n: int, layout: Any, batch_size: int,
         try_commit(store.catalog, planned, FillState(), [None])
         version = store.catalog.open(planned.version.ref)
         # the shard objects' bytes (``<array>/c/<shard>/...``), not the version's few metadata objects
-        stored = sum(size for key, size in store.storage.fs.du(store.storage.path(version.key), total=False).items()
-                     if "/c/" in key)
+        stored = _shard_bytes(store.storage, version.key)
         t_read, t_student = _read_epoch(version, batch_size, student)
     finally:
         _remove_scratch(store, planned.req.name)
     return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
 
 
-def _options() -> Any:
+def _shard_bytes(storage: Storage, key: str) -> int:
+    """Bytes of the shard objects under ``key`` (``<array>/c/<shard>/...``), not the version's
+    few metadata objects."""
+    from featstore.storage import FsspecStorage
+
+    if not isinstance(storage, FsspecStorage):  # every backend featstore ships is one
+        raise InvalidInput(f"advise measures stored bytes through fsspec; {type(storage).__name__} is not an "
+                           "FsspecStorage: measure on a local or S3 store.")
+    return sum(size for k, size in storage.fs.du(storage.path(key), total=False).items() if "/c/" in k)
+
+
+def _options() -> ComputeOptions:
     from featstore.compute._options import ComputeOptions
 
     return ComputeOptions(progress=False)
 
 
-def _read_epoch(version: Any, batch_size: int, student: Callable | None) -> tuple[float, float]:
+def _read_epoch(version: StoredVersion, batch_size: int, student: Student | None) -> tuple[float, float]:
     """Seconds reading one shuffled epoch with the stored reader (B's step excluded), and B's:
     the second of two epochs, as in training (the first pays this process's one-time set-up)."""
     from featstore.read._dataset import FeatureDataset
@@ -273,7 +297,7 @@ def _read_epoch(version: Any, batch_size: int, student: Callable | None) -> tupl
     return took - t_student, t_student
 
 
-def _remove_scratch(store: Any, name: str) -> None:
+def _remove_scratch(store: FeatureStore, name: str) -> None:
     """Delete the scratch feature set ``name`` (its versions, committed or not, and everything in
     them) and, on a local store, the folders above it that it leaves empty: the advisor leaves
     nothing in the user's store (``gc`` has nothing of it to find). A folder another run still
@@ -290,8 +314,8 @@ def _remove_scratch(store: Any, name: str) -> None:
         parent = parent.rpartition("/")[0]
 
 
-def advise(store: Any, teacher: Any, workload: Workload, *, samples: int = 1024, batch_size: int = 256,
-           student: Callable[[dict[str, Any]], Any] | None = None, costs: Costs | None = None) -> Advice:
+def advise(store: FeatureStore, teacher: Teacher, workload: Workload, *, samples: int = 1024, batch_size: int = 256,
+           student: Student | None = None, costs: Costs | None = None) -> Advice:
     """Measure (unless ``costs`` are given), predict every mode for ``workload`` and recommend one.
 
     >>> advice = featstore.advise(store, featstore.Teacher(model=a, dataset=train_set,

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from featstore.errors import ComputeFailed
+from featstore.online._teacher import Planned
 from featstore.read import Piece
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
@@ -79,6 +79,14 @@ class FillState:
         return all(len({i for i in self.done.get(v, set()) if i < n_shards}) == n_shards for v in views)
 
 
+@dataclass(frozen=True)
+class ShardUnit:
+    """One unit a fill writes: shard ``shard`` of view ``view`` (None: a version without views)."""
+
+    view: int | None
+    shard: int
+
+
 #: Shard writes a consumer keeps in flight: A's next shard is computed while the last one is
 #: written; a third waits for the oldest (its buffers are the shard's rows: memory stays bounded).
 WRITES_IN_FLIGHT = 2
@@ -91,17 +99,17 @@ class ShardWrites:
     :meth:`submit`, :meth:`finished` or :meth:`drain`.
 
     >>> writes = ShardWrites()
-    >>> writes.submit(7, print, "shard 7 written")  # doctest: +SKIP
+    >>> writes.submit(ShardUnit(None, 7), print, "shard 7 written")  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[Hashable, Future]] = deque()
+        self._pending: deque[tuple[ShardUnit, Future[object]]] = deque()
 
-    def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> list[Hashable]:
+    def submit(self, key: ShardUnit, fn: Callable[..., object], *args: object) -> list[ShardUnit]:
         """Start ``fn(*args)``; returns the keys of the writes that finished meanwhile (waiting
         for the oldest while :data:`WRITES_IN_FLIGHT` are pending)."""
-        done = []
+        done: list[ShardUnit] = []
         while len(self._pending) >= WRITES_IN_FLIGHT:
             done.append(self._take_oldest())
         if self._pool is None:
@@ -109,22 +117,22 @@ class ShardWrites:
         self._pending.append((key, self._pool.submit(fn, *args)))
         return done + self.finished()
 
-    def finished(self) -> list[Hashable]:
+    def finished(self) -> list[ShardUnit]:
         """The keys of the writes finished so far, oldest first (not waiting)."""
-        done = []
+        done: list[ShardUnit] = []
         while self._pending and self._pending[0][1].done():
             done.append(self._take_oldest())
         return done
 
-    def drain(self) -> list[Hashable]:
+    def drain(self) -> list[ShardUnit]:
         """Wait for every pending write; their keys."""
         return [self._take_oldest() for _ in range(len(self._pending))]
 
-    def drain_quietly(self) -> list[Hashable]:
+    def drain_quietly(self) -> list[ShardUnit]:
         """Wait for every pending write of an epoch that ends with an error (or is abandoned);
         the keys of those that succeeded. A failed one is logged: the epoch's own error is what
         the caller sees."""
-        done = []
+        done: list[ShardUnit] = []
         while self._pending:
             try:
                 done.append(self._take_oldest())
@@ -132,13 +140,13 @@ class ShardWrites:
                 log.warning("featstore: a shard write of an abandoned epoch failed: %s", exc)
         return done
 
-    def _take_oldest(self) -> Hashable:
+    def _take_oldest(self) -> ShardUnit:
         key, fut = self._pending.popleft()
         fut.result()
         return key
 
 
-def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence[int | None]) -> bool:
+def try_commit(catalog: Catalog, planned: Planned, state: FillState, views: Sequence[int | None]) -> bool:
     """Commit the version if every unit has a receipt (listing them first); True once committed.
 
     A commit racing another consumer's (or another run's) adopts the winner's manifest; what
@@ -149,6 +157,8 @@ def try_commit(catalog: Catalog, planned: Any, state: FillState, views: Sequence
 
     if state.committed:
         return True
+    if planned.claim is None:  # only a fill claims the version's folder: a reader that only reads commits nothing
+        return False
     state.refresh(catalog.storage, planned.version, views)
     if not state.complete(planned.version.manifest.layout.n_shards, views):
         return False

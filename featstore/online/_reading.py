@@ -35,10 +35,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import zarr
 
 from featstore.compute import TaskSpec, compute_shard, open_arrays, shard_batches, worker_model, write_shard
+from featstore._user_types import MapDataset
 from featstore.errors import InvalidInput
-from featstore.online._fill import FillState, ShardWrites, owned, try_commit
+from featstore.format._manifests import ArrayStats
+from featstore.online._fill import FillState, ShardUnit, ShardWrites, owned, try_commit
 from featstore.online._inputs import InputPrefetch
 from featstore.online._teacher import Planned, Teacher, plan_teacher
 from featstore.ragged import TOKEN_LENGTH, RaggedRows, RaggedWindow
@@ -52,13 +55,13 @@ from featstore.versions._keys import receipt_key, view_key
 PublicVersion = Callable[[StoredVersion], HasStoredVersion]
 
 
-def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: Any, index: int, device: torch.device,
-                  inputs: InputPrefetch | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, index: int, device: torch.device,
+                  inputs: InputPrefetch | None = None) -> tuple[dict[str, np.ndarray], dict[str, ArrayStats]]:
     """Shard ``index`` as ``compute`` stores it (:func:`featstore.compute.compute_shard`): every
     array's rows (stored dtype) and their statistics; ``inputs``: where A's inputs were planned
     to be read ahead."""
     rows = compute_shard(spec, net, dataset, index, device, None if inputs is None else inputs.get)
-    return rows.buffers, rows.stats
+    return rows.arrays(), rows.stats
 
 
 def piece_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
@@ -86,7 +89,7 @@ class ComputedSource(ShardSource):
         self.fields = reads.fields
         self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
         self._net: torch.nn.Module | None = None  # built on this process's first computed shard
-        self.writers: dict[int | None, Any] = {}  # view -> the zarr arrays written
+        self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
@@ -165,8 +168,8 @@ class ComputedSource(ShardSource):
             raise
         finally:
             if not finished:  # an abandoned or failed epoch: the shards computed are still stored
-                for view, shard in self.writes.drain_quietly():
-                    self.fill.done.setdefault(view, set()).add(shard)
+                for unit in self.writes.drain_quietly():
+                    self.fill.done.setdefault(unit.view, set()).add(unit.shard)
         if self.filling and not self._written(self.writes.drain()):  # every consumer tries at its epoch's end
             try_commit(self._catalog(), self.planned, self.fill, self._views())
 
@@ -181,7 +184,7 @@ class ComputedSource(ShardSource):
                               epoch=epoch.number, shuffle=self.options.shuffle, consumers=epoch.consumers)
         return [p.shard for p in tail if p.lo == 0]
 
-    def _seen(self, epoch: int, view: int | None) -> Any:
+    def _seen(self, epoch: int, view: int | None) -> MapDataset:
         """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
         return self.planned.seen(view, epoch, self.options.seed)
 
@@ -221,18 +224,18 @@ class ComputedSource(ShardSource):
         if write:
             if spec.view not in self.writers:
                 self.writers[spec.view] = open_arrays(spec)
-            self._written(self.writes.submit((spec.view, shard), write_shard, spec, self.writers[spec.view], shard,
-                                             buffers, stats))
+            self._written(self.writes.submit(ShardUnit(spec.view, shard), write_shard, spec, self.writers[spec.view],
+                                             shard, buffers, stats))
         else:
             self._written(self.writes.finished())
         return buffers
 
-    def _written(self, done: list[Any]) -> bool:
+    def _written(self, done: list[ShardUnit]) -> bool:
         """Record finished shard writes; whoever writes the epoch's last owned shard commits.
         Whether the commit was tried (so the epoch's end does not list the receipts again)."""
-        for view, shard in done:
-            self.fill.done.setdefault(view, set()).add(shard)
-            self.owned_left.discard(shard)
+        for unit in done:
+            self.fill.done.setdefault(unit.view, set()).add(unit.shard)
+            self.owned_left.discard(unit.shard)
         if done and not self.owned_left:
             try_commit(self._catalog(), self.planned, self.fill, self._views())
             return True

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch.utils.data import Dataset
 
+from featstore._json import JSONObject
+from featstore._user_types import Item, MapDataset
 from featstore.compute import ComputePlan, ComputeRequest, TaskSpec, decide, probe
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.versions._catalog import Catalog
@@ -99,13 +101,13 @@ class FreshAugment(Dataset):
     """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
     augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
 
-    def __init__(self, dataset: Any, augment: Augment, seed: int, epoch: int) -> None:
+    def __init__(self, dataset: MapDataset, augment: Augment, seed: int, epoch: int) -> None:
         self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> Item:
         return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
 
 
@@ -130,14 +132,14 @@ class Planned:
         return self.plan
 
     @property
-    def parts(self) -> dict[str, object]:
+    def parts(self) -> JSONObject:
         return self.plan.parts
 
     @property
     def fp(self) -> str:
         return self.plan.fingerprint
 
-    def seen(self, view: int | None, epoch: int, seed: int) -> Any:
+    def seen(self, view: int | None, epoch: int, seed: int) -> MapDataset:
         """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
         ``views_of``'s), or, under a fresh augmentation, epoch ``epoch``'s draw for the reader's
         ``seed``, or the items as they are."""
@@ -157,6 +159,18 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Sto
     plan = decide(catalog, name, teacher, fresh=teacher.fresh)
     if teacher.fill and (existing := catalog.committed(name, plan.vid)) is not None:
         return existing
+    return _planned(catalog, name, teacher, plan)
+
+
+def plan_new(catalog: Catalog, name: str, teacher: Teacher) -> Planned:
+    """:func:`plan_teacher` for a name nothing was committed under (a scratch version): always
+    the plan, even with ``fill``."""
+    return _planned(catalog, name, teacher, decide(catalog, name, teacher, fresh=teacher.fresh))
+
+
+def _planned(catalog: Catalog, name: str, teacher: Teacher, plan: ComputePlan) -> Planned:
+    """The plan made concrete: probed on the teacher's device, laid out, and with ``fill``
+    claimed."""
     base = TaskSpec.of(plan, catalog.storage, f"{plan.vid}-online-{os.getpid()}-{id(teacher):x}")
     probed = probe(base, teacher.model, teacher.dataset, plan.n, teacher.torch_device())
     layout, arrays = plan.layout(probed, catalog.storage.is_local)

@@ -5,7 +5,22 @@ caches (mapped shards and ``/dev/shm`` in memory, remote objects on the node's d
 The names are imported when first used: this package's modules import torch.
 """
 
+from typing import TYPE_CHECKING
+
 from featstore._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: imported on first use)
+    from featstore.read._assignment import (consumer_plan as consumer_plan, ConsumerPlan as ConsumerPlan,
+                                            dropped_pieces as dropped_pieces, PARTITIONS as PARTITIONS, Piece as Piece,
+                                            shard_order as shard_order, UniformShards as UniformShards)
+    from featstore.read._cache import (clear_disk_cache as clear_disk_cache, DiskCacheOptions as DiskCacheOptions,
+                                       list_disk_cache as list_disk_cache)
+    from featstore.read._dataset import FeatureDataset as FeatureDataset
+    from featstore.read._multiread import MultiTeacherDataset as MultiTeacherDataset
+    from featstore.read._options import CACHES as CACHES, ReaderOptions as ReaderOptions
+    from featstore.read._shuffle import ShardPermutation as ShardPermutation
+    from featstore.read._sources import (Epoch as Epoch, ProcessReads as ProcessReads, ShardSource as ShardSource,
+                                         Window as Window, WindowRead as WindowRead, WindowRows as WindowRows)
 
 _NAMES = {
     "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",

@@ -102,7 +102,7 @@ class Arena:
         self.total = self.slot_bytes * slots
         # Address space only: no memory, no swap is reserved for the range.
         self.base = _libc().map(None, self.total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
-        self._flat = torch.from_numpy(np.frombuffer((ctypes.c_char * self.total).from_address(self.base),
+        self._flat = torch.from_numpy(np.frombuffer(memoryview((ctypes.c_char * self.total).from_address(self.base)),
                                                     dtype=np.uint8))
         self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
@@ -165,7 +165,7 @@ class Arena:
     def view(self, slot: Slot) -> memoryview:
         """The mapped file's bytes (valid while ``slot`` is held)."""
         at = slot.index * self.slot_bytes
-        return memoryview(self._flat.numpy())[at:at + slot.nbytes]
+        return self._flat.numpy().data[at:at + slot.nbytes]
 
     def rows(self, unit: int, row_units: int) -> torch.Tensor:
         """The whole range as overlapping rows of ``row_units`` units of ``unit`` bytes: row

@@ -10,7 +10,7 @@ array is one ``torch.index_select``: docs/benchmarks.md measures a shuffled read
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,16 +18,16 @@ import torch
 from featstore.read._arena import Arena, Slot
 from featstore.format._shard_decoder import ShardFormat
 from featstore.read._assignment import Piece
-from featstore.codecs._ragged import RaggedWindow
+from featstore.codecs._ragged import RaggedRows, RaggedWindow
 
-
-def window_rows(arrays: dict[str, Any], order: np.ndarray | None, drop: int, a: int, b: int) -> dict[str, np.ndarray]:
+def window_rows(arrays: dict[str, WindowRows], order: np.ndarray | None, drop: int, a: int,
+                b: int) -> dict[str, BatchRows]:
     """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``;
     fields left in place (:class:`InPlace`, :class:`ArenaRows`) are gathered straight into the
     batch."""
     pos = np.arange(drop + a, drop + b) if order is None else order[a:b]
     groups = None
-    out = {}
+    out: dict[str, BatchRows] = {}
     for k, v in arrays.items():
         if isinstance(v, ArenaRows):
             out[k] = v.take(pos)
@@ -57,6 +57,17 @@ class _Pieces:
         return pid, pos - self.starts[pid] + self.los[pid]
 
 
+@dataclass(frozen=True, slots=True)
+class PieceRows:
+    """The rows a batch takes from one piece of a window: at batch positions ``slots`` (None:
+    the whole batch, in order), rows ``row`` of chunks ``chunk`` of the piece's shard."""
+
+    piece: int
+    slots: np.ndarray | None
+    chunk: np.ndarray
+    row: np.ndarray
+
+
 class InPlace(_Pieces):
     """One field of a window left where it lies: piece ``i``'s rows are rows ``lo_i..`` of
     ``sources[i]``, a ``(chunks, chunk_rows, *row)`` array on a mapped shard object or a shard
@@ -66,15 +77,16 @@ class InPlace(_Pieces):
         super().__init__(pieces)
         self.sources, self.chunk_rows = sources, chunk_rows
 
-    def groups(self, pos: np.ndarray) -> list[tuple[int, np.ndarray | None, np.ndarray, np.ndarray]]:
-        """Window positions -> per piece: (piece, batch slots or None for all, chunk, row)."""
+    def groups(self, pos: np.ndarray) -> list[PieceRows]:
+        """Window positions -> the rows each piece gives (computed once per batch: every
+        in-place field of the window shares them)."""
         pid, rows = self.shard_rows(pos)
         chunk, row = np.divmod(rows, self.chunk_rows)
         if len(pid) == 0 or pid[0] == pid[-1] and (pid == pid[0]).all():
-            return [(int(pid[0]) if len(pid) else 0, None, chunk, row)]
+            return [PieceRows(int(pid[0]) if len(pid) else 0, None, chunk, row)]
         slots = np.argsort(pid, kind="stable")
         bounds = np.searchsorted(pid[slots], np.arange(len(self.sources) + 1))
-        return [(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
+        return [PieceRows(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
                 if len(sel := slots[bounds[p]:bounds[p + 1]])]
 
     def span(self, lo: int, hi: int) -> np.ndarray:
@@ -94,14 +106,15 @@ class InPlace(_Pieces):
                 at, row = at + k, row + k
         return out
 
-    def take(self, groups: list, n: int) -> np.ndarray:
-        if len(groups) == 1 and groups[0][1] is None:
-            p, _, chunk, row = groups[0]
-            return self.sources[p][chunk, row]
-        first = self.sources[groups[0][0]]
+    def take(self, groups: list[PieceRows], n: int) -> np.ndarray:
+        """The ``n`` rows of a batch, from :meth:`groups` of its window positions."""
+        if len(groups) == 1 and groups[0].slots is None:
+            g = groups[0]
+            return self.sources[g.piece][g.chunk, g.row]
+        first = self.sources[groups[0].piece]
         out = np.empty((n, *first.shape[2:]), dtype=first.dtype)
-        for p, sel, chunk, row in groups:
-            out[sel] = self.sources[p][chunk, row]
+        for g in groups:
+            out[g.slots] = self.sources[g.piece][g.chunk, g.row]
         return out
 
 
@@ -141,3 +154,10 @@ class ArenaRows(_Pieces):
         slots, self.slots = self.slots, []
         for s in slots:
             self.arena.unpin(s)
+
+
+#: One array of a window as a source hands it over: decoded rows in window order, rows left
+#: where they lie (:class:`InPlace`, :class:`ArenaRows`), or per-token rows.
+WindowRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
+#: One array of a batch: its rows, or with per-token arrays each sample's token rows.
+BatchRows = np.ndarray | RaggedRows

@@ -33,7 +33,7 @@ from featstore.read._arena import Slot, process_arena
 from featstore.read._arena import supported as arena_supported
 from featstore.read._assignment import Piece
 from featstore.read._cache import DiskCacheOptions, NodeCache, Space, shm_root
-from featstore.read._gather import ArenaRows, InPlace
+from featstore.read._gather import ArenaRows, InPlace, WindowRows
 from featstore.read._objects import (DiskObjects, LocalObjects, MemoryShards, PlacedShards, RemoteObjects,
                                      ShardObject, ShardObjects, StoredShards, process_maps)
 from featstore.read._options import ReaderOptions
@@ -41,8 +41,6 @@ from featstore.read._views import ViewReading
 from featstore.versions._committed import StoredVersion
 
 T = TypeVar("T")
-#: What a window holds of one array: decoded rows, rows left in place, or per-token rows.
-WindowRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
 
 
 @dataclass(frozen=True)

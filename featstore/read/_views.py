@@ -8,15 +8,21 @@ is in :mod:`featstore.versions` (pure); this module binds it to a :class:`Versio
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from featstore._json import JSONObject
+from featstore._user_types import FieldKey, MapDataset
 from featstore.errors import InvalidInput, SourceMismatch
+from featstore.read._options import ReaderOptions
 from featstore.versions._fingerprints import dataset_digest, describe_key
 from featstore.versions._committed import StoredVersion
-from featstore.versions._views import (VIEW_FIELD, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
+from featstore.versions._views import (VIEW_FIELD, Augment, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
                                        normalize_fields, view_seeds)
+
+#: ``source_fields=``: the source item's fields to join (a list of keys, or batch name -> key).
+SourceFields = Sequence[FieldKey] | Mapping[str, FieldKey] | None
 
 
 class ViewReading:
@@ -34,26 +40,27 @@ class ViewReading:
     :class:`SourceMismatch` if not.
     """
 
-    def __init__(self, version: StoredVersion, options: Any, source: Any, augment: Any,
-                 source_fields: Any, source_id: str | None) -> None:
+    def __init__(self, version: StoredVersion, options: ReaderOptions, source: MapDataset | None,
+                 augment: Augment | None, source_fields: SourceFields, source_id: str | None) -> None:
         self.version = version
         self.mode = check_view_mode(options.view, version.views)
         self.seed = options.seed
         self.view: int | None = None
         self.reading = version
         self.epoch = 0
-        self.join = None
+        self.join: SourceJoin | None = None
         self.start_epoch(0)  # bound to a view from the start (shard formats are read from it)
         if source is None:
             if augment is not None or source_fields is not None:
                 raise InvalidInput("augment= and source_fields= need source= (the dataset to join).")
             return
         check_source(version, source, source_id)
-        if version.views is not None:
+        views = version.manifest.views
+        if views is not None:
             if augment is None:
                 raise InvalidInput(f"{version.ref} holds augmented views: pass augment= (the function it "
                                    "was computed with) so the joined input is the view A saw.")
-            if describe_key(augment) != version.manifest.views.augment:
+            if describe_key(augment) != views.augment:
                 raise SourceMismatch(f"augment is not the function {version.ref} was computed with (its "
                                      "source differs); pass that same function, or recompute the views.")
         self.join = SourceJoin(source, augment, normalize_fields(source_fields))
@@ -61,8 +68,9 @@ class ViewReading:
     def start_epoch(self, epoch: int) -> None:
         """Pick this epoch's view (and the version bound to it)."""
         self.epoch = epoch
-        if self.mode is not None:
-            self.view = epoch_view(self.version.views, self.mode, self.seed, epoch)
+        views = self.version.views
+        if self.mode is not None and views is not None:  # a mode is set exactly when there are views
+            self.view = epoch_view(views, self.mode, self.seed, epoch)
             self.reading = self.version.view(self.view)
 
     def add(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,8 +84,9 @@ class ViewReading:
         index = batch["index"].numpy()
         seeds = None
         if self.join.augment is not None:
-            seeds = (epoch_seeds(self.seed, self.epoch, index) if self.view is None
-                     else view_seeds(self.version.manifest.views.seed, self.view, index))
+            views = self.version.manifest.views
+            seeds = (epoch_seeds(self.seed, self.epoch, index) if self.view is None or views is None
+                     else view_seeds(views.seed, self.view, index))
         joined = self.join.rows(index, seeds)
         clash = sorted(set(joined) & set(batch))
         if self.join.fields is None:
@@ -89,12 +98,13 @@ class ViewReading:
         return batch
 
 
-def check_source(version: StoredVersion, source: Any, source_id: str | None = None) -> None:
+def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None) -> None:
     """Raise :class:`SourceMismatch` unless ``source`` is the dataset ``version`` was computed on.
 
     >>> check_source(store.open("cnn-a/train"), train_set)   # silent when they match
     """
-    want = version.manifest.fingerprint_parts.get("dataset", {})
+    recorded = version.manifest.fingerprint_parts.get("dataset")
+    want: JSONObject = recorded if isinstance(recorded, dict) else {}
     try:
         n = len(source)
     except TypeError:

@@ -7,7 +7,7 @@ the body names ``<Condition>If-None-Match</Condition>`` (AWS, moto) and into ``O
 otherwise (SeaweedFS, and others), so :func:`put_if_absent` reads the status of the botocore
 error s3fs chains as the cause. A 409 ``ConditionalRequestConflict`` (AWS: a concurrent write to
 the same key was in flight) is retried: the next attempt gets a 200 or a 412. Every conditional
-create goes through s3fs: obstore (:mod:`featstore.s3get`) only reads.
+create goes through s3fs: obstore (:mod:`featstore.storage._s3_reads`) only reads.
 
 A server that ignores the header (a gateway that drops it, an S3 clone that never implemented it)
 would let two writers both "create" a key, and two computes of one version both commit. So the

@@ -168,7 +168,8 @@ def test_compute_on_gpu_matches_a_cpu_reference(local_store, gpu_cluster, autoca
 
 def test_dask_cuda_cluster_when_installed():
     pytest.importorskip("dask_cuda", reason="dask-cuda is not installed, so featstore's LocalCUDACluster path "
-                        "(plan kind 'dask-cuda', featstore.cluster.start) is not checked: pip install featstore[gpu]")
+                        "(plan kind 'dask-cuda', featstore.compute._cluster.start) is not checked: "
+                        "pip install featstore[gpu]")
     from featstore.compute._cluster import start
 
     ids = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())

@@ -78,7 +78,7 @@ def manifests(s3, bucket: str) -> list[str]:
 def read_all_through_loader(version, workers: int) -> dict[str, np.ndarray]:
     ds = version.dataset(batch_size=50, shuffle=True, seed=3)
     # Spawned workers start without obstore's runtime whatever this process read before (a
-    # forked one inherits it once started here, and then reads through s3fs: see s3get.py).
+    # forked one inherits it once started here, and then reads through s3fs: see featstore/storage/_s3_reads.py).
     loader = DataLoader(ds, batch_size=None, num_workers=workers, timeout=120 if workers else 0,
                         multiprocessing_context="spawn" if workers else None)
     it = iter(loader)
