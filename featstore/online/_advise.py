@@ -31,7 +31,7 @@ from featstore.errors import InvalidInput
 if TYPE_CHECKING:  # the advisor's arithmetic imports none of them (torch, Dask, zarr)
     import torch
 
-    from featstore.compute._options import ComputeOptions
+    from featstore.compute import ComputeOptions
     from featstore.format._manifests import Layout
     from featstore.online._teacher import Teacher
     from featstore.storage import Storage
@@ -202,7 +202,7 @@ def _compute_fixed_s(store: FeatureStore, teacher: Teacher, n: int, layout: Layo
     """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
     the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
     version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
-    from featstore.compute._extends import DatasetPrefix
+    from featstore.compute import DatasetPrefix
 
     tag = uuid.uuid4().hex[:12]
     opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
@@ -224,12 +224,12 @@ def _scratch(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, batc
     """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
     and its stored bytes per sample."""
     from featstore.online._fill import FillState, try_commit
-    from featstore.compute._extends import DatasetPrefix
+    from featstore.compute import DatasetPrefix
     from featstore.online._inputs import InputPrefetch
     from featstore.online._reading import shard_batches, shard_buffers
     from featstore.online._teacher import plan_new
-    from featstore.compute._shard_task import worker_model
-    from featstore.compute._shard_writing import open_arrays, write_shard
+    from featstore.compute import worker_model
+    from featstore.compute import open_arrays, write_shard
 
     tag = uuid.uuid4().hex[:12]
     # the real layout's shards (the write's cost per shard is part of its rate)
@@ -274,7 +274,7 @@ def _shard_bytes(storage: Storage, key: str) -> int:
 
 
 def _options() -> ComputeOptions:
-    from featstore.compute._options import ComputeOptions
+    from featstore.compute import ComputeOptions
 
     return ComputeOptions(progress=False)
 
@@ -282,7 +282,7 @@ def _options() -> ComputeOptions:
 def _read_epoch(version: StoredVersion, batch_size: int, student: Student | None) -> tuple[float, float]:
     """Seconds reading one shuffled epoch with the stored reader (B's step excluded), and B's:
     the second of two epochs, as in training (the first pays this process's one-time set-up)."""
-    from featstore.read._dataset import FeatureDataset
+    from featstore.read import FeatureDataset
 
     ds = FeatureDataset(version, batch_size=batch_size, shuffle=True, seed=0)
     for _ in range(2):
