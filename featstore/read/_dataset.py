@@ -126,6 +126,10 @@ class FeatureDataset(IterableDataset):
             self._reads = (reads, self._sources_for(reads))
         return self._reads[0]
 
+    def process_sources(self) -> list[ShardSource]:
+        """Where this process's rows come from (made once per process)."""
+        return self._sources()
+
     def _sources(self) -> list[ShardSource]:
         """Where this process's rows come from."""
         self._process()
@@ -305,15 +309,15 @@ class FeatureDataset(IterableDataset):
                 carry = {k: concat_rows([carry[k], more[k]]) for k in arrays}
                 pos = take
                 if len(carry["index"]) == bs:
-                    yield self._to_tensors(carry)
+                    yield self.to_batch(carry)
                     carry = None
             while n - pos >= bs:
-                yield self._to_tensors(window_rows(arrays, order, drop, pos, pos + bs))
+                yield self.to_batch(window_rows(arrays, order, drop, pos, pos + bs))
                 pos += bs
             if pos < n:
                 carry = window_rows(arrays, order, drop, pos, n)
         if carry is not None and not self.options.drop_last:
-            yield self._to_tensors(carry)
+            yield self.to_batch(carry)
 
     def _order(self, sl: Slice, epoch: int, drop: int) -> np.ndarray | None:
         """The slice's rows in yield order, from ``drop`` on, as indices into the rows read (None:
@@ -322,7 +326,9 @@ class FeatureDataset(IterableDataset):
             return None
         return slice_rows(sl, self.options.seed, epoch, True).order[drop:]
 
-    def _to_tensors(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def to_batch(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A batch's rows (stored dtypes, ``"index"`` included) as its tensors, decoded (what
+        a reader built on this one, :class:`~featstore.read.MixtureDataset`, yields)."""
         out = {f: self.version.decode(f, arrays[f]) for f in self.fields if not isinstance(arrays[f], RaggedRows)}
         out.update(self._ragged(arrays))
         out["index"] = torch.from_numpy(np.ascontiguousarray(arrays["index"]))
