@@ -48,7 +48,7 @@ class StatefulLoader(StatefulDataLoader):
     :class:`featstore.lightning.FeatureDataModule` does.
     """
 
-    def __iter__(self) -> _Tracked:  # type: ignore[override]
+    def __iter__(self) -> _Tracked:
         it = super().__iter__()
         self._before_last: dict[str, Any] | None = None
         return _Tracked(self, it)
@@ -64,7 +64,7 @@ class StatefulLoader(StatefulDataLoader):
         if rank_state is None:
             super().load_state_dict(state_dict)
             return
-        self.dataset.load_state_dict(rank_state)  # type: ignore[attr-defined]
+        self.dataset.load_state_dict(rank_state)
         super().load_state_dict({})  # the loader itself starts afresh: the dataset knows the rest
 
     def _rank_state(self, state: dict[str, Any]) -> dict[str, Any] | None:

@@ -285,6 +285,7 @@ class EpochState:
 
     def _worker_state(self) -> dict[str, Any]:
         info, local = get_worker_info(), self.local
+        assert info is not None  # called in a worker
         it = local.current
         if it is None:
             p = self._progress.placement()
@@ -304,6 +305,7 @@ class EpochState:
                                    "one per worker): restore it with featstore.StatefulLoader.load_state_dict().")
             check_same_run(state, self.ident, self.options, self._progress.placement().world)
             info = get_worker_info()
+            assert info is not None  # in_worker()
             # checked here, where torchdata reports a worker's error before it restores anything
             resumed = check_worker_state(state, info.id, info.num_workers)
             base = state.get(PROGRESS, {}).get("base")
