@@ -30,12 +30,16 @@ _LAZY = {
     "ComputeOptions": "featstore.compute",
     "Teacher": "featstore.online", "advise": "featstore.online", "Advice": "featstore.online",
     "Costs": "featstore.online", "Workload": "featstore.online",
+    "StatefulLoader": "featstore.stateful",
+    "mix": "featstore.read", "Stream": "featstore.read", "MixtureDataset": "featstore.read",
 }
 
 if TYPE_CHECKING:
     from featstore.codecs import Tokens
     from featstore.compute import ComputeOptions
-    from featstore.read import FeatureDataset, ReaderOptions, clear_disk_cache, list_disk_cache
+    from featstore.read import (FeatureDataset, MixtureDataset, ReaderOptions, Stream, clear_disk_cache,
+                                list_disk_cache, mix)
+    from featstore.stateful import StatefulLoader
     from featstore.store import FeatureStore, Version, open_store
     from featstore.online import Advice, Costs, Teacher, Workload, advise
     from featstore.versions import Views
@@ -57,12 +61,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Advice", "advise", "Costs", "Teacher", "Workload",
-    "clear_disk_cache", "ClusterUnavailable", "ComputeFailed", "ComputeOptions", "ConditionalWritesUnsupported",
-    "CorruptChunk", "DatasetMismatch", "DeviceSetupError", "DistributedSetupError", "EmptyDataset", "FeatstoreError",
-    "FeatstoreWarning", "FeatureDataset", "FeatureStore", "FingerprintWarning", "IncompatibleFormat", "InvalidInput",
-    "InvalidName", "list_disk_cache", "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
-    "OutputMismatch", "ReaderOptions", "SourceMismatch", "StoreConflict", "StoreFull", "StoreNotFound",
-    "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views", "VersionsMisaligned",
-    "__version__",
+    "Advice", "advise", "Costs", "Teacher", "Workload", "clear_disk_cache", "ClusterUnavailable", "ComputeFailed",
+    "ComputeOptions", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch", "DeviceSetupError",
+    "DistributedSetupError", "EmptyDataset", "FeatstoreError", "FeatstoreWarning", "FeatureDataset", "FeatureStore",
+    "FingerprintWarning", "IncompatibleFormat", "InvalidInput", "InvalidName", "list_disk_cache", "mix",
+    "MissingInputKey", "MixtureDataset", "NondeterministicAugment", "NonFiniteOutput", "open_store",
+    "OutputMismatch", "ReaderOptions", "SourceMismatch", "StatefulLoader", "StoreConflict", "Stream", "StoreFull",
+    "StoreNotFound", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views",
+    "VersionsMisaligned", "__version__",
 ]

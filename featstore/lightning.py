@@ -17,9 +17,10 @@ What it handles, so the training script does not:
 - **Epochs.** Each training epoch reads the next epoch's order (and view); the first one
   ``train_dataloader()`` serves is the Trainer's current epoch, so a run resumed at an epoch
   boundary continues the sequence.
-- **Mid-epoch checkpoints.** The loaders are torchdata ``StatefulDataLoader``\\ s, which Lightning
-  checkpoints; featstore's per-worker state resumes each worker where it stopped (see
-  :mod:`featstore.read`). Lightning fetches one batch ahead of the training step, so the state
+- **Mid-epoch checkpoints.** The loaders are :class:`featstore.StatefulLoader`\\ s (torchdata
+  ``StatefulDataLoader``\\ s), which Lightning checkpoints; the resumed run reads the rest of the
+  epoch, each sample once, on any number of devices and DataLoader workers with the same global
+  batch (``docs/elastic.md``). Lightning fetches one batch ahead of the training step, so the state
   a checkpoint takes is the loader's as it was before that batch (:class:`StatefulLoader`): the
   resumed run starts with the batch the interrupted one had fetched but not trained on.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from featstore import FeatureDataset, FeatureStore, InvalidInput, ReaderOptions, Version, open_store
 
@@ -48,9 +49,11 @@ else:
             raise ImportError("featstore.lightning needs Lightning and torchdata: pip install "
                               "'featstore[lightning]'") from exc
 try:
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    from featstore.stateful import StatefulLoader
 except ImportError as exc:
     raise ImportError("featstore.lightning needs torchdata: pip install 'featstore[lightning]'") from exc
+
+__all__ = ["FeatureDataModule", "LoaderOptions", "StatefulLoader"]
 
 
 @dataclass(frozen=True)
@@ -83,59 +86,6 @@ class LoaderOptions:
             if self.prefetch_factor is not None:
                 out["prefetch_factor"] = self.prefetch_factor
         return out
-
-
-class StatefulLoader(StatefulDataLoader):
-    """A torchdata ``StatefulDataLoader`` for Lightning: its state is the one from before the
-    batch it yielded last.
-
-    Lightning's data fetcher always holds one batch it has fetched and not yet given to the
-    training step (to know which batch is the last), so a plain StatefulDataLoader checkpointed
-    between two steps resumes *after* that batch: measured, 50 of 400 samples (one batch per
-    rank) never trained after a mid-epoch ``fit(ckpt_path=...)``. Use this class in your own
-    ``train_dataloader()`` the same way (``StatefulLoader(dataset, batch_size=None, ...)``).
-    At an epoch's end nothing is held back.
-    """
-
-    def __iter__(self) -> _Tracked:
-        it = super().__iter__()
-        self._before_last: dict[str, object] | None = None
-        return _Tracked(self, it)
-
-    def state_dict(self) -> dict[str, object]:
-        held = getattr(self, "_before_last", None)
-        return held if held is not None else super().state_dict()
-
-
-class _LoaderIterator(Protocol):
-    """A DataLoader's iterator: its batches, and how many are left in the epoch."""
-
-    def __next__(self) -> object: ...
-
-    def __len__(self) -> int: ...
-
-
-class _Tracked:
-    """The iterator of a :class:`StatefulLoader` loader: keeps the state from before each batch."""
-
-    def __init__(self, loader: StatefulLoader, it: _LoaderIterator) -> None:
-        self.loader, self.it = loader, it
-
-    def __iter__(self) -> "_Tracked":
-        return self
-
-    def __next__(self) -> object:
-        before = StatefulDataLoader.state_dict(self.loader)
-        try:
-            batch = next(self.it)
-        except StopIteration:
-            self.loader._before_last = None  # the epoch is over: nothing held back
-            raise
-        self.loader._before_last = before
-        return batch
-
-    def __len__(self) -> int:
-        return len(self.it)
 
 
 class FeatureDataModule(LightningDataModule):
@@ -202,14 +152,14 @@ class FeatureDataModule(LightningDataModule):
                                source_fields=self._source_fields, source_id=self._source_id)
         return self.datasets[which]
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> StatefulLoader:
         """The training loader; its first epoch is the Trainer's current one."""
         ds = self._dataset("train")
         trainer = getattr(self, "trainer", None)
         ds.set_epoch(trainer.current_epoch if trainer is not None else 0)
         return StatefulLoader(ds, batch_size=None, **self.loader.kwargs())
 
-    def val_dataloader(self) -> StatefulDataLoader | list:
+    def val_dataloader(self) -> StatefulLoader | list:
         """The validation loader (an empty list without ``val``: Lightning then skips validation)."""
         if "val" not in self.refs:
             return []

@@ -31,6 +31,8 @@ _NAMES = {
     # where a window's rows come from: what another source (featstore.online's) builds on
     "ShardSource": "_sources", "ProcessReads": "_sources", "Window": "_sources", "Epoch": "_sources",
     "WindowRead": "_sources", "WindowRows": "_sources",
+    # several versions read as one weighted stream
+    "mix": "_mix_dataset", "Stream": "_mix_dataset", "MixtureDataset": "_mix_dataset",
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

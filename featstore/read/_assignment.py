@@ -101,7 +101,7 @@ def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tup
     raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
 
 
-def span_pieces(order: Sequence[int], shard_sizes: Sequence[int], start: int, stop: int) -> list[Piece]:
+def span_pieces(order: Sequence[int] | np.ndarray, shard_sizes: Sequence[int], start: int, stop: int) -> list[Piece]:
     """Split positions ``[start, stop)`` of the ordered shard sequence into per-shard pieces.
 
     Vectorised (numpy over the shards, Python only over this span's pieces): at a billion
@@ -111,9 +111,9 @@ def span_pieces(order: Sequence[int], shard_sizes: Sequence[int], start: int, st
     n = int(sizes.sum())
     if n == 0 or stop <= start:
         return []
-    order = np.asarray(order, dtype=np.int64)
-    offsets = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(sizes[order], out=offsets[1:])
+    ordered = np.asarray(order, dtype=np.int64)
+    offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
+    np.cumsum(sizes[ordered], out=offsets[1:])
     pieces: list[Piece] = []
     pos = start
     while pos < stop:
@@ -121,7 +121,7 @@ def span_pieces(order: Sequence[int], shard_sizes: Sequence[int], start: int, st
         k = int(np.searchsorted(offsets, p, side="right")) - 1
         take = min(stop - pos, int(offsets[k + 1]) - p)
         lo = p - int(offsets[k])
-        pieces.append(Piece(int(order[k]), lo, lo + take))
+        pieces.append(Piece(int(ordered[k]), lo, lo + take))
         pos += take
     return pieces
 

@@ -64,7 +64,7 @@ from featstore.read._assignment import PARTITIONS, Partition, UniformShards, con
     round_robin_consumed
 from featstore.read._mixture import MixStream, Mixture, mixture_share
 from featstore.read._resume import rotated
-from featstore.read._slices import Share, whole
+from featstore.read._slices import Share, Slice, whole
 
 SCHEMA = "featstore.epoch_progress"
 SCHEMA_VERSION = 1
@@ -330,7 +330,7 @@ def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Sp
     offsets = last.offsets
     total = int(offsets[-1])
     start, stop = consumer_span(total, split.consumers, cid, split.partition)
-    slices = []
+    slices: list[Slice] = []
     pos = start
     while pos < stop:  # a "pad" span wraps around to the remaining sequence's start
         a = pos % total

@@ -146,6 +146,16 @@ class MultiTeacherDataset(IterableDataset):
         for label, ds in self.teachers.items():
             ds.load_state_dict(saved[label])
 
+    def state_from_workers(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The rank-level state made of a loader's per-worker states, teacher by teacher (what
+        :class:`featstore.StatefulLoader` loads under another number of workers); None where a
+        teacher's cannot be made."""
+        per = {label: ds.state_from_workers([s["teachers"][label] for s in states if "teachers" in s])
+               for label, ds in self.teachers.items()}
+        if any(v is None for v in per.values()):
+            return None
+        return {"schema": MULTI_SCHEMA, "schema_version": 1, "teachers": per}
+
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # Each teacher's iteration starts here, as a single reader's does in __iter__ (torchdata

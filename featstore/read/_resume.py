@@ -30,6 +30,8 @@ from featstore.read._assignment import round_robin_consumed
 WORKER_SCHEMA = "featstore.worker_state"
 #: Options that change which samples a consumer reads, and in which order.
 SPLIT_OPTIONS = ("batch_size", "seed", "shuffle", "view", "partition", "drop_last", "shuffle_window")
+#: Of those, what an elastic resume keeps (the epoch's order; the split may change).
+ORDER_OPTIONS = ("seed", "shuffle", "view", "shuffle_window")
 
 
 @dataclass(frozen=True)
@@ -61,20 +63,30 @@ def is_worker_state(state: Any) -> bool:
     return isinstance(state, dict) and state.get("schema") == WORKER_SCHEMA
 
 
-def check_same_run(state: dict[str, Any], version: Any, options: Any, world: int) -> None:
-    """Refuse a state of another version, split or world size (:class:`InvalidInput`)."""
+def check_same_run(state: dict[str, Any], version: Any, options: Any, world: int | None) -> None:
+    """Refuse a state of another version, split or world size (:class:`InvalidInput`); ``world``
+    None: a state with the epoch's progress, which resumes under any split of the same order."""
     if state["version"] != version.id:
         raise InvalidInput(f"the state is for version {state['version']}, this dataset reads "
                            f"{version.id}; open the pinned version with store.open("
                            f"'{state['name']}@{state['version']}').")
     saved, now = state.get("options") or {}, asdict(options)
-    differ = [k for k in SPLIT_OPTIONS if k in saved and _norm(saved[k]) != _norm(now[k])]
+    differ = [k for k in (ORDER_OPTIONS if world is None else SPLIT_OPTIONS)
+              if k in saved and _norm(saved[k]) != _norm(now[k])]
+    if world is None and differ:
+        what = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ)
+        raise InvalidInput(f"seed, shuffle, view and shuffle_window must match the saved state: {what}. Resume "
+                           "with the saved settings, or start the epoch over.")
+    if world is None:
+        return
+    hint = (" (a state with its epoch's progress resumes on another world size or number of workers through "
+            "dataset.load_state_dict() or featstore.StatefulLoader)") if "progress" in state else ""
     if differ or state["world_size"] != world:
         what = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ)
         if state["world_size"] != world:
             what = ", ".join(filter(None, [what, f"world_size={state['world_size']} (now {world})"]))
         raise InvalidInput(f"batch_size, seed, shuffle, view, the split and world_size must match the saved "
-                           f"state: {what}. Resume with the saved settings, or start the epoch over.")
+                           f"state: {what}. Resume with the saved settings, or start the epoch over{hint}.")
 
 
 def _norm(value: Any) -> Any:
@@ -86,9 +98,9 @@ def check_workers(saved: int | None, workers: int) -> None:
     if saved is not None and max(1, saved) != max(1, workers):
         raise InvalidInput(
             f"the resume point was saved with {saved} DataLoader workers per rank and this loader "
-            f"has {workers}: the epoch is split across workers differently, so the samples "
-            f"already seen cannot be skipped. Resume with num_workers={saved}, or start the epoch "
-            "over without load_state_dict().")
+            f"has {workers}: this state cannot tell which samples the other workers had seen. Resume "
+            f"with num_workers={saved}, load the loader's state with featstore.StatefulLoader (it resumes "
+            "under any number of workers), or start the epoch over without load_state_dict().")
 
 
 def check_worker_state(state: dict[str, Any], worker: int, workers: int) -> WorkerResume | None:

@@ -189,6 +189,16 @@ def slice_rows(s: Slice, seed: int, epoch: int, shuffle: bool) -> SliceRows:
     return SliceRows(reads, order - starts[stream] - np.array(first)[stream] + new_starts[stream], stream)
 
 
+def slice_reads(s: Slice, shuffle: bool) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces :func:`slice_rows` reads for ``s`` (per stream), without its order: the whole
+    window when shuffled or whole, else each stream's run of the slice's rows."""
+    if shuffle or len(s.rows) == s.window.size:
+        return s.window.runs
+    sizes = list(s.window.sizes)
+    first, last = interleave(sizes, s.rows.start), interleave(sizes, s.rows.stop)
+    return tuple(cut_pieces(run, a, b) for run, a, b in zip(s.window.runs, first, last, strict=True))
+
+
 def cut_pieces(pieces: Sequence[Piece], lo: int, hi: int) -> tuple[Piece, ...]:
     """Rows ``[lo, hi)`` of the pieces' rows taken one after another, as pieces."""
     out: list[Piece] = []

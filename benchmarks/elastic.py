@@ -1,0 +1,143 @@
+"""Mixtures and elastic resume: what they cost beside reading one version.
+
+``python -m benchmarks.elastic --n 50000 --repeats 7`` writes two versions of ``n/2`` samples and
+one of ``n`` (a linear Model A's fp16 features, 128 wide), then measures, ``repeats`` times
+(medians):
+
+- **Mixture read speed.** One shuffled epoch of ``featstore.mix([(a, 0.5), (b, 0.5)])`` (``n``
+  samples) against one epoch of the single version of ``n`` samples, in this process
+  (``num_workers=0``, batch 256): samples/s, and the ratio (target >= 0.95).
+- **Time to the first batch on resume.** A state saved by a 2-rank job at 10% and at 90% of the
+  epoch, loaded into rank 0 of 4 ranks (and of 2): seconds from ``load_state_dict`` to the first
+  batch. The resume plans only what the new consumer needs, so 90% should cost no more than 10%.
+
+Results go to ``docs/benchmarks-elastic.json`` and the "Mixtures and elastic resume" section of
+``docs/benchmarks.md``, with the load average (``os.getloadavg``) during the run: the machine is
+shared, so figures taken under load read slower than they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import featstore
+
+from .sections import write_marked
+
+BEGIN, END = "<!-- elastic:begin -->", "<!-- elastic:end -->"
+BATCH = 256
+
+
+class Vectors(torch.utils.data.Dataset):
+    """``n`` seeded random vectors (64 wide)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.x = torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input": self.x[i]}
+
+
+def write(store: featstore.FeatureStore, name: str, n: int, seed: int) -> featstore.Version:
+    torch.manual_seed(0)
+    return store.compute(name, model=nn.Linear(64, 128), dataset=Vectors(n, seed), outputs={"features": "float16"},
+                         batch_size=1024, client="in-process", options=featstore.ComputeOptions(progress=False))
+
+
+def epoch_rate(ds: Any, epoch: int) -> float:
+    ds.set_epoch(epoch)
+    t0, rows = time.perf_counter(), 0
+    for b in ds:
+        rows += len(b["index"])
+    return rows / (time.perf_counter() - t0)
+
+
+def first_batch_s(version: featstore.Version, state: dict[str, Any], world: int) -> float:
+    t0 = time.perf_counter()
+    ds = version.dataset(batch_size=2 * BATCH // world, seed=1, rank=0, world_size=world)
+    ds.load_state_dict(state)
+    next(iter(ds))
+    return time.perf_counter() - t0
+
+
+def run(n: int, repeats: int) -> dict[str, Any]:
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as root:
+        store = featstore.open_store(root)
+        a, b, one = write(store, "mix/a", n // 2, 1), write(store, "mix/b", n - n // 2, 2), write(store, "one", n, 3)
+        mixed = featstore.mix([(a, 0.5), (b, 0.5)], batch_size=BATCH, seed=1)
+        single = one.dataset(batch_size=BATCH, seed=1)
+        epoch_rate(mixed, 0), epoch_rate(single, 0)  # warm: page cache, imports
+        mix_rates, one_rates = [], []
+        for r in range(repeats):  # interleaved, so the machine's load falls on both alike
+            mix_rates.append(epoch_rate(mixed, r + 1))
+            one_rates.append(epoch_rate(single, r + 1))
+            load.append(os.getloadavg()[0])
+        steps = -(-n // (2 * BATCH))
+        resume: dict[str, dict[str, float]] = {}
+        for at in (0.1, 0.9):
+            state = one.dataset(batch_size=BATCH, seed=1, rank=0, world_size=2).state_dict(
+                batches_seen=int(at * steps), num_workers=0)
+            for world in (2, 4):
+                resume.setdefault(f"{int(at * 100)}%", {})[f"{world} ranks"] = statistics.median(
+                    first_batch_s(one, state, world) for _ in range(repeats))
+        load.append(os.getloadavg()[0])
+    m, o = statistics.median(mix_rates), statistics.median(one_rates)
+    return {"n": n, "repeats": repeats, "mixture_samples_per_s": m, "one_version_samples_per_s": o,
+            "ratio": m / o, "first_batch_s": resume, "load_average": [round(x, 2) for x in load],
+            "started": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def section(r: dict[str, Any]) -> str:
+    rows = "\n".join(f"| resume at {at} of the epoch (saved by 2 ranks) | "
+                     + " | ".join(f"{s * 1000:.1f} ms" for s in per.values()) + " |"
+                     for at, per in r["first_batch_s"].items())
+    return f"""{BEGIN}
+## Mixtures and elastic resume
+
+`python -m benchmarks.elastic --n {r['n']} --repeats {r['repeats']}` ({r['started']}; medians of
+{r['repeats']}; load average {min(r['load_average']):.2f}-{max(r['load_average']):.2f} on this shared
+2-core machine). Shuffled epochs in one process, batch {BATCH}, fp16 features 128 wide.
+
+| read | samples/s |
+|---|---|
+| one version, {r['n']} samples | {r['one_version_samples_per_s']:,.0f} |
+| `featstore.mix` of two versions, 0.5/0.5, {r['n']} samples | {r['mixture_samples_per_s']:,.0f} |
+| ratio (target >= 0.95) | {r['ratio']:.3f} |
+
+| time to the first batch after `load_state_dict` | rank 0 of 2 | rank 0 of 4 |
+|---|---|---|
+{rows}
+
+See [elastic.md](elastic.md).
+{END}
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=50_000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="docs")
+    args = p.parse_args()
+    r = run(args.n, args.repeats)
+    print(json.dumps(r, indent=1))
+    with open(os.path.join(args.out, "benchmarks-elastic.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, section(r))
+
+
+if __name__ == "__main__":
+    main()

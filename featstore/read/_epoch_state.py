@@ -1,0 +1,379 @@
+"""A reader's epochs and resume points: what a :class:`~featstore.FeatureDataset` (or a
+:class:`~featstore.read.MixtureDataset`) keeps about where it is, for itself and its DataLoader workers.
+
+One collaborator per dataset, :class:`EpochState`, owns:
+
+- the placement (rank, world size) and the epoch counter shared with DataLoader workers
+  (:class:`~featstore.read._worker_share.SharedProgress`);
+- the resume point loaded by ``load_state_dict``: the rank-level count of
+  :mod:`featstore.read._resume` and, beside it, the epoch's global progress
+  (:class:`~featstore.read._elastic.ResumeState`: the plan and the batches each split consumed),
+  kept in a small shared buffer of its own (:class:`LoadedProgress`) so that workers started
+  before the load see it too;
+- what each iteration reads (:meth:`EpochState.start`): the consumer's whole share of a fresh
+  epoch, or under a resume its share of the epoch's rest under the *current* split
+  (:func:`~featstore.read._elastic.resume`);
+- the states it saves: per rank (``state_dict(batches_seen=k)``) and per DataLoader worker
+  (torchdata's), both with a ``"progress"`` entry, and the rank-level state made of a loader's
+  worker states (:meth:`EpochState.from_workers`, what :class:`featstore.StatefulLoader` loads
+  under another number of workers).
+
+**Counting.** DDP ranks step together and the global batch stays the same across splits, so
+"batches this epoch" is a count of steps whatever the split: ``state_dict(batches_seen=k)`` is
+the steps of the whole epoch so far (before a resume too), and the progress records the steps
+since the last resume under the current split (:meth:`ResumeState.advanced`).
+
+**Old states** (without ``"progress"``) resume under the split they were saved with, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from dataclasses import field as dataclass_field
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import get_worker_info
+
+from featstore.errors import DistributedSetupError, InvalidInput
+from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch, check_same_order,
+                                     epoch_share, progress, remaining_samples, resume)
+from featstore.read._options import ReaderOptions
+from featstore.read._ranks import Placement, resolve
+from featstore.read._resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
+                                    rotated, worker_state)
+from featstore.read._slices import Share
+from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
+
+PROGRESS = "progress"
+
+
+class RunIdentity(Protocol):
+    """What a state names its data by: a version (or a mixture's versions) id and name."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration in one process: its epoch, who reads, and what.
+
+    Attributes:
+        role: the consumer of its rank this worker plays (another than its id on a resumed epoch).
+        skip: batches of that role yielded before this iteration (a continued segment).
+        share: the role's share in this iteration's segment (from its first row).
+        skip_rows: rows of ``share`` already yielded.
+        whole: ``share`` is the epoch's own plan for the consumer (whole windows, from the
+            start of its span): what the online fill's ownership relies on.
+        base: the epoch's progress before this iteration (None: unknown, an old worker state).
+        split: the split this iteration reads under.
+    """
+
+    epoch: int
+    placement: Placement
+    worker: int
+    workers: int
+    role: int
+    skip: int
+    share: Share
+    skip_rows: int
+    whole: bool
+    base: ResumeState | None
+    split: Split
+
+    @property
+    def cid(self) -> int:
+        return self.placement.rank * max(1, self.workers) + self.role
+
+    @property
+    def prior(self) -> int:
+        """Steps of the epoch before this iteration."""
+        return 0 if self.base is None else sum(s.batches for s in self.base.segments)
+
+
+@dataclass
+class _Local:
+    """What one process (the training process, or one DataLoader worker) keeps of its own."""
+
+    pid: int = dataclass_field(default_factory=os.getpid)
+    count: int = 0  # iterations started here (a persistent worker tells its epochs apart by it)
+    current: Iteration | None = None
+    yielded: int = 0  # batches yielded by the current iteration
+    planned: Placement | None = None  # a persistent worker's placement of its last iteration
+    worker_resume: tuple[Any, ResumeState | None] | None = None  # a torchdata worker state loaded here
+
+
+class LoadedProgress:
+    """The progress ``load_state_dict`` loaded, in a shared byte buffer (JSON, length first):
+    a DataLoader worker reads it when its iteration starts, whenever it was started. Written
+    only by the training process that owns it (a process given another's, by pickling, takes a
+    copy first, as :class:`SharedProgress` does)."""
+
+    SIZE = 1 << 16
+
+    def __init__(self) -> None:
+        self._t = torch.zeros(self.SIZE, dtype=torch.uint8).share_memory_()
+        self._owner = os.getpid()
+
+    def own(self) -> None:
+        if not in_worker() and self._owner != os.getpid():
+            self._t, self._owner = self._t.clone().share_memory_(), os.getpid()
+
+    def write(self, state: ResumeState | None) -> None:
+        self.own()
+        data = b"" if state is None else json.dumps(state.to_dict()).encode()
+        if len(data) + 8 > self.SIZE:
+            raise InvalidInput(f"this epoch's progress has {len(state.segments) if state else 0} segments, more "
+                               "than featstore keeps: start the epoch over.")
+        self._t[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else self._t[8:8]
+        self._t[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+
+    def read(self) -> ResumeState | None:
+        n = int.from_bytes(bytes(self._t[:8].tolist()), "little")
+        if not n:
+            return None
+        return ResumeState.from_dict(json.loads(bytes(self._t[8:8 + n].numpy().tobytes())))
+
+
+class EpochState:
+    """A dataset's epochs, placement and resume points (see the module docstring)."""
+
+    def __init__(self, ident: RunIdentity, options: ReaderOptions, order: EpochOrder, rank: int | None,
+                 world_size: int | None) -> None:
+        self.ident, self.options, self.order = ident, options, order
+        self._explicit = (rank, world_size)
+        self._progress = SharedProgress()
+        self._loaded = LoadedProgress()
+        self._started: tuple[int, int] | None = None  # a DataLoader worker's: see SharedProgress.stamp
+        self._local_state: _Local | None = None
+        self.placement()  # an explicit rank out of range fails here
+        on_fork(self)
+
+    # -- placement ------------------------------------------------------------------------
+    def placement(self) -> Placement:
+        """In a DataLoader worker, what the training process resolved; else resolved now (and
+        recorded for the workers this process starts)."""
+        if in_worker():
+            return self._progress.placement()
+        placement = resolve(*self._explicit)
+        self._progress.publish(placement)
+        return placement
+
+    def published(self) -> Placement:
+        """The placement last recorded (not resolved now: possibly unresolved)."""
+        return self._progress.placement()
+
+    def _before_fork(self) -> None:
+        """Called just before this process forks: the forked workers share the blocks, plan
+        with this placement and know which epoch they were started for."""
+        self._progress.own()
+        self._loaded.own()
+        self._progress.publish(resolve(*self._explicit))
+        self._started = self._progress.stamp()
+
+    def partition(self, world: int) -> str:
+        return self.options.partition or ("even" if world == 1 else "pad")
+
+    def split(self, world: int, workers: int) -> Split:
+        """The split of ``world`` ranks with ``workers`` DataLoader workers each."""
+        o = self.options
+        return Split(world, workers, o.batch_size, self.partition(world), o.drop_last)  # type: ignore[arg-type]
+
+    # -- epochs ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._progress.current_epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        self._progress.set_epoch(epoch)
+        self.placement()
+
+    @property
+    def local(self) -> _Local:
+        if self._local_state is None or self._local_state.pid != os.getpid():
+            self._local_state = _Local()
+        return self._local_state
+
+    # -- an iteration ---------------------------------------------------------------------
+    def start(self) -> Iteration:
+        """Resolve this iteration's placement, epoch and what it reads."""
+        info, local = get_worker_info(), self.local
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 0)
+        placement = self.placement().check()
+        if info is not None:
+            _check_unchanged(local, placement)
+        self._progress.saw_workers(workers)
+        saved, local.worker_resume = local.worker_resume, None
+        loaded = self._loaded.read()
+
+        def refuse_other_workers(start: Start) -> None:  # before the iteration is recorded
+            if start.resume_seen is not None and (loaded is None or loaded.epoch != start.epoch):
+                check_workers(start.resume_workers, workers)
+
+        key = None if info is None else iteration_key(info.seed - info.id, local.count)
+        start = self._progress.begin(0 if info is None else 1 + worker, key, local.count == 0,
+                                     None if saved is None else saved[0].epoch, self._started if info else None,
+                                     refuse_other_workers)
+        local.count += 1
+        split = self.split(placement.world, workers)
+        if saved is not None:  # torchdata's own worker state, under the same split
+            it = self._continued(start.epoch, placement, worker, split, saved[0].role, saved[0].batches, saved[1])
+        elif start.resume_seen is not None:
+            state = loaded if loaded is not None and loaded.epoch == start.epoch else None
+            it = self._resumed(start.epoch, placement, worker, split, start.resume_seen, state)
+        else:
+            it = self._continued(start.epoch, placement, worker, split, worker, 0, ResumeState(start.epoch, self.order))
+        local.current, local.yielded = it, 0
+        return it
+
+    def _continued(self, epoch: int, placement: Placement, worker: int, split: Split, role: int, skip: int,
+                   base: ResumeState | None) -> Iteration:
+        """Consumer ``role``'s whole share of the epoch's plan, ``skip`` of its batches seen."""
+        share = epoch_share(self.order, epoch, split, placement.rank * split.per_rank + role)
+        rows = min(skip * split.batch_size, share.n_samples)
+        return Iteration(epoch, placement, worker, split.workers, role, skip, share, rows, True, base, split)
+
+    def _resumed(self, epoch: int, placement: Placement, worker: int, split: Split, seen: int,
+                 state: ResumeState | None) -> Iteration:
+        """The first iteration after ``load_state_dict``: the state's epoch goes on under ``split``."""
+        if state is None or (len(state.segments) == 1 and state.segments[0].split.continues(split)):
+            # the epoch's first segment goes on (or an old state, checked to be of this split)
+            first = placement.rank * split.per_rank
+            counts = progress(self.order, (Segment(split, 0),))[0].counts[first:first + split.per_rank].tolist()
+            seen = min(seen, sum(counts))
+            role, skip = rotated(worker, split.workers, seen, counts)
+            base = state if state is not None else ResumeState(epoch, self.order).advanced(split, seen)
+            return self._continued(epoch, placement, worker, split, role, skip, base)
+        r = resume(state, split, placement.rank, worker)
+        return Iteration(epoch, placement, worker, split.workers, r.role, r.skipped, r.share, 0, False, state, split)
+
+    # -- states ---------------------------------------------------------------------------
+    def state_dict(self, batches_seen: int | None, num_workers: int | None) -> dict[str, Any]:
+        """This rank's state (see :meth:`FeatureDataset.state_dict`); in a worker, the worker's."""
+        if in_worker():
+            return self._worker_state()
+        placement = self.placement().check()
+        it = self.local.current
+        workers = num_workers if num_workers is not None else self._progress.last_workers()
+        base = self._base()
+        prior = sum(s.batches for s in base.segments)
+        seen = prior + self.local.yielded if batches_seen is None else int(batches_seen)
+        state = rank_state(self.ident, self.options, self.epoch, seen, placement.world, placement.rank, workers)
+        if workers is not None and (it is None or it.base is not None):
+            if seen < prior:
+                raise InvalidInput(f"batches_seen={seen}, but this epoch had {prior} steps before the resume: "
+                                   "pass the batches (steps) of the whole epoch so far.")
+            state[PROGRESS] = base.advanced(self.split(placement.world, workers), seen - prior).to_dict()
+        return state
+
+    def _base(self) -> ResumeState:
+        """The epoch's progress before this process's iteration (or the loaded one for the
+        epoch the training process's workers read)."""
+        it = self.local.current
+        if it is not None and it.base is not None and it.epoch == self.epoch:
+            return it.base
+        loaded = self._loaded.read()
+        if loaded is not None and loaded.epoch == self.epoch:
+            return loaded
+        return ResumeState(self.epoch, self.order)
+
+    def _worker_state(self) -> dict[str, Any]:
+        info, local = get_worker_info(), self.local
+        assert info is not None  # called in a worker
+        it = local.current
+        if it is None:
+            p = self._progress.placement()
+            return worker_state(self.ident, self.options, None, info.id, 0, info.id, info.num_workers,
+                                p.world, p.rank)
+        state = worker_state(self.ident, self.options, it.epoch, it.role, it.skip + local.yielded, it.worker,
+                             it.workers, it.placement.world, it.placement.rank)
+        if it.base is not None:
+            state[PROGRESS] = {"base": it.base.to_dict(), "split": asdict(it.split), "since": local.yielded}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume mid-epoch (see :meth:`FeatureDataset.load_state_dict`)."""
+        if is_worker_state(state):
+            if not in_worker():
+                raise InvalidInput("this is one DataLoader worker's state (torchdata's StatefulDataLoader saves "
+                                   "one per worker): restore it with featstore.StatefulLoader.load_state_dict().")
+            check_same_run(state, self.ident, self.options, self._progress.placement().world)
+            info = get_worker_info()
+            assert info is not None  # in_worker()
+            # checked here, where torchdata reports a worker's error before it restores anything
+            resumed = check_worker_state(state, info.id, info.num_workers)
+            base = state.get(PROGRESS, {}).get("base")
+            self.local.worker_resume = None if resumed is None else (
+                resumed, None if base is None else ResumeState.from_dict(base))
+            return
+        saved = state.get(PROGRESS)
+        if saved is None:  # an old state: the same split only
+            check_same_run(state, self.ident, self.options, self.world)
+            self._loaded.write(None)
+            self._progress.set_resume(check_epoch(state["epoch"]), int(state["batches_seen"]),
+                                      state.get("num_workers"))
+            return
+        check_same_run(state, self.ident, self.options, None)
+        progress_state = ResumeState.from_dict(saved)
+        check_same_order(progress_state.order, self.order)
+        epoch = check_epoch(progress_state.epoch)
+        if progress_state.segments:  # refused here, not in the first batch of every worker
+            check_global_batch(progress_state.segments[0].split, self.split(self.world, 0))
+        if not remaining_samples(progress_state):  # the epoch was read to its end: the next is whole
+            self._loaded.write(None)
+            self._progress.set_epoch(epoch + 1)
+            return
+        self._loaded.write(progress_state)
+        steps = sum(s.batches for s in progress_state.segments)
+        self._progress.set_resume(epoch, steps, None)
+
+    @property
+    def world(self) -> int:
+        return self.placement().check().world
+
+    def from_workers(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The rank-level state made of one loader's worker states (torchdata's, all of one
+        rank at one step): the steps are the batches its workers produced, summed (DDP ranks
+        step together, so any rank's states describe the job). None: no worker had started.
+        :class:`InvalidInput` for old worker states (without progress)."""
+        started = [s for s in states if s.get("epoch") is not None]
+        if not started:
+            return None
+        if any(PROGRESS not in s for s in started):
+            raise InvalidInput("these worker states were saved by an older featstore (no progress): resume with "
+                               "the same num_workers and world size, or start the epoch over.")
+        base = ResumeState.from_dict(started[0][PROGRESS]["base"])
+        sp = started[0][PROGRESS]["split"]
+        split = Split(sp["world"], sp["workers"], sp["batch_size"], sp["partition"], sp["drop_last"])
+        since = sum(int(s[PROGRESS]["since"]) for s in started)
+        first = started[0]
+        state = rank_state(self.ident, self.options, base.epoch, sum(s.batches for s in base.segments) + since,
+                           first["world_size"], first["rank"], first["num_workers"])
+        state[PROGRESS] = base.advanced(split, since).to_dict()
+        return state
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not in_worker():  # pickled to start a worker (spawn): it shares the blocks, plans with this
+            self._before_fork()
+        return {**self.__dict__, "_local_state": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        on_fork(self)
+
+
+def _check_unchanged(local: _Local, placement: Placement) -> None:
+    """A persistent worker's placement must be the one its earlier iterations planned with."""
+    if local.planned is not None and local.planned != placement:
+        raise DistributedSetupError(
+            f"the training process's placement changed from {local.planned.describe()} to "
+            f"{placement.describe()} while persistent DataLoader workers kept running: their epochs "
+            "would not split the samples the way the other ranks do. Build the DataLoader after "
+            "init_process_group, or use persistent_workers=False.")
+    local.planned = placement
