@@ -60,6 +60,10 @@ def main(root: str, ref: str, mode: str) -> None:
     next(it)
     if mode == "kill-worker":
         time.sleep(0.5)  # the workers prefetch: the dead one leaves queued batches behind
+        # torch's SIGCHLD handler raises wherever this process happens to be when the signal lands
+        # (once inside the except clause below, under load); without it the loss is found by the
+        # loader itself, from next(): its worker status check or the reset fd-passing connection.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.kill(it._workers[0].pid, signal.SIGKILL)  # the other worker and this process go on
         try:
             for _ in it:
