@@ -19,7 +19,6 @@ from typing import ClassVar
 import torch
 from torch.utils.data import Dataset
 
-from featstore._json import JSONObject
 from featstore._user_types import Item, MapDataset
 from featstore.compute import ComputePlan, ComputeRequest, TaskSpec, decide, probe
 from featstore.errors import DeviceSetupError, InvalidInput
@@ -125,19 +124,6 @@ class Planned:
     @property
     def vid(self) -> str:
         return self.plan.vid
-
-    @property
-    def req(self) -> ComputePlan:
-        """The plan (its ``name`` and ``n``, as the reader and the fill read them)."""
-        return self.plan
-
-    @property
-    def parts(self) -> JSONObject:
-        return self.plan.parts
-
-    @property
-    def fp(self) -> str:
-        return self.plan.fingerprint
 
     def seen(self, view: int | None, epoch: int, seed: int) -> MapDataset:
         """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
