@@ -11,7 +11,7 @@ The prediction is pure arithmetic on seconds per sample (:class:`Costs`), tested
   (E - F)·N·(read + student)`` with ``F`` the views still missing (at most ``E``).
 
 ``teacher`` is what a consumer pays per sample to read and collate A's input, run A and encode
-its outputs (:func:`featstore.online.shard_buffers`); ``write`` storing the encoded shard with its
+its outputs (:func:`featstore.compute.compute_shard`); ``write`` storing the encoded shard with its
 receipt; ``read`` the stored reader's epoch; ``student`` Model B's step. :func:`measure` takes
 them from a scratch version of the first ``samples`` items, filled, read back and deleted.
 """
@@ -204,9 +204,7 @@ def _compute_fixed_s(store: FeatureStore, teacher: Teacher, n: int, layout: Layo
     version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
     from featstore.compute import DatasetPrefix
 
-    tag = uuid.uuid4().hex[:12]
-    opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
-                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
+    tag, opts = _scratch_options(teacher, layout)
     name = f"advise/compute-{tag}"
     t0 = time.perf_counter()
     try:
@@ -223,42 +221,36 @@ def _scratch(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, batc
              student: Student | None) -> tuple[float, float, float, float, float]:
     """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
     and its stored bytes per sample."""
+    from featstore.compute import DatasetPrefix, compute_shard, open_arrays, shard_batches, worker_model, write_shard
     from featstore.online._fill import FillState, try_commit
-    from featstore.compute import DatasetPrefix
     from featstore.online._inputs import InputPrefetch
-    from featstore.online._reading import shard_batches, shard_buffers
     from featstore.online._teacher import plan_new
-    from featstore.compute import worker_model
-    from featstore.compute import open_arrays, write_shard
 
-    tag = uuid.uuid4().hex[:12]
+    tag, opts = _scratch_options(teacher, layout)
     # the real layout's shards (the write's cost per shard is part of its rate)
-    opts = dataclasses.replace(teacher.options or _options(), progress=False, dataset_id=f"advise-{tag}",
-                               model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
     scratch = dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=opts,
                                   samples_per_shard=layout.samples_per_shard)
     planned = plan_new(store.catalog, f"advise/scratch-{tag}", scratch)
     try:
         spec, device = planned.spec, scratch.torch_device()
         net = worker_model(scratch.model, spec.model_key, 0, device)
-        shard_buffers(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
+        compute_shard(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
         arrays = open_arrays(spec)
         shards = range(spec.layout.n_shards)
         inputs = InputPrefetch()  # A's inputs read a batch ahead, as the online reader reads them
         inputs.plan(scratch.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
         t0 = time.perf_counter()
-        computed = [shard_buffers(spec, net, scratch.dataset, shard, device, inputs) for shard in shards]
+        computed = [compute_shard(spec, net, scratch.dataset, shard, device, inputs.get) for shard in shards]
         t1 = time.perf_counter()
-        for shard, (buffers, stats) in zip(shards, computed, strict=True):
-            write_shard(spec, arrays, shard, buffers, stats)
+        for shard, rows in zip(shards, computed, strict=True):
+            write_shard(spec, arrays, shard, rows.arrays(), rows.stats)
         t_teacher, t_write = t1 - t0, time.perf_counter() - t1
         try_commit(store.catalog, planned, FillState(), [None])
         version = store.catalog.open(planned.version.ref)
-        # the shard objects' bytes (``<array>/c/<shard>/...``), not the version's few metadata objects
         stored = _shard_bytes(store.storage, version.key)
         t_read, t_student = _read_epoch(version, batch_size, student)
     finally:
-        _remove_scratch(store, planned.req.name)
+        _remove_scratch(store, planned.plan.name)
     return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
 
 
@@ -273,10 +265,14 @@ def _shard_bytes(storage: Storage, key: str) -> int:
     return sum(size for k, size in storage.fs.du(storage.path(key), total=False).items() if "/c/" in k)
 
 
-def _options() -> ComputeOptions:
+def _scratch_options(teacher: Teacher, layout: Layout) -> tuple[str, ComputeOptions]:
+    """A fresh tag for a scratch version, and the teacher's compute options for it: quiet, named
+    by that tag (no dataset or model digest to take), in the real layout's chunks."""
     from featstore.compute import ComputeOptions
 
-    return ComputeOptions(progress=False)
+    tag = uuid.uuid4().hex[:12]
+    return tag, dataclasses.replace(teacher.options or ComputeOptions(), progress=False, dataset_id=f"advise-{tag}",
+                                    model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
 
 
 def _read_epoch(version: StoredVersion, batch_size: int, student: Student | None) -> tuple[float, float]:

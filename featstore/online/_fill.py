@@ -32,7 +32,7 @@ from featstore.read import Piece
 from featstore.storage import Storage
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import StoredVersion
-from featstore.versions._keys import version_key, view_key
+from featstore.versions._keys import view_key
 from featstore.versions._receipts import finished_shards
 
 log = logging.getLogger("featstore")
@@ -69,7 +69,7 @@ class FillState:
         """List the receipts of each of ``views``' groups (one LIST page per 1,000 shards) with
         this process's ``storage``."""
         for v in views:
-            self.done[v] = finished_shards(storage, view_key(version_key(version.name, version.id), v))
+            self.done[v] = finished_shards(storage, view_key(version.key, v))
 
     def holds(self, view: int | None, shard: int) -> bool:
         return shard in self.done.get(view, set())
@@ -162,7 +162,7 @@ def try_commit(catalog: Catalog, planned: Planned, state: FillState, views: Sequ
     state.refresh(catalog.storage, planned.version, views)
     if not state.complete(planned.version.manifest.layout.n_shards, views):
         return False
-    if catalog.committed(planned.req.name, planned.vid) is not None:
+    if catalog.committed(planned.plan.name, planned.vid) is not None:
         state.committed = True
         return True
     try:

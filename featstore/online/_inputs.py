@@ -39,8 +39,8 @@ class InputPrefetch:
 
     def get(self, dataset: Any, b0: int, b1: int) -> list[Any]:
         """The items of ``dataset[b0:b1]``."""
-        want = (dataset, b0, b1)
-        while self._ahead is not None and not _same(self._ahead[0], want):
+        # the read ahead is of this batch only if of the same dataset object (not merely an equal one)
+        while self._ahead is not None and not (self._ahead[0][0] is dataset and self._ahead[0][1:] == (b0, b1)):
             self._ahead = None  # passed over
             self._start_next()
         if self._ahead is None:
@@ -57,7 +57,3 @@ class InputPrefetch:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")
         self._ahead = ((dataset, b0, b1), self._pool.submit(read_items, dataset, range(b0, b1)))
-
-
-def _same(a: tuple[Any, int, int], b: tuple[Any, int, int]) -> bool:
-    return a[0] is b[0] and a[1:] == b[1:]

@@ -37,10 +37,8 @@ import numpy as np
 import torch
 import zarr
 
-from featstore.compute import TaskSpec, compute_shard, open_arrays, shard_batches, worker_model, write_shard
-from featstore._user_types import MapDataset
+from featstore.compute import compute_shard, open_arrays, shard_batches, worker_model, write_shard
 from featstore.errors import InvalidInput
-from featstore.format._manifests import ArrayStats
 from featstore.online._fill import FillState, ShardUnit, ShardWrites, owned, try_commit
 from featstore.online._inputs import InputPrefetch
 from featstore.online._teacher import Planned, Teacher, plan_teacher
@@ -53,15 +51,6 @@ from featstore.versions._keys import receipt_key, view_key
 
 #: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
 PublicVersion = Callable[[StoredVersion], HasStoredVersion]
-
-
-def shard_buffers(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, index: int, device: torch.device,
-                  inputs: InputPrefetch | None = None) -> tuple[dict[str, np.ndarray], dict[str, ArrayStats]]:
-    """Shard ``index`` as ``compute`` stores it (:func:`featstore.compute.compute_shard`): every
-    array's rows (stored dtype) and their statistics; ``inputs``: where A's inputs were planned
-    to be read ahead."""
-    rows = compute_shard(spec, net, dataset, index, device, None if inputs is None else inputs.get)
-    return rows.arrays(), rows.stats
 
 
 def piece_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
@@ -120,7 +109,7 @@ class ComputedSource(ShardSource):
     def begin(self, epoch: Epoch) -> None:
         version, view = self.planned.version, self.reads.viewing.view
         self.spec = replace(self.planned.spec, view=view, storage=self.reads.storage)
-        self.seen = self._seen(epoch.number, view)
+        self.seen = self.planned.seen(view, epoch.number, self.options.seed)  # this epoch's view, or fresh draws
         self.stored, self.owned_left = None, set()
         if self.filling:
             self.fill.refresh(self.reads.storage, version, [view])
@@ -184,10 +173,6 @@ class ComputedSource(ShardSource):
                               epoch=epoch.number, shuffle=self.options.shuffle, consumers=epoch.consumers)
         return [p.shard for p in tail if p.lo == 0]
 
-    def _seen(self, epoch: int, view: int | None) -> MapDataset:
-        """The dataset as A sees it this epoch (this epoch's view, or fresh draws)."""
-        return self.planned.seen(view, epoch, self.options.seed)
-
     def _window_rows(self, window: Window) -> dict[str, WindowRows]:
         """One window's rows of every read array, in window order: the per-sample arrays into
         window buffers, the per-token ones as each piece's token rows (what the stored version's
@@ -220,15 +205,15 @@ class ComputedSource(ShardSource):
         """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
         consumer's writer thread (:class:`ShardWrites`) while A goes on."""
         spec = self.spec
-        buffers, stats = shard_buffers(spec, self.net, self.seen, shard, self.device, self.inputs)
+        rows = compute_shard(spec, self.net, self.seen, shard, self.device, self.inputs.get)
         if write:
             if spec.view not in self.writers:
                 self.writers[spec.view] = open_arrays(spec)
             self._written(self.writes.submit(ShardUnit(spec.view, shard), write_shard, spec, self.writers[spec.view],
-                                             shard, buffers, stats))
+                                             shard, rows.arrays(), rows.stats))
         else:
             self._written(self.writes.finished())
-        return buffers
+        return rows.arrays()
 
     def _written(self, done: list[ShardUnit]) -> bool:
         """Record finished shard writes; whoever writes the epoch's last owned shard commits.
@@ -258,7 +243,7 @@ class OnlineDataset(FeatureDataset):
         self._planned = planned
         self._public = public
         super().__init__(planned.version, sources=_OnlineSources(planned), **options)
-        if planned.teacher.fresh and planned.req.n != len(planned.teacher.dataset):
+        if planned.teacher.fresh and planned.plan.n != len(planned.teacher.dataset):
             raise InvalidInput("the teacher's dataset changed length while it was planned.")
 
     @property

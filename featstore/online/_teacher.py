@@ -17,16 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
-from torch.utils.data import Dataset
 
-from featstore._json import JSONObject
-from featstore._user_types import Item, MapDataset
+from featstore._user_types import MapDataset
 from featstore.compute import ComputePlan, ComputeRequest, TaskSpec, decide, probe
 from featstore.errors import DeviceSetupError, InvalidInput
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim
 from featstore.versions._committed import StoredVersion
-from featstore.versions._views import Augment, ViewDataset, epoch_seeds, replay
+from featstore.versions._views import ViewDataset, fresh_view
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,20 +95,6 @@ class Teacher(ComputeRequest):
         return device
 
 
-class FreshAugment(Dataset):
-    """``dataset`` as A sees it in epoch ``epoch`` under a fresh augmentation: item ``i``
-    augmented with the seed the reader's ``source=`` join uses for (seed, epoch, i)."""
-
-    def __init__(self, dataset: MapDataset, augment: Augment, seed: int, epoch: int) -> None:
-        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, int(seed), int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Item:
-        return replay(self.augment, self.dataset[i], int(epoch_seeds(self.seed, self.epoch, [i])[0]))
-
-
 @dataclass(frozen=True, eq=False)
 class Planned:
     """The version a teacher's outputs make (not committed): what the reader reads and the
@@ -126,19 +110,6 @@ class Planned:
     def vid(self) -> str:
         return self.plan.vid
 
-    @property
-    def req(self) -> ComputePlan:
-        """The plan (its ``name`` and ``n``, as the reader and the fill read them)."""
-        return self.plan
-
-    @property
-    def parts(self) -> JSONObject:
-        return self.plan.parts
-
-    @property
-    def fp(self) -> str:
-        return self.plan.fingerprint
-
     def seen(self, view: int | None, epoch: int, seed: int) -> MapDataset:
         """The dataset as A sees it: view ``view``'s items (the views as planned: given, or
         ``views_of``'s), or, under a fresh augmentation, epoch ``epoch``'s draw for the reader's
@@ -147,7 +118,7 @@ class Planned:
         if view is not None and views is not None:
             return ViewDataset(dataset, views.augment, views.seed, view)
         if self.teacher.fresh and fresh is not None:
-            return FreshAugment(dataset, fresh, seed, epoch)
+            return fresh_view(dataset, fresh, seed, epoch)
         return dataset
 
 

@@ -31,7 +31,7 @@ import time
 
 from featstore.errors import FeatstoreError, IncompatibleFormat, InvalidInput, VersionNotFound
 from featstore.format._keys import logical_key
-from featstore.format._manifests import Manifest, newer_manifest
+from featstore.format._manifests import newer_manifest
 from featstore.format._objects import tag_json, tag_target
 from featstore._allowed_names import check_name, check_tag, is_version_id
 from featstore.storage import Storage
@@ -84,7 +84,7 @@ class Catalog:
             if not is_version_id(vid):
                 continue
             try:
-                m = self.read_manifest(name, vid)
+                m = read_manifest(self.storage, name, vid)
             except IncompatibleFormat as exc:
                 damaged[vid] = exc
                 continue
@@ -102,13 +102,8 @@ class Catalog:
 
     def committed(self, name: str, vid: str) -> StoredVersion | None:
         """``name@vid`` if it is committed, else None (no tag or "newest" resolution)."""
-        m = self.read_manifest(name, vid)
+        m = read_manifest(self.storage, name, vid)
         return None if m is None else StoredVersion(self.storage, m)
-
-    def read_manifest(self, name: str, vid: str) -> Manifest | None:
-        """The validated manifest of ``name@vid``, or None while it is not committed (see
-        :func:`~featstore.versions._committed.read_manifest`)."""
-        return read_manifest(self.storage, name, vid)
 
     def _tag(self, name: str, tag: str) -> str | None:
         """The version id a tag points at (validated), or None if there is no such tag."""
@@ -162,7 +157,7 @@ class Catalog:
                 )
             return versions[-1]
         vid = sel if is_version_id(sel) else self._tag(name, sel)
-        m = self.read_manifest(name, vid) if vid is not None else None
+        m = read_manifest(self.storage, name, vid) if vid is not None else None
         if m is not None:
             return StoredVersion(self.storage, m)
         if vid is not None and not is_version_id(sel):  # a tag left behind by a deleted version
@@ -185,7 +180,7 @@ class Catalog:
         v = self.open(version)
         key = tag_key(v.name, tag)
         self.storage.write_json(key, tag_json(v.id))
-        if self.read_manifest(v.name, v.id) is None:
+        if read_manifest(self.storage, v.name, v.id) is None:
             if self._tag(v.name, tag) == v.id:
                 self.storage.delete(key)
             raise VersionNotFound(f"version {v.ref} was deleted while it was being tagged {tag!r}; "
@@ -240,7 +235,7 @@ class Catalog:
     def _unreadable(self, name: str, vid: str) -> bool:
         """Whether the manifest of ``name@vid`` exists but cannot be read."""
         try:
-            self.read_manifest(name, vid)
+            read_manifest(self.storage, name, vid)
         except IncompatibleFormat:
             return True
         return False

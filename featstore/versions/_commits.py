@@ -39,10 +39,11 @@ def _sans_compression(specs: Mapping[str, JSONObject] | None) -> dict[str, JSONO
     return {n: {k: v for k, v in a.items() if k != "compression"} for n, a in (specs or {}).items()}
 
 
-def _shards_with_holes(vkey: str, arrays: Mapping[str, ArraySpec], shards: Iterable[int], have: set[str]) -> set[int]:
-    """The shards among ``shards`` that lack an object of some array in the listing ``have``."""
-    return {i for i in shards for a, spec in arrays.items()
-            if f"{vkey}/{chunk_key(a, i, len(spec.shape))}" not in have}
+def _shards_with_holes(vkey: str, arrays: Mapping[str, ArraySpec], shards: Iterable[int],
+                       have: set[str]) -> dict[int, list[str]]:
+    """``{shard: its objects not in the listing have}`` for the shards among ``shards`` that lack one."""
+    keys = {i: [f"{vkey}/{chunk_key(a, i, len(spec.shape))}" for a, spec in arrays.items()] for i in shards}
+    return {i: gone for i, ks in keys.items() if (gone := [k for k in ks if k not in have])}
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Commits:
         done = {i for i in finished_shards(self.storage, key) if i < layout.n_shards}
         holes = _shards_with_holes(key, arrays, done, stored_objects(self.storage, key, layout.spread))
         forget_receipts(self.storage, key, holes)
-        return done - holes
+        return done - set(holes)
 
     def _reference(self, name: str, vid: str, bases: Sequence[Base]) -> None:
         """Mark each base folder as read by ``name@vid``; refuse a base whose data is gone."""
@@ -252,11 +253,9 @@ class Commits:
     def _check_group(self, manifest: Manifest, key: str, have: set[str]) -> None:
         """Raise :class:`ComputeFailed` unless every array object of the group at ``key`` is in ``have``."""
         meta = [f"{key}/zarr.json", *(f"{key}/{a}/zarr.json" for a in manifest.arrays)]
-        shards = set(manifest.own_shards)  # a base's shards live in its folder, kept by a reference
-        holes = _shards_with_holes(key, manifest.arrays, shards, have)
-        missing = [k for k in meta if k not in have] + [
-            f"{key}/{chunk_key(a, i, len(spec.shape))}" for i in sorted(holes) for a, spec in manifest.arrays.items()
-            if f"{key}/{chunk_key(a, i, len(spec.shape))}" not in have]
+        # a base's shards live in its folder, kept by a reference: only the version's own are checked
+        holes = _shards_with_holes(key, manifest.arrays, manifest.own_shards, have)
+        missing = [k for k in meta if k not in have] + [k for i in sorted(holes) for k in holes[i]]
         if not missing:
             return
         forget_receipts(self.storage, key, holes)  # those shards must be computed again

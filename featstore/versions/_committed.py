@@ -100,16 +100,13 @@ def read_manifest(storage: Storage, name: str, vid: str) -> Manifest | None:
     return m
 
 
-def deleted_while_reading(ref: str) -> VersionNotFound:
-    """The error for data that vanished because its version was deleted mid-read."""
-    return VersionNotFound(f"version {ref} was deleted (store.delete) while it was being read; its data "
-                           "is gone. Open another version (store.versions(name)) and start the epoch again.")
-
-
 def deleted_or(version: StoredVersion, error: FeatstoreError) -> FeatstoreError:
     """``error`` about ``version``'s data, unless the version was deleted (its manifest is gone:
     ``store.delete`` removes it before the data): then :class:`VersionNotFound` saying so."""
-    return deleted_while_reading(version.ref) if version.was_deleted() else error
+    if not version.was_deleted():
+        return error
+    return VersionNotFound(f"version {version.ref} was deleted (store.delete) while it was being read; its data "
+                           "is gone. Open another version (store.versions(name)) and start the epoch again.")
 
 
 def missing_data_error(version: StoredVersion, ref: ChunkRef, data: bytes | memoryview | None) -> FeatstoreError:
@@ -223,10 +220,8 @@ class StoredVersion:
     def shard_home(self, shard: int) -> str:
         """The key of the version folder that stores shard ``shard`` (the version's own folder
         for a view's shards: :meth:`chunk_key` then starts with ``_views/<v>/``)."""
-        for b in self.manifest.bases:
-            if b.first <= shard < b.stop:
-                return version_key(b.name, b.id)
-        return self.key
+        home = self._home(shard)[0]
+        return self.key if home == self.data_key else home
 
     def object_key(self, field: str, shard: int) -> str:
         """The store key of the object holding shard ``shard`` of ``field`` (in a base's folder

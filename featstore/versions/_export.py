@@ -79,7 +79,8 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
         for field in version.manifest.arrays:
             meta = _array_metadata(version, source, field)
             dest.write_bytes(f"{prefix}{field}/zarr.json", _json(meta))
-            n_shards = -(-meta["shape"][0] // _shard_rows(meta))
+            shard_rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])  # the sharding codec's
+            n_shards = -(-meta["shape"][0] // shard_rows)
             ndim = len(version.manifest.arrays[field].shape)
             copies += [(source, field, f"{prefix}{chunk_key(field, s, ndim)}") for s in range(n_shards)]
     written = _copy_objects(version, dest, copies, progress)
@@ -101,11 +102,6 @@ def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -
         raise CorruptChunk(f"{field}/zarr.json of {version.ref} is missing; the version is damaged.",
                            version=version.ref, array=field, chunk=f"{field}/zarr.json")
     return json.loads(mark_metadata(raw, None))
-
-
-def _shard_rows(meta: dict[str, Any]) -> int:
-    """Rows of axis 0 per shard object, from an array's metadata (sharding codec's chunk shape)."""
-    return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
 
 
 def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[StoredVersion, str, str]],

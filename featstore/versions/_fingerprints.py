@@ -26,14 +26,10 @@ from featstore._json import JSON, JSONObject, canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
 from featstore._user_types import MapDataset, ModelSpec
 from featstore._lazy import torch  # imported on first use: the quick commands never need it
+from featstore.versions._views import raw_bytes
 
 
 DATASET_SAMPLES = 16
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes()
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -47,7 +43,7 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(name.encode() + b"\0")
         if isinstance(value, torch.Tensor):
             h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            h.update(_tensor_bytes(value))
+            h.update(raw_bytes(value))
         else:
             h.update(repr(value).encode())
     return h.hexdigest()
@@ -57,10 +53,10 @@ def _update_item(h: hashlib._Hash, item: object, path: str = "") -> None:
     """Feed one dataset item into ``h``; ``path`` names the field being digested (for messages)."""
     if isinstance(item, torch.Tensor):
         h.update(f"T{item.dtype}{tuple(item.shape)}".encode())
-        h.update(_tensor_bytes(item))
+        h.update(raw_bytes(item))
     elif isinstance(item, np.ndarray):
         h.update(f"N{item.dtype}{item.shape}".encode())
-        h.update(np.ascontiguousarray(item).tobytes())
+        h.update(raw_bytes(item))
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):
@@ -251,7 +247,7 @@ def _setting(value: object) -> bytes | None:
     if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
         return repr(tuple(value)).encode()
     if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{tuple(value.shape)}".encode() + _tensor_bytes(value)
+        return f"{value.dtype}{tuple(value.shape)}".encode() + raw_bytes(value)
     return None
 
 

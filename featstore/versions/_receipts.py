@@ -9,15 +9,12 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-
-from featstore.errors import (CorruptChunk)
+from featstore.errors import CorruptChunk
 from featstore._json import load_json
 from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ShardReceipt, ShardRecords, decode_records,
                                          encode_records)
 from featstore.format._objects import ReceiptRun
 from featstore.storage import Storage
-
-
 from featstore.versions._keys import IO_THREADS, RECEIPTS, RECORDS, RUN_EVERY, receipt_key
 
 

@@ -215,8 +215,17 @@ class ViewDataset:
         return replay_rows(self.augment, items, view_seeds(self.seed, self.view, indices))
 
 
+def fresh_view(dataset: MapDataset, augment: Augment, seed: int, epoch: int) -> ViewDataset:
+    """``dataset`` as a fresh augmentation (one never stored) draws it in epoch ``epoch``: item
+    ``i`` augmented with ``epoch_seeds(seed, epoch, [i])``, the seed the reader's ``source=`` join
+    replays for the same rows (a view of the epoch seeds' own domain)."""
+    return ViewDataset(dataset, augment, _epoch_domain(int(seed)), epoch)
+
+
 # -- detecting an augment that does not draw from its generator --------------------------------
-def _bytes(x: torch.Tensor | np.ndarray) -> bytes:
+def raw_bytes(x: torch.Tensor | np.ndarray) -> bytes:
+    """The bytes of a tensor (on any device) or array, in C order: what digests and bit-for-bit
+    comparisons read."""
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous().reshape(-1)
         return x.view(torch.uint8).numpy().tobytes()
@@ -227,7 +236,7 @@ def _same(a: object, b: object) -> bool:
     """Bit-for-bit equality of two augmented items (NaN equals NaN)."""
     arrays = (torch.Tensor, np.ndarray)
     if isinstance(a, arrays) and isinstance(b, arrays):
-        return type(a) is type(b) and (a.dtype, a.shape) == (b.dtype, b.shape) and _bytes(a) == _bytes(b)
+        return type(a) is type(b) and (a.dtype, a.shape) == (b.dtype, b.shape) and raw_bytes(a) == raw_bytes(b)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
