@@ -185,7 +185,7 @@ class MixtureDataset(IterableDataset):
         for sl in share.slices:
             arrays = [next(streams[k])[1] if n else None for k, n in enumerate(_read_sizes(sl, shuffle))]
             rows = slice_rows(sl, self.options.seed, epoch, shuffle)
-            mixed = MixedSlice(arrays, rows.streams, rows.order - _starts(sl, shuffle)[rows.streams])
+            mixed = MixedSlice(arrays, rows.streams, rows.order - _starts(sl, shuffle)[rows.streams], n_held, bs)
             pos, n = 0, len(rows.order)
             while pos < n:
                 take = min(bs - n_held, n - pos)

@@ -14,9 +14,10 @@ about what one version's does (one gather per array):
   (:class:`~featstore.read._gather.ArenaRows` that :meth:`~featstore.read._gather.ArenaRows.shares_rows`),
   or the rows themselves when they are at most :data:`JOINT_ROW_BYTES` (the sample index, a
   label: copying them costs what an offset would);
-- per batch, a stable sort of its version labels (small integers: numpy's radix sort), then per
-  joint array one fancy index (and for arena rows one ``index_select``, as for one version); any
-  other array (decoded window buffers, rows gathered shard by shard, windows in different arenas)
+- per slice too, the order batches yield its rows (:func:`batch_grouped`: each batch grouped by
+  version, one vectorised stable sort of small integer labels for all its batches);
+- per batch, for each joint array a slice of it (and for arena rows one ``index_select``, as for
+  one version); any other array (decoded window buffers, rows gathered shard by shard, windows in different arenas)
   is gathered version by version into one preallocated buffer, never joined from pieces.
 """
 
@@ -63,34 +64,37 @@ class MixedSlice:
     rows read."""
 
     def __init__(self, arrays: Sequence[Mapping[str, WindowRows] | None], streams: np.ndarray,
-                 local: np.ndarray) -> None:
+                 local: np.ndarray, held: int, batch_size: int) -> None:
+        """``held``: rows of the batch being filled when the slice starts (its first batch takes
+        ``batch_size - held`` rows of the slice, the later ones ``batch_size``)."""
         self.arrays = arrays
         present = [a for a in arrays if a is not None]
         self.fields = tuple(present[0]) if present else ()
-        # small integers, so that each batch's stable sort by version is a radix sort
-        self.labels = streams.astype(np.min_scalar_type(max(len(arrays) - 1, 0)))
-        self.local = local
-        masks = [streams == k if a is not None else None for k, a in enumerate(arrays)]
+        # the slice's positions in the order batches yield them: grouped by version in each batch
+        order = batch_grouped(streams.astype(np.min_scalar_type(max(len(arrays) - 1, 0))), held, batch_size)
+        self.labels = streams[order]
+        self.local = local[order]
+        masks = [self.labels == k if a is not None else None for k, a in enumerate(arrays)]
         self.joint = {f: j for f in self.fields if (j := _joint([None if a is None else a[f] for a in arrays],
-                                                                   masks, local)) is not None}
+                                                                   masks, self.local)) is not None}
 
     def rows(self, a: int, b: int) -> MixedRows:
-        """Positions ``[a, b)`` of the slice's yield order as rows grouped by version."""
+        """Rows ``[a, b)`` of the slice in yield order (a batch, or the part of one in this slice:
+        ``[a, b)`` must be one of the batches :meth:`__init__` grouped by)."""
         labels = self.labels[a:b]
-        order = np.argsort(labels, kind="stable")
-        grouped = labels[order]
-        local = self.local[a:b][order]
-        bounds = np.searchsorted(grouped, np.arange(len(self.arrays) + 1))
         out: dict[str, BatchRows] = {}
+        bounds: np.ndarray | None = None
         for f in self.fields:
             j = self.joint.get(f)
             if j is None:
-                out[f] = self._by_version(f, local, bounds)
+                if bounds is None:
+                    bounds = np.searchsorted(labels, np.arange(len(self.arrays) + 1))
+                out[f] = self._by_version(f, self.local[a:b], bounds)
             elif j.arena is None:
-                out[f] = j.values[a:b][order]
+                out[f] = j.values[a:b].copy()  # a batch never shares memory with the slice
             else:
-                out[f] = j.arena.take_offsets(j.values[a:b][order])
-        return MixedRows(out, grouped)
+                out[f] = j.arena.take_offsets(j.values[a:b])
+        return MixedRows(out, labels.astype(np.int64))
 
     def _by_version(self, field: str, local: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """One array's rows, version by version (``local[bounds[k]:bounds[k + 1]]``: version
@@ -116,6 +120,24 @@ class MixedSlice:
             first = next(a[field] for a in self.arrays if a is not None)
             return _dense(window_rows({field: first}, local, 0, 0, 0)[field])
         return out
+
+
+def batch_grouped(labels: np.ndarray, held: int, batch_size: int) -> np.ndarray:
+    """The positions of a slice whose rows have version ``labels``, in the order batches yield
+    them: each batch's rows (the first batch's ``batch_size - held``, then ``batch_size`` each)
+    grouped by version, stably. One stable sort per row of a ``[batches, batch_size]`` view (small
+    integer labels: radix sorts), not one call per batch."""
+    n = len(labels)
+    first = min(n, (batch_size - held) if held else 0)
+    order = np.empty(n, dtype=np.int64)
+    order[:first] = np.argsort(labels[:first], kind="stable")
+    whole = (n - first) // batch_size * batch_size
+    if whole:
+        grid = np.argsort(labels[first:first + whole].reshape(-1, batch_size), axis=1, kind="stable")
+        grid += (first + np.arange(0, whole, batch_size))[:, None]
+        order[first:first + whole] = grid.ravel()
+    order[first + whole:] = first + whole + np.argsort(labels[first + whole:], kind="stable")
+    return order
 
 
 def regrouped(parts: list[MixedRows]) -> MixedRows:
