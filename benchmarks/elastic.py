@@ -11,8 +11,8 @@ one of ``n`` (a linear Model A's fp16 features, 128 wide), then measures, ``repe
   window (4 shards), the same number of windows and shards per epoch, the same batch, seed and
   shuffle; both are warmed up by one epoch, then measured in alternating order.
 - **With a light Model B.** The same epochs with a training step per batch (an MLP 128 -> 256 ->
-  10, Adam, the label ``index % 10``), as the reader rows' light B: what the difference costs a
-  training loop whose step is not free.
+  10, Adam, the label ``index % 10``, one torch thread), as the reader rows' light B: what the
+  difference costs a training loop whose step is not free.
 - **Time to the first batch on resume.** A state saved by a 2-rank job at 10% and at 90% of the
   epoch, loaded into rank 0 of 4 ranks (and of 2): seconds from ``load_state_dict`` to the first
   batch. The resume plans only what the new consumer needs, so 90% should cost no more than 10%.
@@ -37,6 +37,7 @@ from torch import nn
 
 import featstore
 
+from .reader import torch_threads
 from .sections import write_marked
 
 BEGIN, END = "<!-- elastic:begin -->", "<!-- elastic:end -->"
@@ -88,13 +89,16 @@ class LightB:
 
 
 def train_rate(ds: Any, epoch: int, b: LightB) -> float:
-    """Samples/s of one epoch with a light-B step per batch (reading included)."""
+    """Samples/s of one epoch with a light-B step per batch (reading included), B on one torch
+    thread: on this shared machine two spinning intra-op threads made each step ~100x slower
+    under load, which measured the load, not the reader."""
     ds.set_epoch(epoch)
-    t0, rows = time.perf_counter(), 0
-    for batch in ds:
-        b.step(batch)
-        rows += len(batch["index"])
-    return rows / (time.perf_counter() - t0)
+    with torch_threads(1):
+        t0, rows = time.perf_counter(), 0
+        for batch in ds:
+            b.step(batch)
+            rows += len(batch["index"])
+        return rows / (time.perf_counter() - t0)
 
 
 def first_batch_s(version: featstore.Version, state: dict[str, Any], world: int) -> float:
@@ -161,7 +165,7 @@ def section(r: dict[str, Any]) -> str:
 2-core machine). Shuffled epochs in one process, batch {BATCH}, fp16 features 128 wide; every
 version has {r['samples_per_shard']:,} samples per shard, so both reads take the same shuffle window,
 windows and shards per epoch; both warmed up, measured in alternating order. Light B: an MLP
-128→256→10 with Adam, one step per batch.
+128→256→10 with Adam, one step per batch, on one torch thread.
 
 | read | one version, {r['n']:,} samples | `featstore.mix` of two versions, 0.5/0.5 | ratio (target ≥ 0.95) \
 | ratio per repeat (min–max) |
