@@ -6,7 +6,13 @@ one of ``n`` (a linear Model A's fp16 features, 128 wide), then measures, ``repe
 
 - **Mixture read speed.** One shuffled epoch of ``featstore.mix([(a, 0.5), (b, 0.5)])`` (``n``
   samples) against one epoch of the single version of ``n`` samples, in this process
-  (``num_workers=0``, batch 256): samples/s, and the ratio (target >= 0.95).
+  (``num_workers=0``, batch 256): samples/s, and the ratio (target >= 0.95). Like with like: all
+  three versions have the same shard size (``n / 16`` samples), so both reads take the same shuffle
+  window (4 shards), the same number of windows and shards per epoch, the same batch, seed and
+  shuffle; both are warmed up by one epoch, then measured in alternating order.
+- **With a light Model B.** The same epochs with a training step per batch (an MLP 128 -> 256 ->
+  10, Adam, the label ``index % 10``, one torch thread), as the reader rows' light B: what the
+  difference costs a training loop whose step is not free.
 - **Time to the first batch on resume.** A state saved by a 2-rank job at 10% and at 90% of the
   epoch, loaded into rank 0 of 4 ranks (and of 2): seconds from ``load_state_dict`` to the first
   batch. The resume plans only what the new consumer needs, so 90% should cost no more than 10%.
@@ -31,6 +37,7 @@ from torch import nn
 
 import featstore
 
+from .reader import torch_threads
 from .sections import write_marked
 
 BEGIN, END = "<!-- elastic:begin -->", "<!-- elastic:end -->"
@@ -50,10 +57,11 @@ class Vectors(torch.utils.data.Dataset):
         return {"input": self.x[i]}
 
 
-def write(store: featstore.FeatureStore, name: str, n: int, seed: int) -> featstore.Version:
+def write(store: featstore.FeatureStore, name: str, n: int, seed: int, shard: int) -> featstore.Version:
     torch.manual_seed(0)
     return store.compute(name, model=nn.Linear(64, 128), dataset=Vectors(n, seed), outputs={"features": "float16"},
-                         batch_size=1024, client="in-process", options=featstore.ComputeOptions(progress=False))
+                         batch_size=1024, samples_per_shard=shard, client="in-process",
+                         options=featstore.ComputeOptions(progress=False))
 
 
 def epoch_rate(ds: Any, epoch: int) -> float:
@@ -62,6 +70,35 @@ def epoch_rate(ds: Any, epoch: int) -> float:
     for b in ds:
         rows += len(b["index"])
     return rows / (time.perf_counter() - t0)
+
+
+class LightB:
+    """A light Model B: an MLP 128 -> 256 -> 10 with Adam on the label ``index % 10``."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
+        self.ce = nn.CrossEntropyLoss()
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = self.ce(self.net(batch["features"].float()), batch["index"] % 10)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
+def train_rate(ds: Any, epoch: int, b: LightB) -> float:
+    """Samples/s of one epoch with a light-B step per batch (reading included), B on one torch
+    thread: on this shared machine two spinning intra-op threads made each step ~100x slower
+    under load, which measured the load, not the reader."""
+    ds.set_epoch(epoch)
+    with torch_threads(1):
+        t0, rows = time.perf_counter(), 0
+        for batch in ds:
+            b.step(batch)
+            rows += len(batch["index"])
+        return rows / (time.perf_counter() - t0)
 
 
 def first_batch_s(version: featstore.Version, state: dict[str, Any], world: int) -> float:
@@ -76,14 +113,21 @@ def run(n: int, repeats: int) -> dict[str, Any]:
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as root:
         store = featstore.open_store(root)
-        a, b, one = write(store, "mix/a", n // 2, 1), write(store, "mix/b", n - n // 2, 2), write(store, "one", n, 3)
+        shard = max(1, -(-n // 16))  # one shard size for all three: the same windows and shards per epoch
+        a, b = write(store, "mix/a", n // 2, 1, shard), write(store, "mix/b", n - n // 2, 2, shard)
+        one = write(store, "one", n, 3, shard)
         mixed = featstore.mix([(a, 0.5), (b, 0.5)], batch_size=BATCH, seed=1)
         single = one.dataset(batch_size=BATCH, seed=1)
-        epoch_rate(mixed, 0), epoch_rate(single, 0)  # warm: page cache, imports
-        mix_rates, one_rates = [], []
-        for r in range(repeats):  # interleaved, so the machine's load falls on both alike
-            mix_rates.append(epoch_rate(mixed, r + 1))
-            one_rates.append(epoch_rate(single, r + 1))
+        model = LightB()
+        for ds in (mixed, single):  # warm: page cache, imports, arena slots, B's first steps
+            epoch_rate(ds, 0), train_rate(ds, 0, model)
+        rates: dict[str, list[float]] = {"mix": [], "one": [], "mix_b": [], "one_b": []}
+        for r in range(repeats):  # interleaved and alternating, so the machine's load falls on both alike
+            pair = ((mixed, "mix"), (single, "one")) if r % 2 == 0 else ((single, "one"), (mixed, "mix"))
+            for ds, key in pair:
+                rates[key].append(epoch_rate(ds, r + 1))
+            for ds, key in pair:
+                rates[key + "_b"].append(train_rate(ds, r + 1, model))
             load.append(os.getloadavg()[0])
         steps = -(-n // (2 * BATCH))
         resume: dict[str, dict[str, float]] = {}
@@ -94,13 +138,22 @@ def run(n: int, repeats: int) -> dict[str, Any]:
                 resume.setdefault(f"{int(at * 100)}%", {})[f"{world} ranks"] = statistics.median(
                     first_batch_s(one, state, world) for _ in range(repeats))
         load.append(os.getloadavg()[0])
-    m, o = statistics.median(mix_rates), statistics.median(one_rates)
-    return {"n": n, "repeats": repeats, "mixture_samples_per_s": m, "one_version_samples_per_s": o,
-            "ratio": m / o, "first_batch_s": resume, "load_average": [round(x, 2) for x in load],
+    m, o = statistics.median(rates["mix"]), statistics.median(rates["one"])
+    mb, ob = statistics.median(rates["mix_b"]), statistics.median(rates["one_b"])
+    return {"n": n, "repeats": repeats, "samples_per_shard": shard, "mixture_samples_per_s": m,
+            "one_version_samples_per_s": o, "ratio": m / o,
+            "ratios": sorted(x / y for x, y in zip(rates["mix"], rates["one"], strict=True)),
+            "light_b": {"mixture_samples_per_s": mb, "one_version_samples_per_s": ob, "ratio": mb / ob,
+                        "ratios": sorted(x / y for x, y in zip(rates["mix_b"], rates["one_b"], strict=True))},
+            "first_batch_s": resume, "load_average": [round(x, 2) for x in load],
             "started": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def section(r: dict[str, Any]) -> str:
+    rate_rows = "\n".join(
+        f"| {what}, samples/s | {x['one_version_samples_per_s']:,.0f} | {x['mixture_samples_per_s']:,.0f} | "
+        f"{x['ratio']:.3f} | {min(x['ratios']):.2f}–{max(x['ratios']):.2f} |"
+        for what, x in (("read only", r), ("light B", r["light_b"])))
     rows = "\n".join(f"| resume at {at} of the epoch (saved by 2 ranks) | "
                      + " | ".join(f"{s * 1000:.1f} ms" for s in per.values()) + " |"
                      for at, per in r["first_batch_s"].items())
@@ -109,13 +162,15 @@ def section(r: dict[str, Any]) -> str:
 
 `python -m benchmarks.elastic --n {r['n']} --repeats {r['repeats']}` ({r['started']}; medians of
 {r['repeats']}; load average {min(r['load_average']):.2f}-{max(r['load_average']):.2f} on this shared
-2-core machine). Shuffled epochs in one process, batch {BATCH}, fp16 features 128 wide.
+2-core machine). Shuffled epochs in one process, batch {BATCH}, fp16 features 128 wide; every
+version has {r['samples_per_shard']:,} samples per shard, so both reads take the same shuffle window,
+windows and shards per epoch; both warmed up, measured in alternating order. Light B: an MLP
+128→256→10 with Adam, one step per batch, on one torch thread.
 
-| read | samples/s |
-|---|---|
-| one version, {r['n']} samples | {r['one_version_samples_per_s']:,.0f} |
-| `featstore.mix` of two versions, 0.5/0.5, {r['n']} samples | {r['mixture_samples_per_s']:,.0f} |
-| ratio (target >= 0.95) | {r['ratio']:.3f} |
+| read | one version, {r['n']:,} samples | `featstore.mix` of two versions, 0.5/0.5 | ratio (target ≥ 0.95) \
+| ratio per repeat (min–max) |
+|---|---|---|---|---|
+{rate_rows}
 
 | time to the first batch after `load_state_dict` | rank 0 of 2 | rank 0 of 4 |
 |---|---|---|

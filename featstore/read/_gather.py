@@ -143,8 +143,19 @@ class ArenaRows(_Pieces):
 
     def take(self, pos: np.ndarray) -> np.ndarray:
         """Window rows ``pos`` (in that order) as a new array."""
-        rows = torch.index_select(self.src, 0, torch.from_numpy(self.offsets[pos])).numpy()
-        return rows.view(self.dtype).reshape(len(pos), *self.fmt.row_shape)
+        return self.take_offsets(self.offsets[pos])
+
+    def take_offsets(self, offsets: np.ndarray) -> np.ndarray:
+        """The rows at these unit offsets (from :attr:`offsets`, of this window or of another
+        that :meth:`shares_rows` with it) as a new array: one ``index_select``."""
+        rows = torch.index_select(self.src, 0, torch.from_numpy(offsets)).numpy()
+        return rows.view(self.dtype).reshape(len(offsets), *self.fmt.row_shape)
+
+    def shares_rows(self, other: ArenaRows) -> bool:
+        """Whether ``other``'s offsets address the same rows view of the same arena with the same
+        row format, so that one ``index_select`` can take rows of both windows."""
+        return (self.src is other.src and self.dtype == other.dtype
+                and tuple(self.fmt.row_shape) == tuple(other.fmt.row_shape))
 
     def span(self, lo: int, hi: int) -> np.ndarray:
         return self.take(np.arange(lo, hi))

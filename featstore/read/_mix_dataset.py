@@ -34,13 +34,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from featstore.codecs._ragged import concat_rows
 from featstore.errors import InvalidInput
 from featstore.read._assignment import UniformShards
 from featstore.read._dataset import FeatureDataset, raising
 from featstore.read._elastic import EpochOrder
 from featstore.read._epoch_state import EpochState, Iteration
-from featstore.read._gather import window_rows
+from featstore.read._mix_gather import MixedRows, MixedSlice, regrouped
 from featstore.read._mixture import MixStream, Mixture
 from featstore.read._options import ReaderOptions
 from featstore.read._slices import Share, slice_reads, slice_rows
@@ -176,41 +175,42 @@ class MixtureDataset(IterableDataset):
 
     def _batches(self, share: Share, epoch: int,
                  streams: list[Iterator[tuple[Window, dict[str, WindowRows]]]]) -> Iterator[dict[str, torch.Tensor]]:
-        """Cut the share's slices into batches (across slice boundaries, as a version's windows)."""
-        bs, held = self.options.batch_size, 0
-        parts: list[tuple[list[dict[str, WindowRows] | None], np.ndarray, np.ndarray]] = []
+        """Cut the share's slices into batches (across slice boundaries, as a version's windows).
+        Each slice's joint arrays are set up once (:class:`MixedSlice`); a batch is then one
+        gather per array. A batch's part from a slice is gathered before the next slice is read
+        (which releases that slice's windows)."""
+        bs, shuffle = self.options.batch_size, self.options.shuffle
+        held: list[MixedRows] = []  # the batch being filled: its parts from earlier slices
+        n_held = 0
         for sl in share.slices:
-            arrays = [next(streams[k])[1] if n else None for k, n in enumerate(_read_sizes(sl, self.options.shuffle))]
-            rows = slice_rows(sl, self.options.seed, epoch, self.options.shuffle)
-            starts = _starts(sl, self.options.shuffle)
-            pos = 0
-            while pos < len(rows.order):
-                take = min(bs - held, len(rows.order) - pos)
-                parts.append((arrays, rows.order[pos:pos + take] - starts[rows.streams[pos:pos + take]],
-                              rows.streams[pos:pos + take]))
-                held, pos = held + take, pos + take
-                if held == bs:
-                    yield self._batch(parts)
-                    parts, held = [], 0
+            arrays = [next(streams[k])[1] if n else None for k, n in enumerate(_read_sizes(sl, shuffle))]
+            rows = slice_rows(sl, self.options.seed, epoch, shuffle)
+            mixed = MixedSlice(arrays, rows.streams, rows.order - _starts(sl, shuffle)[rows.streams], n_held, bs)
+            pos, n = 0, len(rows.order)
+            while pos < n:
+                take = min(bs - n_held, n - pos)
+                part = mixed.rows(pos, pos + take)
+                pos += take
+                if take == bs:
+                    yield self._batch(part)
+                    continue
+                held.append(part)
+                n_held += take
+                if n_held == bs:
+                    yield self._batch(regrouped(held))
+                    held, n_held = [], 0
         for s in streams:  # every version's reads end (their sources close the epoch)
             for _ in s:
                 pass
-        if parts and not self.options.drop_last:
-            yield self._batch(parts)
+        if held and not self.options.drop_last:
+            yield self._batch(regrouped(held))
 
-    def _batch(self, parts: list[tuple[list[dict[str, WindowRows] | None], np.ndarray, np.ndarray]]
-               ) -> dict[str, torch.Tensor]:
-        """One batch from its parts: per version, its rows gathered and decoded; versions one
-        after another, with the ``"source"`` column."""
-        out: list[dict[str, torch.Tensor]] = []
-        for k, reader in enumerate(self.readers):
-            got = [window_rows(arrays[k], pos[streams == k], 0, 0, int((streams == k).sum()))  # type: ignore[arg-type]
-                   for arrays, pos, streams in parts if (streams == k).any()]
-            if got:
-                t = reader.to_batch({f: concat_rows([g[f] for g in got]) for f in got[0]})
-                t[SOURCE] = torch.full((len(t["index"]),), k, dtype=torch.int64)
-                out.append(t)
-        return {f: torch.cat([t[f] for t in out]) for f in out[0]}
+    def _batch(self, rows: MixedRows) -> dict[str, torch.Tensor]:
+        """One batch from its rows (grouped by version): decoded once, as one version's (the
+        versions' codecs agree: :func:`check_compatible`), with the ``"source"`` column."""
+        t = self.readers[0].to_batch(rows.arrays)
+        t[SOURCE] = torch.from_numpy(rows.labels.astype(np.int64))
+        return t
 
     def __repr__(self) -> str:
         return f"MixtureDataset({', '.join(v.ref for v in self.versions)}, counts={self.counts}, {self.options})"

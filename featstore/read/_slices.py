@@ -35,6 +35,7 @@ Nothing here does IO.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,11 +129,19 @@ def whole(plan: ConsumerPlan, cid: int) -> Share:
 
 def balanced_positions(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(stream, rank within the stream) of each position of the balanced interleave of
-    ``sizes`` (O(total) numpy)."""
+    ``sizes`` (O(total) numpy; read-only arrays, kept for the last few ``sizes``: a mixture's
+    windows mostly have the same sizes, so each epoch's windows compute it once)."""
+    return _balanced_positions(tuple(int(n) for n in sizes))
+
+
+@functools.lru_cache(maxsize=8)
+def _balanced_positions(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     total = sum(sizes)
     cum = np.stack(interleave(list(sizes), np.arange(total + 1, dtype=np.int64)))  # [streams, total + 1]
     stream = np.argmax(np.diff(cum, axis=1), axis=0)
-    return stream, cum[stream, np.arange(total)]
+    rank = cum[stream, np.arange(total)]
+    stream.flags.writeable = rank.flags.writeable = False
+    return stream, rank
 
 
 def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

@@ -16,6 +16,7 @@ from featstore.read import _mixture
 from featstore.read._assignment import UniformShards, shard_order
 from featstore.read._elastic import EpochOrder, ResumeState, Split, resume
 from featstore.read._mixture import MixStream, Mixture, stream_seed
+from featstore.read._mix_gather import batch_grouped
 from featstore.read._slices import balanced_positions, interleave, slice_rows
 from tests.read.plan_rows import (STREAM, batches, consumed_order, count_pieces, job_order, rank_batches, rank_totals,
                                   resumed_shares, share_rows)
@@ -236,3 +237,16 @@ def test_pad_wraps_a_mixture_to_its_start(world, workers):
     c = sp.consumers
     assert {len(v) for v in got.values()} == {-(-mix.n_samples // c)}
     assert set(epoch_rows(mix, 0, 0, False)) == {i for v in got.values() for i in v.tolist()}
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+@pytest.mark.parametrize("held", [0, 1, 6, 63])
+def test_batch_grouped_is_each_batch_stably_sorted_by_version(streams, batch_size, held):
+    # what the mixture reader computes once per slice: the order its batches yield the rows in
+    held = min(held, batch_size - 1)  # rows of a batch begun in earlier slices: fewer than a batch
+    for n in (0, 5, 200, 333):
+        labels = np.random.default_rng([streams, n]).integers(0, streams, n).astype(np.uint8)
+        batch = (held + np.arange(n)) // batch_size  # the batch of each position (the first completes one)
+        want = np.argsort(batch * streams + labels, kind="stable")
+        assert np.array_equal(batch_grouped(labels, held, batch_size), want)
