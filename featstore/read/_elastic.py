@@ -241,14 +241,18 @@ def check_global_batch(saved: Split, now: Split) -> None:
     g = saved.global_batch
     if now.global_batch == g:
         return
-    was = f"the saved run's global batch is {g} ({saved.world} ranks x batch_size={saved.batch_size})"
+    was = f"the saved run's global batch is {g} ({_ranks(saved.world)} x batch_size={saved.batch_size})"
     if g % now.world:
         fits = [w for w in range(1, g + 1) if g % w == 0]
-        raise InvalidInput(f"{was}, which does not divide over {now.world} ranks, so no batch size resumes it "
+        raise InvalidInput(f"{was}, which does not divide over {_ranks(now.world)}, so no batch size resumes it "
                            f"exactly: resume on a world size that divides {g} ({', '.join(map(str, fits[:12]))}"
                            f"{', ...' if len(fits) > 12 else ''}), or start the epoch over.")
-    raise InvalidInput(f"{was}; {now.world} ranks x batch_size={now.batch_size} is {now.global_batch}: resume "
+    raise InvalidInput(f"{was}; {_ranks(now.world)} x batch_size={now.batch_size} is {now.global_batch}: resume "
                        f"with batch_size={g // now.world} to keep it.")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 # -- the arithmetic -----------------------------------------------------------------------------
