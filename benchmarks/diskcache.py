@@ -126,19 +126,29 @@ def _warm_pairs(s3v: featstore.Version, lv: featstore.Version, cache_dir: str, b
                 if what == "disk":
                     p["gets"], p["bytes"] = gets.take()
             r["pairs"].append(p)
-    r["train_pairs"] = []
-    for i in range(B_PAIRS):  # light B over one warm epoch from each, in alternating order
-        p = {}
-        for what in (("local", "disk") if i % 2 == 0 else ("disk", "local")):
-            def batches(epoch: int, ds: featstore.FeatureDataset = disk if what == "disk" else local,
-                        first: int = 10 + i) -> Any:
-                ds.set_epoch(first + epoch)
-                for b in ds:
-                    yield b["features"], b["logits"], b["target"]
-            p[f"{what}_s"] = train_light(batches, epochs=1)
-        r["train_pairs"].append(p)
+    r["train_pairs"] = light_b_pairs({"local": local, "disk": disk}, B_PAIRS, first_epoch=10)
     r["train_gets"], _ = gets.take()
     return r
+
+
+def light_b_pairs(sides: dict[str, featstore.FeatureDataset], pairs: int,
+                  first_epoch: int = 0) -> list[dict[str, float]]:
+    """``pairs`` pairs of the light B over one epoch from each of two datasets (``sides``: two names
+    and their datasets), taken next to each other in alternating order (the first name first in even
+    pairs); pair ``i`` reads epoch ``first_epoch + i`` on both sides, so both read the same order.
+    Each pair is ``{f"{name}_s": seconds}``."""
+    a, b = sides
+    out = []
+    for i in range(pairs):
+        p = {}
+        for name in ((a, b) if i % 2 == 0 else (b, a)):
+            def batches(_: int, ds: featstore.FeatureDataset = sides[name], epoch: int = first_epoch + i) -> Any:
+                ds.set_epoch(epoch)
+                for batch in ds:
+                    yield batch["features"], batch["logits"], batch["target"]
+            p[f"{name}_s"] = train_light(batches, epochs=1)
+        out.append(p)
+    return out
 
 
 def _half_budget(s3v: featstore.Version, cache_dir: str, budget: int, policy: str, gets: GetCounter) -> list[int]:

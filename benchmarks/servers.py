@@ -14,7 +14,13 @@ each server, on the reader rows' light workload (:mod:`benchmarks.reader`: 512 f
 - *read*: one read-only epoch (0 workers, shuffled) vs whole-object GETs of the same objects with
   the reader's client (obstore) and concurrency (``prefetch`` = 4), in alternating order;
 - *training*: 3 epochs of the light B (on one torch thread) from the S3 version vs from the same
-  version on a local store, 0 workers, in alternating order.
+  version on a local store, 0 workers, in alternating order;
+- *cold epoch*: one epoch of the light B from S3 with no cache (``cache=None``: the process keeps
+  no object, so every object of the epoch is fetched, its first read in that epoch) vs the same
+  epoch (same order) from the local store, in alternating order;
+- *warm epoch*: one epoch of the light B from S3 with ``cache="disk"`` after an epoch that put
+  every object on the node's disk (0 GETs, counted) vs the same epoch from the local store, in
+  alternating order (as :mod:`benchmarks.diskcache` does against moto).
 
 The first read-only epoch of each new version is kept apart (a figure, not a pair): the pairs
 measure the epochs after it, as a training run's are.
@@ -38,6 +44,7 @@ from typing import Any
 import featstore
 from featstore.versions import stored
 
+from .diskcache import GetCounter, epoch_s, light_b_pairs
 from .measure import Stat
 from .reader import (BATCH, FIELDS, featstore_batches, light_outputs, load_note, read_only, s3_clients, torch_threads,
                      train_light, write_light)
@@ -50,6 +57,8 @@ WRITE_THREADS = 2
 #: The reader's concurrency: ``ReaderOptions.prefetch``.
 READ_THREADS = 4
 PAIRS = 2  # read and training pairs per repeat
+#: Cold-epoch and warm-epoch light-B pairs per repeat (one epoch on each side).
+EPOCH_PAIRS = 4
 #: What the rows mean, below the tables (measured by hand where a figure is quoted).
 NOTES = (
     "- *The same client and concurrency*: the raw GETs are obstore's, 4 at a time, whole objects, as the "
@@ -64,6 +73,13 @@ NOTES = (
     "`index_select` over arena slots (training 1.55 vs 1.65, read-only epochs 0.44 s vs 0.35 s: the copy into "
     "the slots costs more than the numpy gather, 0.11-0.18 s per epoch), and smaller shards (512 samples "
     "instead of 2,560: 1.61 vs 1.46). Where the server runs on other machines, its CPU leaves this one.",
+    "- *Cold and warm epochs*: one epoch of the light B, not three, so each pair is cold or warm "
+    "throughout. The cold row's S3 side reads with no cache (`cache=None`): the process keeps no object "
+    "between epochs, so every object of the epoch is fetched (the data GETs per cold epoch above) and "
+    "decoded; the version's first epoch in the process (its client, manifest and the server's caches to "
+    "warm) is kept apart, as a figure above. The warm row's S3 side reads through the disk tier after an "
+    "epoch that put every object on the node's disk: each object is mapped from its cache file and decoded "
+    "as a local store's file is (0 GETs per warm epoch above).",
     "- *compute vs raw PUTs*: the compute's time includes what raw PUTs do not (the probe batch, "
     "fingerprints, encoding and zstd, receipts, the claim and commit with their checks); info only.",
 )
@@ -112,8 +128,10 @@ def _fresh_store(endpoint: str) -> featstore.FeatureStore:
     return featstore.open_store(f"s3://{bucket}/feats", storage_options={"endpoint_url": endpoint})
 
 
-def server_repeat(endpoint: str, pid: int, m: dict, local: featstore.Version, client: Any) -> dict[str, Any]:
-    """One repeat of every row on one server: the write pair, then the read and training pairs."""
+def server_repeat(endpoint: str, pid: int, m: dict, local: featstore.Version, client: Any,
+                  cache_dir: str) -> dict[str, Any]:
+    """One repeat of every row on one server: the write pair, then the read and training pairs,
+    then the cold-epoch and warm-epoch pairs (the disk tier under ``cache_dir``)."""
     r: dict[str, Any] = {}
     t0 = time.perf_counter()
     v = write_light(_fresh_store(endpoint), m, "auto", client=client)
@@ -142,6 +160,25 @@ def server_repeat(endpoint: str, pid: int, m: dict, local: featstore.Version, cl
                 src = local if what == "local" else v
                 t[f"{what}_train_s"] = train_light(featstore_batches(src.dataset(batch_size=BATCH, seed=0)))
         r["train"].append(t)
+    r.update(epoch_pairs(v, local, cache_dir, 2 * r["stored_bytes"]))
+    return r
+
+
+def epoch_pairs(v: featstore.Version, local: featstore.Version, cache_dir: str, budget: int) -> dict[str, Any]:
+    """One epoch of the light B from S3 next to the same epoch from the local store: cold (no
+    cache: every object fetched) and warm (``cache="disk"`` holding every object), with the data
+    GETs of each side counted at featstore's S3 client."""
+    opts = {"batch_size": BATCH, "seed": 0}
+    lds = local.dataset(**opts)
+    r: dict[str, Any] = {}
+    with GetCounter() as gets, torch_threads(1):  # B on one thread, as the training row
+        r["cold"] = light_b_pairs({"local": lds, "s3": v.dataset(**opts)}, EPOCH_PAIRS, first_epoch=20)
+        r["cold_gets"], _ = gets.take()
+        disk = v.dataset(**opts, cache="disk", cache_dir=cache_dir, cache_bytes=budget)
+        r["fill_s"] = epoch_s(disk, 0)  # puts every object on the node's disk
+        r["fill_gets"], _ = gets.take()
+        r["warm"] = light_b_pairs({"local": lds, "disk": disk}, EPOCH_PAIRS, first_epoch=40)
+        r["warm_gets"], _ = gets.take()
     return r
 
 
@@ -179,7 +216,9 @@ def run_servers(n: int, repeats: int, workdir: str, servers: tuple[str, ...] = S
         for rep in range(repeats):
             for name in (list(started) if rep % 2 == 0 else list(started)[::-1]):
                 _say(f"repeat {rep + 1}/{repeats}: {name}")
-                res["servers"][name].append(server_repeat(*started[name], m, local, client))
+                cache_dir = os.path.join(workdir, f"cache-{name}-{rep}")
+                res["servers"][name].append(server_repeat(*started[name], m, local, client, cache_dir))
+                shutil.rmtree(cache_dir, ignore_errors=True)
         return res
     finally:
         for stop in stoppers:
@@ -204,6 +243,17 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, Stat | None, str]]:
             (name, "training B, 0 workers, 3 epochs (B on 1 thread): from S3 / from a local store", "≤ 1.15",
              _stat(reps, lambda r: [t["s3_train_s"] / t["local_train_s"] for t in r["train"]]),
              "the light B on the same version stored on S3 and on local disk, in alternating order"),
+            (name, "light B, one cold epoch from S3 (nothing cached in this process: first read of each "
+             "object) / the same epoch from the local store", "≤ 1.30",
+             _stat(reps, lambda r: [p["s3_s"] / p["local_s"] for p in r["cold"]]),
+             f"{EPOCH_PAIRS} pairs per repeat in alternating order, 0 workers, B on 1 thread; `cache=None`, so "
+             "the epoch GETs every object of the version (GETs counted at featstore's S3 client)"),
+            (name, "light B, one warm epoch from S3 with cache='disk' (every object already on the node's disk) "
+             "/ the same from the local store", "≤ 1.05",
+             _stat(reps, lambda r: [p["disk_s"] / p["local_s"] for p in r["warm"]]),
+             f"{EPOCH_PAIRS} pairs per repeat in alternating order, 0 workers, B on 1 thread, after one epoch "
+             "that fetched every object into a fresh `cache_dir` (budget twice the version); 0 GETs during "
+             "the pairs"),
             (name, "compute's S3 write throughput / raw PUTs of the same bytes (s3fs, 2 concurrent)", "(info)",
              _stat(reps, lambda r: [r["compute_bps"] / r["raw_put_bps"]]),
              "stored bytes / `store.compute` time (replay Model A: probe, encode, zstd, PUTs, receipts, "
@@ -253,6 +303,16 @@ def _figures(reps: list[dict]) -> list[tuple[str, str]]:
         ("light B, 3 epochs: from S3 / from local",
          f"{_fmt(_stat(reps, lambda r: [t['s3_train_s'] for t in r['train']]))} / "
          f"{_fmt(_stat(reps, lambda r: [t['local_train_s'] for t in r['train']]))} s"),
+        ("light B, one epoch, cold pairs: from S3 (no cache) / from local",
+         f"{_fmt(_stat(reps, lambda r: [p['s3_s'] for p in r['cold']]))} / "
+         f"{_fmt(_stat(reps, lambda r: [p['local_s'] for p in r['cold']]))} s"),
+        ("light B, one epoch, warm pairs: from S3 through the disk tier / from local",
+         f"{_fmt(_stat(reps, lambda r: [p['disk_s'] for p in r['warm']]))} / "
+         f"{_fmt(_stat(reps, lambda r: [p['local_s'] for p in r['warm']]))} s"),
+        ("data GETs per cold epoch / per warm epoch",
+         f"{_fmt(_stat(reps, lambda r: [r['cold_gets'] / EPOCH_PAIRS]), 0)} / "
+         f"{_fmt(_stat(reps, lambda r: [r['warm_gets'] / EPOCH_PAIRS]), 0)}"),
+        ("the read-only epoch that filled the disk tier", f"{_fmt(_stat(reps, lambda r: [r['fill_s']]))} s"),
         ("raw PUT, s3fs, 2 concurrent", f"{_fmt(_stat(reps, lambda r: [r['raw_put_bps'] / mib]), 1)} MiB/s"),
         ("store.compute write throughput", f"{_fmt(_stat(reps, lambda r: [r['compute_bps'] / mib]), 1)} MiB/s"),
         ("stored bytes of the version", f"{_fmt(_stat(reps, lambda r: [r['stored_bytes'] / mib]), 1)} MiB"),
