@@ -10,6 +10,9 @@ one of ``n`` (a linear Model A's fp16 features, 128 wide), then measures, ``repe
   three versions have the same shard size (``n / 16`` samples), so both reads take the same shuffle
   window (4 shards), the same number of windows and shards per epoch, the same batch, seed and
   shuffle; both are warmed up by one epoch, then measured in alternating order.
+- **The same at a larger epoch** (``--large``, default 1,000,000 samples: shards of ``large / 16``):
+  read only. A mixture plans and sets up each window for two versions, a fixed cost per window
+  and epoch that a 50,000-sample epoch (a few ms) shows at its largest.
 - **With a light Model B.** The same epochs with a training step per batch (an MLP 128 -> 256 ->
   10, Adam, the label ``index % 10``, one torch thread), as the reader rows' light B: what the
   difference costs a training loop whose step is not free.
@@ -109,7 +112,28 @@ def first_batch_s(version: featstore.Version, state: dict[str, Any], world: int)
     return time.perf_counter() - t0
 
 
-def run(n: int, repeats: int) -> dict[str, Any]:
+def read_only_at(n: int, repeats: int) -> dict[str, Any]:
+    """Read-only epochs of the 0.5/0.5 mixture and of one version at ``n`` samples, alternating."""
+    with tempfile.TemporaryDirectory() as root:
+        store = featstore.open_store(root)
+        shard = max(1, -(-n // 16))
+        a, b = write(store, "mix/a", n // 2, 1, shard), write(store, "mix/b", n - n // 2, 2, shard)
+        one = write(store, "one", n, 3, shard)
+        mixed = featstore.mix([(a, 0.5), (b, 0.5)], batch_size=BATCH, seed=1)
+        single = one.dataset(batch_size=BATCH, seed=1)
+        for ds in (mixed, single):
+            epoch_rate(ds, 0)
+        rates: dict[str, list[float]] = {"mix": [], "one": []}
+        for r in range(repeats):
+            pair = ((mixed, "mix"), (single, "one")) if r % 2 == 0 else ((single, "one"), (mixed, "mix"))
+            for ds, key in pair:
+                rates[key].append(epoch_rate(ds, r + 1))
+    m, o = statistics.median(rates["mix"]), statistics.median(rates["one"])
+    return {"n": n, "mixture_samples_per_s": m, "one_version_samples_per_s": o, "ratio": m / o,
+            "ratios": sorted(x / y for x, y in zip(rates["mix"], rates["one"], strict=True))}
+
+
+def run(n: int, repeats: int, large: int = 0) -> dict[str, Any]:
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as root:
         store = featstore.open_store(root)
@@ -138,6 +162,8 @@ def run(n: int, repeats: int) -> dict[str, Any]:
                 resume.setdefault(f"{int(at * 100)}%", {})[f"{world} ranks"] = statistics.median(
                     first_batch_s(one, state, world) for _ in range(repeats))
         load.append(os.getloadavg()[0])
+    larger = read_only_at(large, repeats) if large else None
+    load.append(os.getloadavg()[0])
     m, o = statistics.median(rates["mix"]), statistics.median(rates["one"])
     mb, ob = statistics.median(rates["mix_b"]), statistics.median(rates["one_b"])
     return {"n": n, "repeats": repeats, "samples_per_shard": shard, "mixture_samples_per_s": m,
@@ -145,7 +171,7 @@ def run(n: int, repeats: int) -> dict[str, Any]:
             "ratios": sorted(x / y for x, y in zip(rates["mix"], rates["one"], strict=True)),
             "light_b": {"mixture_samples_per_s": mb, "one_version_samples_per_s": ob, "ratio": mb / ob,
                         "ratios": sorted(x / y for x, y in zip(rates["mix_b"], rates["one_b"], strict=True))},
-            "first_batch_s": resume, "load_average": [round(x, 2) for x in load],
+            "large": larger, "first_batch_s": resume, "load_average": [round(x, 2) for x in load],
             "started": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -154,13 +180,19 @@ def section(r: dict[str, Any]) -> str:
         f"| {what}, samples/s | {x['one_version_samples_per_s']:,.0f} | {x['mixture_samples_per_s']:,.0f} | "
         f"{x['ratio']:.3f} | {min(x['ratios']):.2f}–{max(x['ratios']):.2f} |"
         for what, x in (("read only", r), ("light B", r["light_b"])))
+    if r.get("large"):
+        x = r["large"]
+        rate_rows += (f"\n| read only at {x['n']:,} samples (shards of {-(-x['n'] // 16):,}), samples/s | "
+                      f"{x['one_version_samples_per_s']:,.0f} | {x['mixture_samples_per_s']:,.0f} | {x['ratio']:.3f} | "
+                      f"{min(x['ratios']):.2f}–{max(x['ratios']):.2f} |")
     rows = "\n".join(f"| resume at {at} of the epoch (saved by 2 ranks) | "
                      + " | ".join(f"{s * 1000:.1f} ms" for s in per.values()) + " |"
                      for at, per in r["first_batch_s"].items())
+    large_flag = f" --large {r['large']['n']}" if r.get("large") else " --large 0"
     return f"""{BEGIN}
 ## Mixtures and elastic resume
 
-`python -m benchmarks.elastic --n {r['n']} --repeats {r['repeats']}` ({r['started']}; medians of
+`python -m benchmarks.elastic --n {r['n']} --repeats {r['repeats']}{large_flag}` ({r['started']}; medians of
 {r['repeats']}; load average {min(r['load_average']):.2f}-{max(r['load_average']):.2f} on this shared
 2-core machine). Shuffled epochs in one process, batch {BATCH}, fp16 features 128 wide; every
 version has {r['samples_per_shard']:,} samples per shard, so both reads take the same shuffle window,
@@ -185,9 +217,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=50_000)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--large", type=int, default=1_000_000, help="also read only at this many samples (0: not)")
     p.add_argument("--out", default="docs")
     args = p.parse_args()
-    r = run(args.n, args.repeats)
+    r = run(args.n, args.repeats, args.large)
     print(json.dumps(r, indent=1))
     with open(os.path.join(args.out, "benchmarks-elastic.json"), "w") as f:
         json.dump(r, f, indent=1)

@@ -149,7 +149,7 @@ def uniform_span_pieces(shards: UniformShards, perm: ShardPermutation, start: in
     if n == 0 or stop <= start:
         return []
     short = n - (shards.n_shards - 1) * spp  # rows of the last shard
-    q = int(perm.positions(np.array([shards.n_shards - 1]))[0])  # its position in the order
+    q = perm.last  # its position in the order
 
     def locate(p: int) -> int:  # the position whose rows hold sample position p
         if p < q * spp:

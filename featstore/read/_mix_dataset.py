@@ -209,7 +209,7 @@ class MixtureDataset(IterableDataset):
         """One batch from its rows (grouped by version): decoded once, as one version's (the
         versions' codecs agree: :func:`check_compatible`), with the ``"source"`` column."""
         t = self.readers[0].to_batch(rows.arrays)
-        t[SOURCE] = torch.from_numpy(rows.labels.astype(np.int64))
+        t[SOURCE] = torch.from_numpy(rows.labels.astype(np.int64, copy=False))  # MixedRows' own copy
         return t
 
     def __repr__(self) -> str:

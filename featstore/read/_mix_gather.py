@@ -74,9 +74,8 @@ class MixedSlice:
         order = batch_grouped(streams.astype(np.min_scalar_type(max(len(arrays) - 1, 0))), held, batch_size)
         self.labels = streams[order]
         self.local = local[order]
-        masks = [self.labels == k if a is not None else None for k, a in enumerate(arrays)]
         self.joint = {f: j for f in self.fields if (j := _joint([None if a is None else a[f] for a in arrays],
-                                                                   masks, self.local)) is not None}
+                                                                   self.labels, self.local)) is not None}
 
     def rows(self, a: int, b: int) -> MixedRows:
         """Rows ``[a, b)`` of the slice in yield order (a batch, or the part of one in this slice:
@@ -151,25 +150,27 @@ def regrouped(parts: list[MixedRows]) -> MixedRows:
     return MixedRows(arrays, labels[order])  # type: ignore[arg-type]
 
 
-def _joint(rows: list[WindowRows | None], masks: list[np.ndarray | None], local: np.ndarray) -> _Joint | None:
-    """One array of every version's window, addressed jointly for the slice (None: it cannot be)."""
+def _joint(rows: list[WindowRows | None], labels: np.ndarray, local: np.ndarray) -> _Joint | None:
+    """One array of every version's window, addressed jointly for the slice (None: it cannot be).
+    Each version's offsets (or rows) are laid end to end, version 0's first, so that the slice's
+    are one gather at (the version's start + its local row): no pass per version."""
     present = [v for v in rows if v is not None]
     first = present[0]
     if isinstance(first, ArenaRows) and all(isinstance(v, ArenaRows) and first.shares_rows(v) for v in present):
-        values = np.empty(len(local), dtype=np.int64)
-        for v, m in zip(rows, masks, strict=True):
-            if isinstance(v, ArenaRows) and m is not None:
-                values[m] = v.offsets[local[m]]
-        return _Joint(values, first)
+        return _Joint(_gathered([v.offsets if isinstance(v, ArenaRows) else None for v in rows], labels, local), first)
     if isinstance(first, np.ndarray) and first.dtype.itemsize * int(np.prod(first.shape[1:])) <= JOINT_ROW_BYTES \
             and all(isinstance(v, np.ndarray) and v.dtype == first.dtype and v.shape[1:] == first.shape[1:]
                     for v in present):
-        values = np.empty((len(local), *first.shape[1:]), dtype=first.dtype)
-        for v, m in zip(rows, masks, strict=True):
-            if isinstance(v, np.ndarray) and m is not None:
-                values[m] = v[local[m]]
-        return _Joint(values, None)
+        return _Joint(_gathered([v if isinstance(v, np.ndarray) else None for v in rows], labels, local), None)
     return None
+
+
+def _gathered(parts: list[np.ndarray | None], labels: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Row ``local[i]`` of ``parts[labels[i]]`` for every ``i`` (a version whose part is None
+    has no rows in the slice)."""
+    sizes = np.array([0 if p is None else len(p) for p in parts], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.concatenate([p for p in parts if p is not None])[starts[labels] + local]
 
 
 def _dense(rows: BatchRows) -> np.ndarray:

@@ -39,6 +39,8 @@ windows x streams), whatever the epoch or the streams' sizes. Nothing here does 
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -47,7 +49,7 @@ import numpy as np
 from featstore.errors import InvalidInput
 from featstore.read._assignment import Partition, Piece, UniformShards, consumer_span, uniform_span_pieces
 from featstore.read._shuffle import ShardPermutation
-from featstore.read._slices import Share, Slice, Window, interleave
+from featstore.read._slices import Share, Slice, Window, interleave, split_pieces
 
 WEIGHTS = ("proportion", "repeat", "choose")
 
@@ -151,9 +153,16 @@ def stream_pieces(layout: UniformShards, seed: int, shuffle: bool, lo: int, hi: 
     while pos < hi:
         p, a = divmod(pos, n)
         b = min(n, a + hi - pos)
-        pieces += uniform_span_pieces(layout, ShardPermutation(layout.n_shards, seed, p, shuffle), a, b)
+        pieces += uniform_span_pieces(layout, _pass_order(layout.n_shards, seed, p, shuffle), a, b)
         pos += b - a
     return pieces
+
+
+@functools.lru_cache(maxsize=64)
+def _pass_order(n_shards: int, seed: int, p: int, shuffle: bool) -> ShardPermutation:
+    """A stream's shard order in pass ``p``, kept for the few passes an epoch's windows read
+    (each window asks for it again: drawing the round keys and locating the short shard once)."""
+    return ShardPermutation(n_shards, seed, p, shuffle)
 
 
 def window_runs(mix: Mixture, counts: tuple[int, ...], seeds: list[int], epoch: int, shuffle: bool,
@@ -184,8 +193,16 @@ def mixture_share(mix: Mixture, *, seed: int, epoch: int, shuffle: bool, consume
         return Share(())
     step = max(1, window)
     seeds = [stream_seed(seed, s) for s in range(len(mix.streams))]
-    slices = []
-    for k, a in enumerate(range(start, stop, step)):
-        w = Window(window_runs(mix, counts, seeds, epoch, shuffle, a, min(stop, a + step)), cid, k)
-        slices.append(Slice(w, range(w.size)))
-    return Share(tuple(slices))
+    bounds = [*range(start, stop, step), stop]
+    if stop <= m:
+        # No wrap: each stream's positions over the whole span are one run of its sequence,
+        # planned at once (one walk of each pass's permutation) and cut at the windows' bounds.
+        at = np.stack(interleave(list(counts), np.array(bounds, dtype=np.int64)))  # [streams, bounds]
+        per_stream = [split_pieces(stream_pieces(st.layout, seeds[s], shuffle, epoch * counts[s] + int(at[s, 0]),
+                                                 epoch * counts[s] + int(at[s, -1])), np.diff(at[s]).tolist())
+                      for s, st in enumerate(mix.streams)]
+        runs = list(zip(*per_stream, strict=True))
+    else:
+        runs = [window_runs(mix, counts, seeds, epoch, shuffle, a, b) for a, b in itertools.pairwise(bounds)]
+    windows = (Window(r, cid, k) for k, r in enumerate(runs))
+    return Share(tuple(Slice(w, range(w.size)) for w in windows))

@@ -14,6 +14,8 @@ most 4n, so a walk takes ~2 steps on average). The round keys come from ``(seed,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 #: Feistel rounds: 4 already give a pseudo-random permutation (Luby-Rackoff); 6 mix small domains.
@@ -67,6 +69,12 @@ class ShardPermutation:
         """The shard at each of ``positions`` (each in ``range(n)``) of the epoch's order."""
         positions = np.asarray(positions, dtype=np.int64)
         return positions.copy() if not self.shuffle else self._walk(positions, self.keys, True)
+
+    @functools.cached_property
+    def last(self) -> int:
+        """Where the last shard stands in the order (a uniform layout's one short shard: every
+        span of a plan locates its rows by it)."""
+        return int(self.positions(np.array([self.n - 1]))[0])
 
     def positions(self, shards: np.ndarray) -> np.ndarray:
         """Where each of ``shards`` stands in the epoch's order (the inverse of :meth:`shards`)."""

@@ -134,6 +134,22 @@ def balanced_positions(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return _balanced_positions(tuple(int(n) for n in sizes))
 
 
+def flat_positions(sizes: Sequence[int]) -> np.ndarray:
+    """For each position of the balanced interleave of ``sizes``, its row among all streams'
+    rows laid end to end (stream 0's first): ``starts[stream] + rank`` of :func:`balanced_positions`
+    (cached like it)."""
+    return _flat_positions(tuple(int(n) for n in sizes))
+
+
+@functools.lru_cache(maxsize=8)
+def _flat_positions(sizes: tuple[int, ...]) -> np.ndarray:
+    stream, rank = _balanced_positions(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    flat = starts[stream] + rank
+    flat.flags.writeable = False
+    return flat
+
+
 @functools.lru_cache(maxsize=8)
 def _balanced_positions(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     total = sum(sizes)
@@ -155,13 +171,10 @@ def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.nda
              else np.arange(n) for k, n in enumerate(sizes)]
     if streams == 1:
         return perms[0]
-    stream, rank = balanced_positions(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    within = np.zeros(len(stream), dtype=np.int64)
-    for k, perm in enumerate(perms):
-        at = stream == k
-        within[at] = perm[rank[at]]
-    return starts[stream] + within
+    # position x takes row rank[x] of stream[x]'s permutation: with the permutations (shifted to
+    # the stream's start) laid end to end, that is one gather at starts[stream] + rank
+    return np.concatenate([start + perm for start, perm in zip(starts, perms, strict=True)])[flat_positions(sizes)]
 
 
 @dataclass(frozen=True)
@@ -187,7 +200,9 @@ def slice_rows(s: Slice, seed: int, epoch: int, shuffle: bool) -> SliceRows:
     lo, hi = s.rows.start, s.rows.stop
     order = window_order(window, seed, epoch, shuffle)[lo:hi]
     if shuffle or len(s.rows) == window.size:
-        return SliceRows(window.runs, order, labels[order])
+        # each stream's rows are permuted among themselves: position x's row is of stream[x]
+        streams = balanced_positions(window.sizes)[0][lo:hi] if len(sizes) > 1 else labels[order]
+        return SliceRows(window.runs, order, streams)
     # Unshuffled, stream k's rows of the slice are its rows [F_k(lo), F_k(hi)).
     first, last = interleave(list(window.sizes), lo), interleave(list(window.sizes), hi)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -218,3 +233,25 @@ def cut_pieces(pieces: Sequence[Piece], lo: int, hi: int) -> tuple[Piece, ...]:
             out.append(Piece(p.shard, p.lo + a, p.lo + b))
         pos += p.size
     return tuple(out)
+
+
+def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[tuple[Piece, ...]]:
+    """The pieces' rows taken one after another, cut into consecutive runs of ``sizes`` rows
+    (each run as pieces; a piece a cut falls inside is split): :func:`cut_pieces` for every run
+    in one pass, O(pieces + runs)."""
+    out: list[tuple[Piece, ...]] = []
+    rest = iter(pieces)
+    cur, off = next(rest, None), 0  # the piece being cut, and its rows already taken
+    for size in sizes:
+        run: list[Piece] = []
+        need = int(size)
+        while need > 0:
+            if cur is None:
+                raise ValueError(f"the pieces hold fewer rows than the runs ({sum(int(n) for n in sizes)})")
+            take = min(need, cur.size - off)
+            run.append(Piece(cur.shard, cur.lo + off, cur.lo + off + take))
+            off, need = off + take, need - take
+            if off == cur.size:
+                cur, off = next(rest, None), 0
+        out.append(tuple(run))
+    return out

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from featstore.errors import InvalidInput
 from featstore.read import _mixture
-from featstore.read._assignment import UniformShards, shard_order
+from featstore.read._assignment import Piece, UniformShards, shard_order
 from featstore.read._elastic import EpochOrder, ResumeState, Split, resume
 from featstore.read._mixture import MixStream, Mixture, stream_seed
 from featstore.read._mix_gather import batch_grouped
-from featstore.read._slices import balanced_positions, interleave, slice_rows
+from featstore.read._slices import balanced_positions, cut_pieces, interleave, slice_rows, split_pieces
 from tests.read.plan_rows import (STREAM, batches, consumed_order, count_pieces, job_order, rank_batches, rank_totals,
                                   resumed_shares, share_rows)
 
@@ -250,3 +250,31 @@ def test_batch_grouped_is_each_batch_stably_sorted_by_version(streams, batch_siz
         batch = (held + np.arange(n)) // batch_size  # the batch of each position (the first completes one)
         want = np.argsort(batch * streams + labels, kind="stable")
         assert np.array_equal(batch_grouped(labels, held, batch_size), want)
+
+
+@pytest.mark.parametrize("partition", ["even", "pad", "drop"])
+@pytest.mark.parametrize("consumers,window", [(1, 1), (3, 16), (8, 4000), (5, 7)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_share_planned_at_once_is_the_windows_planned_one_by_one(partition, consumers, window, shuffle):
+    """mixture_share plans each stream's run once and cuts it at the windows' bounds: the same
+    windows as window_runs gives for each window on its own."""
+    mix = MIXTURES["upsampled"]
+    counts, seeds = mix.counts(), [stream_seed(5, s) for s in range(len(mix.streams))]
+    for epoch, cid in itertools.product((0, 3), range(consumers)):
+        share = _mixture.mixture_share(mix, seed=5, epoch=epoch, shuffle=shuffle, consumers=consumers, cid=cid,
+                                       partition=partition, window=window)
+        start, stop = _mixture.consumer_span(sum(counts), consumers, cid, partition)
+        bounds = [*range(start, stop, window), stop]
+        assert [s.window.runs for s in share.slices] == [
+            _mixture.window_runs(mix, counts, seeds, epoch, shuffle, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.data())
+@settings(max_examples=200, deadline=None)
+def test_split_pieces_is_cut_pieces_for_every_run(sizes, data):
+    pieces = [Piece(k, 3, 3 + n) for k, n in enumerate(sizes)]
+    total = sum(sizes)
+    cuts = sorted(data.draw(st.lists(st.integers(0, total), max_size=5)))
+    bounds = [0, *cuts, total]
+    runs = [b - a for a, b in itertools.pairwise(bounds)]
+    assert split_pieces(pieces, runs) == [cut_pieces(pieces, a, b) for a, b in itertools.pairwise(bounds)]
