@@ -16,6 +16,7 @@ The online reader (:mod:`featstore.online`) supplies a source that computes rows
 from __future__ import annotations
 
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -109,9 +110,11 @@ class WindowRead:
         self.rows = self._finish()
         return self.rows
 
-    def close(self) -> None:
+    def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         """Give back what the window holds once consumed (or abandoned: nothing more is read):
         the arena slots of its rows, and its buffers."""
+        if _finalizing():  # an iterator abandoned until exit: the module's names are gone, the process's memory goes
+            return
         done = []
         for f in self.futures:
             if not f.cancel() and f.done() and f.exception() is None:

@@ -2,7 +2,8 @@
 ``rank=``/``world_size=``), each with its own DataLoader and real worker processes, saves a state
 mid-epoch and resumes it under another world size, number of workers, or both. Every sample of the
 epoch is read exactly once across before and after (partition="even"), and the same split resumed
-twice reads the same order. Before this change, another world size raised "world_size must match".
+twice reads the same order; and once with real gloo process groups (2 ranks saved, 4 resumed).
+Before this change, another world size raised "world_size must match".
 """
 
 from __future__ import annotations
@@ -126,3 +127,32 @@ def test_stateful_loader_resumes_with_another_number_of_workers(version, workers
     resumed.load_state_dict(state)
     rest = [b["index"].tolist() for b in resumed]
     assert Counter(rows(seen) + [i for b in rest for i in b]) == Counter(range(N))
+
+
+# Real gloo process groups: a job of 2 ranks saves rank 0's state mid-epoch, and a job of 4 ranks
+# with a DataLoader worker each resumes it, with a collective per step (unequal batch counts on the
+# resumed ranks would hang). 400 samples, global batch 8: every split divides, so nothing pads.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_real_ddp_job_resumes_on_twice_the_ranks_every_sample_once(version, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.ddp_child import elastic_run
+
+    def job(world, workers, steps, name):
+        out = tmp_path / name
+        out.mkdir()
+        mp.spawn(elastic_run, args=(world, str(out / "init"), version, workers, str(out), 8, steps,
+                                    str(tmp_path / "state.json")), nprocs=world, join=True)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+    before = job(2, 0, 7, "before")
+    assert [r["batches"] for r in before] == [7, 7]
+    after = job(4, 1, None, "after")
+    counts = {r["batches"] for r in after}
+    assert len(counts) == 1 and {r["total"] for r in after} == {4 * counts.pop()}  # the collectives completed
+    seen = [i for r in before + after for i in r["indices"]]
+    assert Counter(seen) == Counter(range(N))
+    assert len([i for r in before for i in r["indices"]]) == 7 * 8
