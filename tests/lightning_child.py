@@ -12,6 +12,8 @@
 - with STEPS, ``OUT/first`` and ``OUT/second``: featstore.lightning's data module
   (StatefulDataLoader, 2 persistent workers), a run checkpointed after STEPS steps (mid-epoch),
   then ``fit(ckpt_path=...)`` from that checkpoint to the end of epoch 1.
+- ``python -m tests.lightning_child resume-on-1 STORE REF OUT``: that checkpoint resumed on one
+  device (another split: elastic resume), into ``OUT/second-1``.
 
 Each rank writes the indices its training steps saw, per epoch (and loader).
 """
@@ -111,8 +113,24 @@ def datamodule(strategy: str, store: str, ref: str, out: str, steps: int) -> Non
         Recorder(os.path.join(out, "second")), datamodule=dm(), ckpt_path=os.path.join(out, "mid.ckpt"))
 
 
+def resume_on_one_device(store: str, ref: str, out: str) -> None:
+    """The data module's mid-epoch checkpoint of the 2-rank run (``OUT/mid.ckpt``) resumed on one
+    device with 1 DataLoader worker and the same global batch (2 x 25 = 1 x 50), to the end of
+    epoch 1, into ``OUT/second-1``."""
+    from featstore.lightning import FeatureDataModule, LoaderOptions
+
+    dm = FeatureDataModule(store, train=ref, val=ref, batch_size=50, seed=5,
+                           loader=LoaderOptions(num_workers=1, persistent_workers=True))
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, max_epochs=2, enable_checkpointing=False, limit_val_batches=2).fit(
+        Recorder(os.path.join(out, "second-1")), datamodule=dm, ckpt_path=os.path.join(out, "mid.ckpt"))
+
+
 def main(strategy: str, store: str, ref: str, out: str, steps: str | None = None) -> None:
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging, in this script only
+    if strategy == "resume-on-1":
+        os.makedirs(os.path.join(out, "second-1"), exist_ok=True)
+        return resume_on_one_device(store, ref, out)
     for sub in ("grid", "first", "second"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     grid(strategy, store, ref, os.path.join(out, "grid"))

@@ -95,6 +95,22 @@ def test_lightning_data_module_resumes_a_mid_epoch_checkpoint_exactly_once(runs)
     print(f"\ndata module resumed at step {STEPS}: epoch 0 {epoch0}")
 
 
+@pytest.mark.timeout(660)
+def test_lightning_checkpoint_of_two_ranks_resumes_on_one_device_exactly_once(runs, version):
+    """The same mid-epoch checkpoint resumed on 1 device, 1 worker, batch 50 (the global batch of
+    2 ranks x 25): the rest of epoch 0 once, then a whole epoch 1."""
+    out = runs("ddp")
+    _run(["-m", "tests.lightning_child", "resume-on-1", stored(version).storage.url, version.ref, str(out)])
+    first = _ranks(out / "first")
+    second = json.loads((out / "second-1" / "rank0.json").read_text())
+    before = [i for r in first for i in r["0/train"][:STEPS * 25]]
+    got = figures(before + second["0/train"])
+    assert got == {"rows": N, "duplicates": 0, "missing": 0}, got
+    assert figures(second["1/train"]) == {"rows": N, "duplicates": 0, "missing": 0}
+    assert second["1/train"] != second["0/train"]
+    print(f"\n2-rank checkpoint at step {STEPS} resumed on 1 device: epoch 0 {got}")
+
+
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_from_the_environment_and_the_process_group(version, tmp_path):
     _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tests.torchrun_child",
