@@ -19,15 +19,19 @@ checked again, see :class:`Slot`). Where this is unavailable (not Linux, or
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from featstore.read._cache import Sig, file_sig
 
 # Linux's values (asm-generic/mman-common.h); the arena is only used on Linux.
 _PROT_NONE, _PROT_READ = 0x0, 0x1
@@ -39,30 +43,20 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-class _Libc:
-    def __init__(self) -> None:
-        lib = ctypes.CDLL(None, use_errno=True)  # the process's own C library
-        self.mmap = lib.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-
-    def map(self, addr: int | None, size: int, prot: int, flags: int, fd: int = -1) -> int:
-        got = self.mmap(addr, size, prot, flags, fd, 0)
-        if got is None or got == _MAP_FAILED or (addr is not None and got != addr):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap failed: {os.strerror(err)}")
-        return int(got)
+@functools.cache
+def _libc_mmap() -> Callable[..., int | None]:
+    fn = ctypes.CDLL(None, use_errno=True).mmap  # the process's own C library
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return fn
 
 
-_LIBC: _Libc | None = None
-
-
-def _libc() -> _Libc:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = _Libc()
-    return _LIBC
+def _map(addr: int | None, size: int, prot: int, flags: int, fd: int = -1) -> int:
+    got = _libc_mmap()(addr, size, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED or (addr is not None and got != addr):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap failed: {os.strerror(err)}")
+    return int(got)
 
 
 def supported() -> bool:
@@ -77,7 +71,7 @@ class Slot:
     the windows holding it, and the chunks whose crc32c has been checked on this mapping."""
 
     index: int
-    sig: tuple[int, int, int]
+    sig: Sig
     nbytes: int
     pins: int = 0
     checked: set[int] = field(default_factory=set)
@@ -101,7 +95,7 @@ class Arena:
         self.max_bytes = max_bytes
         self.total = self.slot_bytes * slots
         # Address space only: no memory, no swap is reserved for the range.
-        self.base = _libc().map(None, self.total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.base = _map(None, self.total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
         self._flat = torch.from_numpy(np.frombuffer(memoryview((ctypes.c_char * self.total).from_address(self.base)),
                                                     dtype=np.uint8))
         self._views: dict[tuple[int, int], torch.Tensor] = {}
@@ -119,39 +113,39 @@ class Arena:
         # a stat and the open would be held under the new file's signature with the old bytes).
         fd = os.open(path, os.O_RDONLY)
         try:
-            return self._pin_fd(path, fd)
+            st = os.fstat(fd)
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if not 0 < st.st_size <= self.slot_bytes:
+                return None
+            with self._lock:
+                slot = self._slots.get(path)
+                if slot is not None and slot.sig == sig:
+                    slot.pins += 1
+                    self._slots.move_to_end(path)
+                    return slot
+                if slot is not None:  # rewritten or replaced since: its old mapping goes once free
+                    del self._slots[path]
+                    if slot.pins == 0:
+                        self._unmap(slot)
+                    else:
+                        slot.retired = True
+                if not self._free and not self._evict_one():
+                    return None
+                index = self._free.pop()
+                try:
+                    # Faulted in here, in one call, not page by page in the batch gathers.
+                    _map(self.base + index * self.slot_bytes, st.st_size, _PROT_READ,
+                         _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd)
+                except OSError:
+                    self._free.append(index)
+                    raise
+                slot = Slot(index, sig, st.st_size, pins=1)
+                self._slots[path] = slot
+                self._mapped += slot.nbytes
+                self._trim()
+                return slot
         finally:
             os.close(fd)
-
-    def _pin_fd(self, path: str, fd: int) -> Slot | None:
-        st = os.fstat(fd)
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if not 0 < st.st_size <= self.slot_bytes:
-            return None
-        with self._lock:
-            slot = self._slots.get(path)
-            if slot is not None and slot.sig == sig:
-                slot.pins += 1
-                self._slots.move_to_end(path)
-                return slot
-            if slot is not None:  # rewritten or replaced since: its old mapping goes once free
-                del self._slots[path]
-                self._retire(slot)
-            index = self._free_slot()
-            if index is None:
-                return None
-            try:
-                # Faulted in here, in one call, not page by page in the batch gathers.
-                _libc().map(self.base + index * self.slot_bytes, st.st_size, _PROT_READ,
-                            _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd)
-            except OSError:
-                self._free.append(index)
-                raise
-            slot = Slot(index, sig, st.st_size, pins=1)
-            self._slots[path] = slot
-            self._mapped += slot.nbytes
-            self._trim()
-            return slot
 
     def unpin(self, slot: Slot) -> None:
         """Release one hold on ``slot`` (from :meth:`pin`)."""
@@ -182,7 +176,7 @@ class Arena:
         another process evicted from the shared cache: its memory is freed once unmapped)."""
         with self._lock:
             for path, slot in list(self._slots.items()):
-                if slot.pins == 0 and _sig(path) != slot.sig:
+                if slot.pins == 0 and file_sig(path) != slot.sig:
                     del self._slots[path]
                     self._unmap(slot)
 
@@ -192,42 +186,23 @@ class Arena:
             return self._mapped
 
     # -- under the lock -----------------------------------------------------------------
-    def _free_slot(self) -> int | None:
-        if not self._free:
-            for path, slot in self._slots.items():
-                if slot.pins == 0:
-                    del self._slots[path]
-                    self._unmap(slot)
-                    break
-        return self._free.pop() if self._free else None
+    def _evict_one(self) -> bool:
+        """Unmap the least recently used slot no window holds; False: every slot is held."""
+        victim = next((p for p, s in self._slots.items() if s.pins == 0), None)
+        if victim is not None:
+            self._unmap(self._slots.pop(victim))
+        return victim is not None
 
     def _trim(self) -> None:
-        while self._mapped > self.max_bytes:
-            victim = next((p for p, s in self._slots.items() if s.pins == 0), None)
-            if victim is None:
-                return
-            self._unmap(self._slots.pop(victim))
-
-    def _retire(self, slot: Slot) -> None:
-        if slot.pins == 0:
-            self._unmap(slot)
-        else:
-            slot.retired = True
+        while self._mapped > self.max_bytes and self._evict_one():
+            pass
 
     def _unmap(self, slot: Slot) -> None:
         # Back to reserved address space: the file is no longer mapped, the range stays ours.
-        _libc().map(self.base + slot.index * self.slot_bytes, self.slot_bytes, _PROT_NONE,
+        _map(self.base + slot.index * self.slot_bytes, self.slot_bytes, _PROT_NONE,
                     _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
         self._mapped -= slot.nbytes
         self._free.append(slot.index)
-
-
-def _sig(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 #: Slots of an arena at least (address space only): a window's pieces are held together, and

@@ -611,7 +611,7 @@ class MappedFiles:
 
     def remember(self, path: str, view: memoryview, sig: Sig | None = None) -> None:
         """Keep ``view`` as the map of ``path`` (``sig``: its file's, else stat now)."""
-        if sig is None and (sig := _sig(path)) is None:
+        if sig is None and (sig := file_sig(path)) is None:
             return
         with self._lock:
             old = self._maps.pop(path, None)
@@ -633,12 +633,13 @@ class MappedFiles:
         their memory is freed once no array uses them)."""
         with self._lock:
             for path, (sig, view, _) in list(self._maps.items()):
-                if _sig(path) != sig:
+                if file_sig(path) != sig:
                     del self._maps[path]
                     self._bytes -= len(view)
 
 
-def _sig(path: str) -> Sig | None:
+def file_sig(path: str) -> Sig | None:
+    """The ``(inode, size, mtime_ns)`` of the file at ``path`` now (None: there is none)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

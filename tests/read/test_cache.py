@@ -535,13 +535,13 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=6))
     monkeypatch.setattr(arena, "_ARENAS", None)
-    real = arena._Libc.map
+    real = arena._map
 
-    def no_more_maps(self, addr, size, prot, flags, fd=-1):
+    def no_more_maps(addr, size, prot, flags, fd=-1):
         if fd != -1:
             raise OSError(errno.ENOMEM, "mmap failed: Cannot allocate memory")
-        return real(self, addr, size, prot, flags, fd)
+        return real(addr, size, prot, flags, fd)
 
-    monkeypatch.setattr(arena._Libc, "map", no_more_maps)
+    monkeypatch.setattr(arena, "_map", no_more_maps)
     assert same(batches(v.dataset(batch_size=16, seed=6)), want)
     assert _held_slots() == 0 and all(a.mapped_bytes() == 0 for a in arena._ARENAS[1].values())
