@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from featstore.read._cache import Sig, file_sig
+from featstore.read._cache import Sig, file_sig, process_local
 
 # Linux's values (asm-generic/mman-common.h); the arena is only used on Linux.
 _PROT_NONE, _PROT_READ = 0x0, 0x1
@@ -211,26 +211,16 @@ MIN_SLOTS = 64
 #: ... and at most: each mapped slot is a memory map of its own, and Linux allows a process
 #: ~65,000 (``vm.max_map_count``); an array of tiny shards (labels) must not use them up.
 MAX_SLOTS = 2048
-_ARENAS: tuple[int, dict[int, Arena]] | None = None
-_ARENAS_LOCK = threading.Lock()
 
 
 def process_arena(object_bytes: int, max_bytes: int) -> Arena | None:
     """This process's arena for shard objects of up to ``object_bytes`` (one per slot size,
-    shared by every reader of the process), or None where arenas are unavailable. A forked
-    child makes its own (a lock may have been held by another thread at the fork)."""
-    global _ARENAS
+    shared by every reader of the process), or None where arenas are unavailable."""
     if not supported():
         return None
     slot_bytes = -(-object_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    with _ARENAS_LOCK:
-        if _ARENAS is None or _ARENAS[0] != os.getpid():
-            _ARENAS = (os.getpid(), {})
-        arenas = _ARENAS[1]
-        if slot_bytes not in arenas:
-            try:
-                slots = max(MIN_SLOTS, min(MAX_SLOTS, max_bytes // slot_bytes + 1))
-                arenas[slot_bytes] = Arena(slot_bytes, slots, max_bytes)
-            except OSError:  # no address space for it: gather shard by shard
-                return None
-        return arenas[slot_bytes]
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, max_bytes // slot_bytes + 1))
+    try:
+        return process_local(("arena", slot_bytes), lambda: Arena(slot_bytes, slots, max_bytes))
+    except OSError:  # no address space for it: gather shard by shard
+        return None

@@ -43,9 +43,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing import util as mp_util
+from typing import Any, TypeVar, cast
 
 from featstore.errors import InvalidInput
 
@@ -66,7 +67,10 @@ ENTRY_CHECKED = -1
 #: (a miss then costs no listing of the whole space); what another process frees meanwhile is
 #: used after it.
 _FULL_MEMO_S = 1.0
+#: What a write into a full disk or quota raises: the entry is not kept, and reads go on.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 Sig = tuple[int, int, int]  # (inode, size, mtime_ns) of an opened file
+T = TypeVar("T")
 
 
 def shm_root() -> str:
@@ -164,10 +168,12 @@ class Space:
                     entries.append(_Entry(st.st_atime_ns, st.st_size, path, scope))
         return entries, used
 
-    def recount(self) -> int:
-        """The bytes the space holds, counted afresh (the ledger is reset to it)."""
+    def recount(self) -> tuple[list["_Entry"], int]:
+        """:meth:`listing`, under the ledger's lock, the ledger reset to the bytes counted."""
         with self.locked() as ledger:
-            return ledger.write(self.listing()[1])
+            entries, used = self.listing()
+            ledger.write(used)
+        return entries, used
 
     def remove(self, chosen: Callable[[str, bool], bool]) -> int:
         """Remove the entries of every scope ``chosen(scope, in_use)`` picks, and the folders of
@@ -224,9 +230,6 @@ class NodeCache:
     >>> view = cache.get(name) or cache.put(name, len(data), lambda buf: buf.__setitem__(slice(None), data))
     """
 
-    _open: dict[tuple[int, str, str, int, str], "NodeCache"] = {}
-    _open_lock = threading.Lock()  # replaced in a forked child (another thread may hold it)
-
     def __init__(self, space: Space, scope: str, budget: int, policy: str = "keep",
                  info: dict[str, str] | None = None, maps: "MappedFiles | None" = None) -> None:
         self.space, self.scope, self.budget, self.policy = space, scope, int(budget), policy
@@ -240,8 +243,11 @@ class NodeCache:
         self._users_fd = _join(self.folder)  # held until this process exits (or close())
         if space.memory:
             mp_util.Finalize(None, _leave, args=(self.folder, self._users_fd), exitpriority=-10)
-        elif info is not None:
-            self._describe(info)
+        elif info is not None and not os.path.exists(described := os.path.join(self.folder, _INFO)):
+            tmp = f"{described}.{os.getpid()}.{uuid.uuid4().hex[:8]}"  # what list_disk_cache reports
+            with open(tmp, "w") as f:
+                json.dump({"schema": "featstore.diskcache.scope", "schema_version": 1, **info}, f, sort_keys=True)
+            os.replace(tmp, described)
 
     @classmethod
     def open(cls, space: Space, identity: str, budget: int, policy: str = "keep",
@@ -249,28 +255,18 @@ class NodeCache:
         """This process's handle on the scope of ``identity`` (one per process, space, scope,
         budget and policy)."""
         scope = digest(identity, 32)
-        key = (os.getpid(), space.root, scope, int(budget), policy)
-        with cls._open_lock:
-            if key not in cls._open:
-                if space.memory:
-                    sweep_stale(os.path.dirname(space.root))
-                cls._open[key] = cls(space, scope, budget, policy, info, maps)
-            return cls._open[key]
 
-    def _describe(self, info: dict[str, str]) -> None:
-        path = os.path.join(self.folder, _INFO)
-        if os.path.exists(path):
-            return
-        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w") as f:
-            json.dump({"schema": "featstore.diskcache.scope", "schema_version": 1, **info}, f, sort_keys=True)
-        os.replace(tmp, path)
+        def make() -> NodeCache:
+            if space.memory:
+                sweep_stale(os.path.dirname(space.root))
+            return cls(space, scope, budget, policy, info, maps)
+        return process_local(("cache", space.root, scope, int(budget), policy), make)
 
     def close(self) -> None:
         """Stop using this scope in this process (its entries may then be evicted, once no other
         process reads the version either); the handle must not be used afterwards."""
-        with NodeCache._open_lock:
-            NodeCache._open.pop((os.getpid(), self.space.root, self.scope, self.budget, self.policy), None)
+        with _PROCESS_LOCK:
+            _PROCESS.pop(("cache", self.space.root, self.scope, self.budget, self.policy), None)
         with contextlib.suppress(OSError):
             os.close(self._users_fd)
 
@@ -357,7 +353,7 @@ class NodeCache:
                 os.unlink(tmp)
             with self.space.locked() as ledger:
                 ledger.add(-n)
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
                 return None
             raise
         finally:
@@ -387,7 +383,7 @@ class NodeCache:
                 held_close(fd)
                 os.unlink(tmp)
                 ledger.write(used)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                if exc.errno in _NO_ROOM:
                     return None
                 raise
             return fd
@@ -436,14 +432,7 @@ class NodeCache:
 
     def used_bytes(self) -> int:
         """Bytes the whole space holds now, counted afresh."""
-        return self.space.recount()
-
-
-def _fresh_lock_in_child() -> None:
-    NodeCache._open_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_child)
+        return self.space.recount()[1]
 
 
 def _trailer_ok(view: memoryview) -> bool:
@@ -455,11 +444,10 @@ def _trailer_ok(view: memoryview) -> bool:
 
 
 def _intact(view: memoryview) -> bool:
-    """Whether a mapped entry is whole: its trailer, and the crc32c of the object it names."""
+    """Whether the object of a mapped entry whose trailer is whole (:func:`_trailer_ok`) has the
+    crc32c the trailer names."""
     import crc32c
 
-    if not _trailer_ok(view):
-        return False
     size, crc = _TRAILER.unpack(view[len(view) - _TRAILER.size:])[1:]
     return crc32c.crc32c(view[:size]) == crc
 
@@ -536,9 +524,7 @@ def list_disk_cache(cache_dir: str | None = None) -> list[CachedScope]:
     space = Space.for_disk(cache_dir)
     if not os.path.isdir(space.root):
         return []
-    with space.locked() as ledger:
-        entries, used = space.listing()
-        ledger.write(used)
+    entries, _ = space.recount()
     out = []
     for scope in space.scopes():
         mine = [e for e in entries if e.scope == scope]
@@ -657,6 +643,30 @@ def _map_fd(fd: int, writable: bool = False) -> memoryview:
     return memoryview(mmap.mmap(fd, size, flags=flags, prot=prot))
 
 
+# -- what each process makes once --------------------------------------------------------------
+_PROCESS: dict[tuple[Hashable, ...], Any] = {}
+_PROCESS_LOCK = threading.RLock()
+
+
+def process_local(key: tuple[Hashable, ...], make: Callable[[], T]) -> T:
+    """This process's one value under ``key`` (a node cache's handle, the mapped files, an
+    arena): ``make()`` on first use, again next time if it raised. A forked child makes its
+    own: the parent's are the parent's, and another thread may have held a lock at the fork."""
+    with _PROCESS_LOCK:
+        if key not in _PROCESS:
+            _PROCESS[key] = make()
+        return cast(T, _PROCESS[key])
+
+
+def _forget_in_child() -> None:
+    global _PROCESS_LOCK
+    _PROCESS.clear()
+    _PROCESS_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 # -- locks that a forked child does not keep ------------------------------------------------------
 #: Descriptors of files this process holds a short-lived ``flock`` on (an eviction lock, a
 #: writer's temporary file). A child forked meanwhile (a DataLoader worker) closes its copies at
@@ -699,21 +709,29 @@ def flocked(path: str, how: int = fcntl.LOCK_EX) -> Iterator[int]:
         held_close(fd)
 
 
-
-
-def _unused(lock_path: str) -> bool:
-    """Whether no live process holds ``lock_path`` (a non-blocking exclusive lock succeeds)."""
+@contextlib.contextmanager
+def _sole(lock_path: str, missing: bool) -> Iterator[bool]:
+    """Whether no live process holds ``lock_path`` (a non-blocking exclusive lock succeeds; it
+    is held for the block), ``missing`` when there is no such file."""
     try:
         fd = held_open(lock_path, os.O_RDWR)
     except FileNotFoundError:
-        return True
+        yield missing
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+        free = False
+        with contextlib.suppress(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free = True
+        yield free
     finally:
         held_close(fd)
+
+
+def _unused(lock_path: str) -> bool:
+    """Whether no live process holds ``lock_path`` (nor could: it is missing)."""
+    with _sole(lock_path, missing=True) as free:
+        return free
 
 
 def _join(folder: str) -> int:
@@ -735,20 +753,10 @@ def _join(folder: str) -> int:
 
 def _try_remove(folder: str) -> bool:
     """Remove ``folder`` if no process holds its users lock (checked under that lock)."""
-    try:
-        fd = held_open(os.path.join(folder, _USERS), os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        held_close(fd)
-        return False
-    try:
-        shutil.rmtree(folder, ignore_errors=True)
-        return True
-    finally:
-        held_close(fd)
+    with _sole(os.path.join(folder, _USERS), missing=False) as free:
+        if free:
+            shutil.rmtree(folder, ignore_errors=True)
+    return free
 
 
 def _leave(folder: str, fd: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard
                                              shard_intact)
 from featstore.read._arena import Arena, Slot
 from featstore.read._assignment import Piece
-from featstore.read._cache import ENTRY_TRAILER, MappedFiles, NodeCache
+from featstore.read._cache import ENTRY_TRAILER, MappedFiles, NodeCache, process_local
 from featstore.storage import Storage
 from featstore.versions._committed import StoredVersion, missing_data_error
 
@@ -38,19 +37,12 @@ Buffer = bytes | memoryview
 #: Bytes of local shard objects one process keeps mapped: faulting a mapping's pages in again
 #: costs about as much as copying them, so a version up to this size is mapped once per process.
 MAPPED_BYTES = 256 * 2**20
-_MAPS: tuple[int, MappedFiles] | None = None
-_MAPS_LOCK = threading.Lock()
 
 
 def process_maps() -> MappedFiles:
     """This process's mapped shard objects, shared by all its readers (so each chunk's crc32c
-    is checked once per process); a forked child starts its own (a lock may have been held
-    by another thread at the fork)."""
-    global _MAPS
-    with _MAPS_LOCK:
-        if _MAPS is None or _MAPS[0] != os.getpid():
-            _MAPS = (os.getpid(), MappedFiles(MAPPED_BYTES))
-        return _MAPS[1]
+    is checked once per process)."""
+    return process_local(("maps",), lambda: MappedFiles(MAPPED_BYTES))
 
 
 def scope_identity(version: StoredVersion) -> str:

@@ -414,9 +414,20 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
         assert np.array_equal(place.span(lo, hi), place.take(place.groups(pos), len(pos)))
 
 
+def _arenas() -> list:
+    """This process's arenas (featstore.read._arena.process_arena's)."""
+    from featstore.read import _cache
+    return [v for k, v in _cache._PROCESS.items() if k[0] == "arena"]
+
+
+def _fresh_arenas(monkeypatch) -> None:
+    """The process's registry without its arenas (restored afterwards)."""
+    from featstore.read import _cache
+    monkeypatch.setattr(_cache, "_PROCESS", {k: v for k, v in _cache._PROCESS.items() if k[0] != "arena"})
+
+
 def _held_slots() -> int:
-    from featstore.read import _arena as arena
-    return sum(s.pins for a in (arena._ARENAS[1].values() if arena._ARENAS else ()) for s in a._slots.values())
+    return sum(s.pins for a in _arenas() for s in a._slots.values())
 
 
 @pytest.fixture
@@ -516,13 +527,13 @@ def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, m
 
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
-    monkeypatch.setattr(arena, "_ARENAS", None)  # a fresh registry, restored afterwards
+    _fresh_arenas(monkeypatch)
     monkeypatch.setattr(arena, "MIN_SLOTS", 2)
     monkeypatch.setattr(_objects, "MAPPED_BYTES", 1)
     windows.clear()
     got = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
     assert same(got, want)
-    assert all(a.n_slots == 2 for a in arena._ARENAS[1].values()) and _held_slots() == 0
+    assert all(a.n_slots == 2 for a in _arenas()) and _held_slots() == 0
     assert windows["arena"] > 0 and windows["in place"] > 0, windows  # both ways, in one epoch
 
 
@@ -534,7 +545,7 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
     from featstore.read import _arena as arena
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=6))
-    monkeypatch.setattr(arena, "_ARENAS", None)
+    _fresh_arenas(monkeypatch)
     real = arena._map
 
     def no_more_maps(addr, size, prot, flags, fd=-1):
@@ -544,4 +555,4 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
 
     monkeypatch.setattr(arena, "_map", no_more_maps)
     assert same(batches(v.dataset(batch_size=16, seed=6)), want)
-    assert _held_slots() == 0 and all(a.mapped_bytes() == 0 for a in arena._ARENAS[1].values())
+    assert _held_slots() == 0 and all(a.mapped_bytes() == 0 for a in _arenas())
