@@ -88,6 +88,7 @@ def default_dir() -> str:
 
 
 def digest(text: str, n: int) -> str:
+    """The first ``n`` hex digits of the sha256 of ``text`` (names of scopes, entries, locks)."""
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
@@ -194,11 +195,11 @@ class Space:
         return freed
 
 
+@dataclass(frozen=True)
 class _Ledger:
     """The ledger file, open and exclusively locked."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    fd: int
 
     def read(self) -> int | None:
         raw = os.pread(self.fd, 8, 0)
@@ -366,13 +367,12 @@ class NodeCache:
     def _reserve(self, tmp: str, n: int) -> int | None:
         """Make room for ``n`` bytes (by the policy) and create ``tmp`` at that size, locked by
         this writer; None when they do not fit."""
-        budget = self.budget
         with self.space.locked() as ledger:
             used = ledger.read()
-            if used is None or used + n > budget:
-                used = self._make_room(n, budget, ledger)
-            if used + n > budget:
-                self._full = (time.monotonic() + _FULL_MEMO_S, budget - used)
+            if used is None or used + n > self.budget:
+                used = self._make_room(n, self.budget, ledger)
+            if used + n > self.budget:
+                self._full = (time.monotonic() + _FULL_MEMO_S, self.budget - used)
                 return None
             ledger.write(used + n)  # before the file exists: a kill from here on over-counts
             fd = held_open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)

@@ -27,7 +27,7 @@ from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard
                                              shard_intact)
 from featstore.read._arena import Arena, Slot
 from featstore.read._assignment import Piece
-from featstore.read._cache import ENTRY_TRAILER, MappedFiles, NodeCache, process_local
+from featstore.read._cache import ENTRY_TRAILER, MappedFiles, NodeCache, digest, process_local
 from featstore.storage import Storage
 from featstore.versions._committed import StoredVersion, missing_data_error
 
@@ -55,7 +55,7 @@ def scope_identity(version: StoredVersion) -> str:
 
 def entry_name(key: str) -> str:
     """The disk cache entry's name of the object at store key ``key`` (inside its version's scope)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:40]
+    return digest(key, 40)
 
 
 @dataclass(frozen=True, eq=False)
@@ -319,18 +319,16 @@ class StoredShards(PlacedShards):
             if view is not None and (todo or not slot.checked) and \
                     mapped_chunks(view, obj.fmt, obj.chunks, todo, obj.ref) is None:
                 view = None  # not laid out back to back
-            if view is None:
-                arena.unpin(slot)
-                return None
-            slot.checked.update(todo)
-        except CorruptChunk:
+        except BaseException as exc:
             arena.unpin(slot)
-            if not self.objects.discard(obj):  # a cached copy is fetched again; the store's own is damaged
+            # a cached copy is fetched again; the store's own is damaged
+            if not isinstance(exc, CorruptChunk) or not self.objects.discard(obj):
                 raise
             return None
-        except BaseException:
+        if view is None:
             arena.unpin(slot)
-            raise
+            return None
+        slot.checked.update(todo)
         return slot
 
     def slot_bytes(self, fmt: ShardFormat) -> int:

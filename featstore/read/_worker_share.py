@@ -61,7 +61,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import InvalidInput
-from featstore.read._cache import held_open, shm_root
+from featstore.read._cache import held_open, process_local, shm_root
 from featstore.read._ranks import Placement
 
 # header words
@@ -121,7 +121,7 @@ class SharedProgress:
         """Make ``t`` this process's block, with a lock file of its own."""
         self._t = t.share_memory_()
         self._t[OWNER] = os.getpid()
-        _sweep_dead_locks()
+        process_local(("progress locks swept",), _sweep_dead_locks)  # once per process
         self._lock_path = os.path.join(shm_root(), f"{_LOCK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.lock")
         weakref.finalize(self, _remove_lock, self._lock_path, os.getpid())
         self._held: tuple[int, int, threading.Lock] | None = None
@@ -318,16 +318,11 @@ class SharedProgress:
 
 
 _LOCK_PREFIX = "featstore-progress-"
-_SWEPT_IN = -1  # the process that last removed the lock files of dead owners
 
 
 def _sweep_dead_locks() -> None:
-    """Once per process: remove the lock files whose owner died without removing its own (a
-    SIGKILL); the owner's pid is in the name (a reused pid only keeps a file a while longer)."""
-    global _SWEPT_IN
-    if _SWEPT_IN == os.getpid():
-        return
-    _SWEPT_IN = os.getpid()
+    """Remove the lock files whose owner died without removing its own (a SIGKILL); the
+    owner's pid is in the name (a reused pid only keeps a file a while longer)."""
     with contextlib.suppress(OSError):
         for name in os.listdir(shm_root()):
             pid = name[len(_LOCK_PREFIX):].split("-")[0]
