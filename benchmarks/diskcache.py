@@ -51,22 +51,27 @@ class GetCounter:
     def __init__(self) -> None:
         self.calls = 0
         self.bytes = 0
-        self._get = S3Getter.get
+        self._get, self._get_buffer = S3Getter.get, S3Getter.get_buffer
 
     def __enter__(self) -> "GetCounter":
-        counter, original = self, self._get
+        counter, original, original_buffer = self, self._get, self._get_buffer
 
-        def get(getter: Any, path: str, start: int | None = None, stop: int | None = None) -> bytes | None:
-            data = original(getter, path, start, stop)
+        def count(data: Any) -> Any:
             counter.calls += 1
             counter.bytes += len(data or b"")
             return data
 
+        def get(getter: Any, path: str, start: int | None = None, stop: int | None = None) -> bytes | None:
+            if start is None and stop is None:  # a whole GET: get_buffer sends (and counts) it
+                return original(getter, path, start, stop)
+            return count(original(getter, path, start, stop))
+
         S3Getter.get = get  # type: ignore[method-assign]
+        S3Getter.get_buffer = lambda getter, path: count(original_buffer(getter, path))  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        S3Getter.get = self._get  # type: ignore[method-assign]
+        S3Getter.get, S3Getter.get_buffer = self._get, self._get_buffer  # type: ignore[method-assign]
 
     def take(self) -> tuple[int, int]:
         """(GETs, bytes) since the last call."""

@@ -66,8 +66,8 @@ NOTES = (
     "raw PUTs are s3fs's, 2 at a time, as the writer's. Both servers share the 2 cores with the client.",
     "- *Reader byte rate and S3 training* miss their targets on both servers, by about as much on the real "
     "server as on moto: the server's software is not what bounds them, the 2 cores are. A read-only SeaweedFS "
-    "epoch costs the client 0.30-0.40 s of CPU (obstore, the crc32c of every chunk, zstd of the features, "
-    "the batch gathers) and the server 0.20-0.27 s (`read_cpu_s`, `server_cpu_s` in "
+    "epoch costs the client 0.15-0.16 s of CPU (obstore, the crc32c of every chunk, zstd of the features, "
+    "the batch gathers) and the server 0.11-0.14 s (`read_cpu_s`, `server_cpu_s` in "
     "docs/benchmarks-servers.json), so with B on one core the reads and the server share the other; a raw "
     "GET pays only the transfer. Tried and measured (not kept): gathering fetched shards with one "
     "`index_select` over arena slots (training 1.55 vs 1.65, read-only epochs 0.44 s vs 0.35 s: the copy into "

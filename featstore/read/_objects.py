@@ -148,8 +148,8 @@ class ShardObjects(ABC):
         caller adds those it checks. Bytes not kept mapped get a fresh set."""
         return set()
 
-    def _fetch(self, obj: ShardObject) -> bytes:
-        data = self.storage.read_bytes(obj.key)
+    def _fetch(self, obj: ShardObject) -> Buffer:
+        data = self.storage.read_buffer(obj.key)
         if not data:
             raise missing_data_error(self.version, obj.ref, data)
         return data

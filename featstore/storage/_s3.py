@@ -98,6 +98,11 @@ class S3Storage(FsspecStorage, protocols=("s3", "s3a")):
             return getter.get(self.path(key))
         return super().read_bytes(key, metadata=metadata)
 
+    def read_buffer(self, key: str) -> bytes | memoryview | None:
+        """One GET through obstore, its body lent as it arrived (no copy); else :meth:`read_bytes`."""
+        getter = self._s3_getter()
+        return getter.get_buffer(self.path(key)) if getter is not None else self.read_bytes(key)
+
     def read_range(self, key: str, start: int, stop: int | None = None) -> bytes | None:
         """One ranged GET."""
         getter = self._s3_getter()

@@ -115,10 +115,11 @@ class S3Getter:
 
         global _STARTED_IN
         _STARTED_IN = _STARTED_IN or self.pid  # this request starts obstore's runtime
+        if start is None and stop is None:
+            view = self.get_buffer(path)
+            return None if view is None else bytes(view)
         key = path.split("/", 1)[1]
         try:
-            if start is None and stop is None:
-                return bytes(obstore.get(self._store, key).bytes())
             if start is not None and start < 0 and stop is None:
                 return bytes(obstore.get(self._store, key, options={"range": {"suffix": -start}}).bytes())
             begin = start or 0
@@ -127,6 +128,20 @@ class S3Getter:
                 return b""
             rng: OffsetRange | tuple[int, int] = {"offset": begin} if stop is None else (begin, stop)
             return bytes(obstore.get(self._store, key, options={"range": rng}).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - obstore raises its own tree and builtins
+            raise self._error(exc, path) from None  # the cause may echo the request: not chained
+
+    def get_buffer(self, path: str) -> memoryview | None:
+        """The whole object at ``path`` as obstore received it, lent without a copy (read-only);
+        None when it does not exist."""
+        import obstore
+
+        global _STARTED_IN
+        _STARTED_IN = _STARTED_IN or self.pid
+        try:
+            return memoryview(obstore.get(self._store, path.split("/", 1)[1]).bytes())
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - obstore raises its own tree and builtins

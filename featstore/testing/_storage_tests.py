@@ -56,6 +56,8 @@ class StorageTests:
         assert storage.read_bytes("a/b.bin") == b"one"
         storage.write_bytes("a/b.bin", b"two")
         assert storage.read_bytes("a/b.bin") == b"two"
+        assert bytes(storage.read_buffer("a/b.bin") or b"") == b"two"  # the reader's copy-free GET
+        assert storage.read_buffer("a/none.bin") is None
         storage.write_json("a/c.json", {"x": [1, 2]})
         assert storage.read_json("a/c.json") == {"x": [1, 2]}
 

@@ -261,7 +261,7 @@ class StoredVersion:
         ref = ChunkRef(self.ref, field, self.chunk_key(field, shard))
         c0, c1 = lo // fmt.chunk_rows, -(-hi // fmt.chunk_rows)
         whole = 2 * (c1 - c0) > fmt.chunks_per_shard
-        data = storage.read_bytes(key) if whole else storage.read_range(key, -shard_index_bytes(fmt))
+        data = storage.read_buffer(key) if whole else storage.read_range(key, -shard_index_bytes(fmt))
         if not data:
             raise missing_data_error(self, ref, data)
         if whole:

@@ -39,6 +39,13 @@ class Counting:
         self.reads.append((key, len(data or b"")))
         return data
 
+    def read_buffer(self, key):
+        before = len(self.reads)
+        data = super().read_buffer(key)
+        if len(self.reads) == before:  # the backend's own copy-free GET, not through read_bytes
+            self.reads.append((key, len(data or b"")))
+        return data
+
     def list_dirs(self, key):
         self.lists.append(key)
         return super().list_dirs(key)
