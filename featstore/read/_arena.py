@@ -113,39 +113,42 @@ class Arena:
         # a stat and the open would be held under the new file's signature with the old bytes).
         fd = os.open(path, os.O_RDONLY)
         try:
-            st = os.fstat(fd)
-            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if not 0 < st.st_size <= self.slot_bytes:
-                return None
-            with self._lock:
-                slot = self._slots.get(path)
-                if slot is not None and slot.sig == sig:
-                    slot.pins += 1
-                    self._slots.move_to_end(path)
-                    return slot
-                if slot is not None:  # rewritten or replaced since: its old mapping goes once free
-                    del self._slots[path]
-                    if slot.pins == 0:
-                        self._unmap(slot)
-                    else:
-                        slot.retired = True
-                if not self._free and not self._evict_one():
-                    return None
-                index = self._free.pop()
-                try:
-                    # Faulted in here, in one call, not page by page in the batch gathers.
-                    _map(self.base + index * self.slot_bytes, st.st_size, _PROT_READ,
-                         _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd)
-                except OSError:
-                    self._free.append(index)
-                    raise
-                slot = Slot(index, sig, st.st_size, pins=1)
-                self._slots[path] = slot
-                self._mapped += slot.nbytes
-                self._trim()
-                return slot
+            return self._pin_fd(path, fd)
         finally:
             os.close(fd)
+
+    def _pin_fd(self, path: str, fd: int) -> Slot | None:
+        st = os.fstat(fd)
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if not 0 < st.st_size <= self.slot_bytes:
+            return None
+        with self._lock:
+            slot = self._slots.get(path)
+            if slot is not None and slot.sig == sig:
+                slot.pins += 1
+                self._slots.move_to_end(path)
+                return slot
+            if slot is not None:  # rewritten or replaced since: its old mapping goes once free
+                del self._slots[path]
+                if slot.pins == 0:
+                    self._unmap(slot)
+                else:
+                    slot.retired = True
+            if not self._free and not self._evict_one():
+                return None
+            index = self._free.pop()
+            try:
+                # Faulted in here, in one call, not page by page in the batch gathers.
+                _map(self.base + index * self.slot_bytes, st.st_size, _PROT_READ,
+                     _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd)
+            except OSError:
+                self._free.append(index)
+                raise
+            slot = Slot(index, sig, st.st_size, pins=1)
+            self._slots[path] = slot
+            self._mapped += slot.nbytes
+            self._trim()
+            return slot
 
     def unpin(self, slot: Slot) -> None:
         """Release one hold on ``slot`` (from :meth:`pin`)."""
@@ -200,7 +203,7 @@ class Arena:
     def _unmap(self, slot: Slot) -> None:
         # Back to reserved address space: the file is no longer mapped, the range stays ours.
         _map(self.base + slot.index * self.slot_bytes, self.slot_bytes, _PROT_NONE,
-                    _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
+             _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
         self._mapped -= slot.nbytes
         self._free.append(slot.index)
 

@@ -261,13 +261,12 @@ class NodeCache:
             if space.memory:
                 sweep_stale(os.path.dirname(space.root))
             return cls(space, scope, budget, policy, info, maps)
-        return process_local(("cache", space.root, scope, int(budget), policy), make)
+        return process_local(_handle_key(space.root, scope, int(budget), policy), make)
 
     def close(self) -> None:
         """Stop using this scope in this process (its entries may then be evicted, once no other
         process reads the version either); the handle must not be used afterwards."""
-        with _PROCESS_LOCK:
-            _PROCESS.pop(("cache", self.space.root, self.scope, self.budget, self.policy), None)
+        forget_process_local(_handle_key(self.space.root, self.scope, self.budget, self.policy))
         with contextlib.suppress(OSError):
             os.close(self._users_fd)
 
@@ -656,6 +655,17 @@ def process_local(key: tuple[Hashable, ...], make: Callable[[], T]) -> T:
         if key not in _PROCESS:
             _PROCESS[key] = make()
         return cast(T, _PROCESS[key])
+
+
+def forget_process_local(key: tuple[Hashable, ...]) -> None:
+    """Drop this process's value under ``key`` (the next :func:`process_local` makes it anew)."""
+    with _PROCESS_LOCK:
+        _PROCESS.pop(key, None)
+
+
+def _handle_key(root: str, scope: str, budget: int, policy: str) -> tuple[Hashable, ...]:
+    """The registry key of one node cache handle: one per process, space, scope, budget, policy."""
+    return ("cache", root, scope, budget, policy)
 
 
 def _forget_in_child() -> None:

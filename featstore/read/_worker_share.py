@@ -190,10 +190,13 @@ class SharedProgress:
         """The epoch of the latest iteration since the last ``set_epoch``, else the one the next
         will read."""
         with self._locked():
-            latest = next(reversed(self._records()), None)
+            latest = self._latest()
             if latest is not None and latest[2] == self._get(GEN) & 0xFF:
                 return latest[3]
             return self._get(BASE)
+
+    def _latest(self) -> tuple[int, bool, int, int] | None:
+        return next(reversed(self._records()), None)
 
     def _records(self) -> list[tuple[int, bool, int, int]]:
         """The ring's records, oldest first (a refused iteration's record is 0: left out)."""
@@ -210,7 +213,7 @@ class SharedProgress:
 
     def _next(self, gen: int) -> tuple[int, bool]:
         """The epoch of a new iteration in generation ``gen``, and whether it is the first."""
-        latest = next(reversed(self._records()), None)
+        latest = self._latest()
         if latest is None or latest[2] != gen & 0xFF:
             return self._get(BASE), True
         return min(latest[3] + 1, MAX_EPOCH), False
@@ -231,43 +234,47 @@ class SharedProgress:
         if slot > MAX_WORKERS:
             raise InvalidInput(f"featstore supports at most {MAX_WORKERS} DataLoader workers.")
         with self._locked():
-            now = self._get(GEN)
-            gen = started[0] if fresh and started is not None else now
-            found = None if key is None or epoch is not None else self._find(key, gen)
-            if epoch is not None:
-                e, first = epoch, False
-            elif found is not None:
-                self._check_slot(slot, key, gen, fresh)
-                e, first = found
-            elif gen != now:  # started before the latest set_epoch: the epoch it was started for
-                e, first = started[1], False  # type: ignore[index]
-            else:
-                e, first = self._next(gen)
-            mine = None
-            if found is None and key is not None:
-                # Under the lock no other worker records between our lookup and our record; should
-                # one have (a lock file removed under a running job), each still takes the
-                # iteration's oldest record: the same for all of them.
-                mine = self._record(_pack(key, first, gen, e))
-                e, first = self._find(key, gen) or (e, first)
-                if _pack(key, first, gen, e) != mine[1]:  # ours is the later: it says the same now
-                    mine = self._rerecord(*mine, _pack(key, first, gen, e))
-            start = Start(e)
-            if first and self._get(RESUME_GEN) == gen:
-                workers = self._get(RESUME_WORKERS)
-                start = Start(e, self._get(RESUME_SEEN), workers - 1 if workers else None)
-            if check is not None:
-                try:
-                    check(start)
-                except BaseException:
-                    if mine is not None:  # refused: as if never started (the others are refused alike)
-                        self._rerecord(*mine, 0)
-                    raise
-            if found is None and key is None:
-                self._record(_pack(_own_key(), first, gen, e))
-            self._set(SLOTS + 2 * slot + 1, os.getpid())
-            self._set(SLOTS + 2 * slot, _pack(key or 0, first, gen, e))
-            return start
+            return self._begin(slot, key, fresh, epoch, started, check)
+
+    def _begin(self, slot: int, key: int | None, fresh: bool, epoch: int | None, started: tuple[int, int] | None,
+               check: Callable[[Start], None] | None) -> Start:
+        now = self._get(GEN)
+        gen = started[0] if fresh and started is not None else now
+        found = None if key is None or epoch is not None else self._find(key, gen)
+        if epoch is not None:
+            e, first = epoch, False
+        elif found is not None:
+            self._check_slot(slot, key, gen, fresh)
+            e, first = found
+        elif gen != now:  # started before the latest set_epoch: the epoch it was started for
+            e, first = started[1], False  # type: ignore[index]
+        else:
+            e, first = self._next(gen)
+        mine = None
+        if found is None and key is not None:
+            # Under the lock no other worker records between our lookup and our record; should
+            # one have (a lock file removed under a running job), each still takes the
+            # iteration's oldest record: the same for all of them.
+            mine = self._record(_pack(key, first, gen, e))
+            e, first = self._find(key, gen) or (e, first)
+            if _pack(key, first, gen, e) != mine[1]:  # ours is the later: it says the same now
+                mine = self._rerecord(*mine, _pack(key, first, gen, e))
+        start = Start(e)
+        if first and self._get(RESUME_GEN) == gen:
+            workers = self._get(RESUME_WORKERS)
+            start = Start(e, self._get(RESUME_SEEN), workers - 1 if workers else None)
+        if check is not None:
+            try:
+                check(start)
+            except BaseException:
+                if mine is not None:  # refused: as if never started (the others are refused alike)
+                    self._rerecord(*mine, 0)
+                raise
+        if found is None and key is None:
+            self._record(_pack(_own_key(), first, gen, e))
+        self._set(SLOTS + 2 * slot + 1, os.getpid())
+        self._set(SLOTS + 2 * slot, _pack(key or 0, first, gen, e))
+        return start
 
     def _find(self, key: int, gen: int) -> tuple[int, bool] | None:
         """The oldest record of ``key`` in generation ``gen``."""

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from featstore.errors import StorePermissionDenied, StoreUnavailable
 from featstore.storage._base import StorageOptions
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from obstore import OffsetRange
     from obstore.store import RetryConfig
 
+T = TypeVar("T")
 #: The pid whose obstore runtime featstore started; a tokio runtime seen at a fork (any user).
 _STARTED_IN: int | None = None
 _FORKED_WITH_RUNTIME = False  # this process inherited a started runtime (so do its children)
@@ -113,13 +114,11 @@ class S3Getter:
         last ``-start`` bytes); None when the object does not exist."""
         import obstore
 
-        global _STARTED_IN
-        _STARTED_IN = _STARTED_IN or self.pid  # this request starts obstore's runtime
         if start is None and stop is None:
             view = self.get_buffer(path)
             return None if view is None else bytes(view)
-        key = path.split("/", 1)[1]
-        try:
+
+        def ranged(key: str) -> bytes:
             if start is not None and start < 0 and stop is None:
                 return bytes(obstore.get(self._store, key, options={"range": {"suffix": -start}}).bytes())
             begin = start or 0
@@ -128,20 +127,23 @@ class S3Getter:
                 return b""
             rng: OffsetRange | tuple[int, int] = {"offset": begin} if stop is None else (begin, stop)
             return bytes(obstore.get(self._store, key, options={"range": rng}).bytes())
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001 - obstore raises its own tree and builtins
-            raise self._error(exc, path) from None  # the cause may echo the request: not chained
+
+        return self._request(path, ranged)
 
     def get_buffer(self, path: str) -> memoryview | None:
         """The whole object at ``path`` as obstore received it, lent without a copy (read-only);
         None when it does not exist."""
         import obstore
 
+        return self._request(path, lambda key: memoryview(obstore.get(self._store, key).bytes()))
+
+    def _request(self, path: str, send: Callable[[str], T]) -> T | None:
+        """``send(key)`` for the object at ``path``: None when it does not exist, obstore's
+        errors as featstore's (scrubbed of secrets)."""
         global _STARTED_IN
-        _STARTED_IN = _STARTED_IN or self.pid
+        _STARTED_IN = _STARTED_IN or self.pid  # this request starts obstore's runtime
         try:
-            return memoryview(obstore.get(self._store, path.split("/", 1)[1]).bytes())
+            return send(path.split("/", 1)[1])
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - obstore raises its own tree and builtins
