@@ -556,3 +556,57 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
     monkeypatch.setattr(arena, "_map", no_more_maps)
     assert same(batches(v.dataset(batch_size=16, seed=6)), want)
     assert _held_slots() == 0 and all(a.mapped_bytes() == 0 for a in _arenas())
+
+
+# -- the next epoch's first window, read ahead ------------------------------------------------
+def _ahead(ds):
+    return ds._process()._ahead
+
+
+def _read_through(ahead) -> bool:
+    """Whether ``ahead`` was read to its epoch's end (used), not closed after its first window."""
+    return next(ahead.reader.todo, None) is None
+
+
+@pytest.mark.parametrize("kind", ["raw", "zstd", "s3"])
+def test_the_next_epochs_first_window_is_read_ahead_and_a_wrong_guess_is_dropped(versions, kind):
+    """Once a reader has read two epochs in a row, the next one's first window is read as an
+    epoch ends; that epoch's batches are a fresh reader's. A guess the loop does not take (another
+    epoch set, a resume) is dropped, its arena slots given back, and the batches are right."""
+    v = versions[kind]
+    opts = dict(batch_size=16, seed=5)
+    ds, fresh = v.dataset(**opts), v.dataset(**opts)
+    batches(ds)
+    assert _ahead(ds) is None  # one epoch: nothing says another comes
+    batches(ds)
+    ahead = _ahead(ds)
+    assert ahead is not None and ahead.epoch.number == 2
+    if kind == "raw":
+        assert _held_slots() > 0  # the first window of epoch 2, mapped
+    fresh.set_epoch(2)
+    assert same(batches(ds), batches(fresh))
+    assert _read_through(ahead)
+    # a wrong guess: epoch 3 was read ahead, epoch 7 comes
+    ahead = _ahead(ds)
+    assert ahead.epoch.number == 3
+    ds.set_epoch(7)
+    fresh.set_epoch(7)
+    assert same(batches(ds), batches(fresh))
+    assert not _read_through(ahead) and _ahead(ds) is None  # 7 after 2: no run of epochs
+    assert _held_slots() == 0
+    # a resume: epoch 9 was read ahead, the rest of epoch 9 after 3 batches comes
+    ds.set_epoch(7)
+    batches(ds)
+    batches(ds)
+    ahead = _ahead(ds)
+    assert ahead.epoch.number == 9
+    fresh.set_epoch(9)
+    it = iter(fresh)
+    for _ in range(3):
+        next(it)
+    ds.load_state_dict(fresh.state_dict(batches_seen=3))
+    assert same(batches(ds), list(it))
+    assert not _read_through(ahead)
+    del ds
+    assert _held_slots() == 0  # a reader dropped gives back what it read ahead
+
