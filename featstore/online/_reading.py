@@ -73,8 +73,6 @@ class ComputedSource(ShardSource):
     and once every shard of the epoch's view is stored the epoch reads the stored version's own
     sources and tries the commit."""
 
-    stateless = False  # begin() plans the epoch's computation and fill
-
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
         self.planned, self.reads, self.options = planned, reads, reads.options
         self.fields = reads.fields

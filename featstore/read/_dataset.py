@@ -267,18 +267,12 @@ class FeatureDataset(IterableDataset):
         return it
 
     def _iterate(self, it: Iteration) -> Iterator[dict[str, torch.Tensor]]:
-        local, reads, epoch = self._epochs.local, self._process(), self._epoch(it)
-        windows = read_windows(self._sources(), epoch, self.options.prefetch,
-                               self.version.manifest.layout.samples_per_shard, reads.take_ahead(epoch))
+        local = self._epochs.local
+        windows = read_windows(self._sources(), self._epoch(it), self.options.prefetch,
+                               self.version.manifest.layout.samples_per_shard)
         for batch in self._batches(windows, it):
             local.yielded += 1
             yield batch
-        # Read to its end: the next epoch's first window is read now, where one is likely to
-        # come. A version with views reads another view next epoch (the shard objects depend
-        # on it): not guessed.
-        following = self._epochs.following(it)
-        if following is not None and self._viewing.view is None:
-            reads.read_ahead(self._sources(), self._epoch(following), self)
 
     def _epoch(self, it: Iteration) -> Epoch:
         """The iteration as its sources see it: one window per slice of its share, where each

@@ -104,7 +104,6 @@ class _Local:
     pid: int = dataclass_field(default_factory=os.getpid)
     count: int = 0  # iterations started here (a persistent worker tells its epochs apart by it)
     current: Iteration | None = None
-    previous: int | None = None  # the epoch of the iteration before the current one
     yielded: int = 0  # batches yielded by the current iteration
     planned: Placement | None = None  # a persistent worker's placement of its last iteration
     worker_resume: tuple[Any, ResumeState | None] | None = None  # a torchdata worker state loaded here
@@ -230,18 +229,8 @@ class EpochState:
             it = self._resumed(start.epoch, placement, worker, split, start.resume_seen, state)
         else:
             it = self._continued(start.epoch, placement, worker, split, worker, 0, ResumeState(start.epoch, self.order))
-        local.previous = None if local.current is None else local.current.epoch
         local.current, local.yielded = it, 0
         return it
-
-    def following(self, it: Iteration) -> Iteration | None:
-        """The iteration likely to follow ``it`` in this process, for reading ahead (nothing is
-        recorded): when the one before ``it`` read the epoch before, the next epoch from its
-        start, same placement and split. None where the process shows no such run of epochs (a
-        reader used once, a DataLoader worker that exits after its epoch, one epoch read again)."""
-        if self.local.previous != it.epoch - 1:
-            return None
-        return self._continued(it.epoch + 1, it.placement, it.worker, it.split, it.worker, 0, None)
 
     def _continued(self, epoch: int, placement: Placement, worker: int, split: Split, role: int, skip: int,
                    base: ResumeState | None) -> Iteration:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -135,9 +134,6 @@ class ShardSource(ABC):
     :class:`WindowRead`'s rows are what batches are cut from (:mod:`featstore.read._gather`)."""
 
     fields: tuple[str, ...]
-    #: A window's rows depend on the window alone (not on :meth:`begin`): its reads may start
-    #: before the epoch does (:class:`ReadAhead`).
-    stateless: bool = True
 
     @abstractmethod
     def read(self, window: Window, reads: Executor) -> WindowRead:
@@ -297,8 +293,6 @@ class ProcessReads:
             else RemoteObjects(version, self.storage))
         self._formats: dict[str, ShardFormat | None] = {}
         self._sources: list[ShardSource] | None = None
-        self._ahead: ReadAhead | None = None
-        self._ahead_closer: weakref.finalize | None = None
 
     def shard_format(self, field: str) -> ShardFormat | None:
         """The array's shard format when featstore's own decoder reads it (else zarr does)."""
@@ -372,31 +366,8 @@ class ProcessReads:
             return ArenaSource(self, field, shards)
         return InPlaceSource(self, field, shards, here=local_raw)
 
-    def read_ahead(self, sources: Sequence[ShardSource], epoch: Epoch, owner: object) -> None:
-        """Start reading ``epoch``'s first window (:class:`ReadAhead`), in place of any other;
-        once ``owner`` (the reader) is gone, what was read is given back."""
-        self.take_ahead(None)
-        spp = self.version.manifest.layout.samples_per_shard
-        self._ahead = ReadAhead.of(sources, epoch, self.options.prefetch, spp)
-        if self._ahead is not None:
-            # on the reader, not on this object: its sources refer back to it, so only the
-            # garbage collector would free it, holding the window's arena slots until then
-            self._ahead_closer = weakref.finalize(owner, self._ahead.close)
-
-    def take_ahead(self, epoch: Epoch | None) -> ReadAhead | None:
-        """The read ahead of ``epoch`` (None: there is none); one of another epoch is closed."""
-        ahead, self._ahead = self._ahead, None
-        if self._ahead_closer is not None:
-            self._ahead_closer.detach()
-            self._ahead_closer = None
-        if ahead is not None and ahead.epoch != epoch:
-            ahead.close()
-            ahead = None
-        return ahead
-
     def clear_cache(self) -> None:
         """Empty this version's entries in the node's caches (both tiers)."""
-        self.take_ahead(None)
         for cache in (self.memory, self.disk):
             if cache is not None:
                 cache.clear()
@@ -444,98 +415,41 @@ class WindowReader:
         finally:
             for r in current:
                 r.close()
-            self.close()
-
-    def start(self) -> None:
-        """Start reading the first window alone (what the consumer waits for first)."""
-        if not self.queue:
-            self._add()
-
-    def close(self) -> None:
-        """Give back the windows queued and not consumed: nobody will use what they read."""
-        while self.queue:
-            for r in self.queue.popleft()[2]:
-                r.close()
+            for _, _, queued in self.queue:  # an abandoned epoch: do not read what nobody will use
+                for r in queued:
+                    r.close()
 
     def _fill(self) -> None:
         """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
-        while (self.in_flight < self.prefetch or len(self.queue) < 2) and self._add():
-            pass
-
-    def _add(self) -> bool:
-        window = next(self.todo, None)
-        if window is None:
-            return False
-        index = np.concatenate([np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64)
-                                for p in window.pieces])
-        self.queue.append((window, index, [s.read(window, self.reads) for s in self.sources]))
-        self.in_flight += len(window.pieces)
-        return True
+        while self.in_flight < self.prefetch or len(self.queue) < 2:
+            window = next(self.todo, None)
+            if window is None:
+                return
+            index = np.concatenate([np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64)
+                                    for p in window.pieces])
+            self.queue.append((window, index, [s.read(window, self.reads) for s in self.sources]))
+            self.in_flight += len(window.pieces)
 
 
-class ReadAhead:
-    """An epoch's first window read before the epoch starts: when a process reads epoch after
-    epoch, the next one's first window is read as soon as one ends, so the training loop does
-    not wait for it (it waited for the whole first window, the largest single wait of an
-    epoch: the rows of a compressed array decoded from the disk cache, or fetched from S3).
-
-    It is a guess (the next epoch, same placement and split): :func:`read_windows` uses it only
-    for exactly the epoch it read (same windows, consumer and split), else closes it. Only
-    sources whose rows depend on the window alone are read ahead (:attr:`ShardSource.stateless`).
-    """
-
-    def __init__(self, sources: Sequence[ShardSource], epoch: Epoch, prefetch: int, samples_per_shard: int) -> None:
-        self.epoch = epoch
-        self.pool = ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read")
-        self.reader = WindowReader(sources, self.pool, epoch.todo, prefetch, samples_per_shard)
-        try:
-            self.reader.start()
-        except BaseException:
-            self.close()
-            raise
-
-    @classmethod
-    def of(cls, sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
-           samples_per_shard: int) -> ReadAhead | None:
-        """The read ahead of ``epoch``, or None where there is nothing to gain: a source that
-        keeps state per epoch, or reads that would run in the consuming thread anyway."""
-        if not all(s.stateless for s in sources) or _in_thread(sources, epoch):
-            return None
-        return cls(sources, epoch, prefetch, samples_per_shard)
-
-    def close(self) -> None:
-        """Give back what was read (the epoch that came is another): reads not started are
-        cancelled, and those under way are waited for (a window's reads at most)."""
-        self.reader.close()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int, samples_per_shard: int,
-                 ahead: ReadAhead | None = None) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
+def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
+                 samples_per_shard: int) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
     """The epoch's windows from ``sources``, read ahead on a pool of ``prefetch`` threads, or
     in the calling thread when no core is spare and nothing is remote: pool threads would only
-    take turns with Model B's torch threads (measured slower). ``ahead``: this very epoch's
-    first window, read already (:meth:`ProcessReads.take_ahead`)."""
+    take turns with Model B's torch threads (measured slower)."""
     for s in sources:
         s.begin(epoch)
     finished = False
     try:
-        if ahead is not None:
-            with ahead.pool:
-                yield from ahead.reader
-        elif _in_thread(sources, epoch):
-            yield from WindowReader(sources, InThread(), epoch.todo, prefetch, samples_per_shard)
+        todo = epoch.todo
+        if spare_cores() < 1 and all(s.near(todo) for s in sources):
+            yield from WindowReader(sources, InThread(), todo, prefetch, samples_per_shard)
         else:
             with ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read") as pool:
-                yield from WindowReader(sources, pool, epoch.todo, prefetch, samples_per_shard)
+                yield from WindowReader(sources, pool, todo, prefetch, samples_per_shard)
         finished = True
     finally:
         for s in sources:
             s.end(finished)
-
-
-def _in_thread(sources: Sequence[ShardSource], epoch: Epoch) -> bool:
-    return spare_cores() < 1 and all(s.near(epoch.todo) for s in sources)
 
 
 class InThread(Executor):
