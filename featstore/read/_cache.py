@@ -295,7 +295,7 @@ class NodeCache:
                     # another signature), the length and the trailer once per mapping: a version
                     # bigger than the process's kept mappings is mapped afresh each epoch without
                     # hashing it again.
-                    if not (_trailer_ok(view) and (sig in self._verified or _intact(view))):
+                    if not _entry_ok(view, crc=sig not in self._verified):
                         self.discard(name)
                         return None
                     checked.add(ENTRY_CHECKED)
@@ -308,19 +308,15 @@ class NodeCache:
         return view
 
     def body(self, view: memoryview, name: str) -> memoryview | None:
-        """A mapped entry's object, the trailer off; None, with the entry removed, when torn."""
-        if self.space.memory:
-            return view
-        if _trailer_ok(view):
+        """A mapped disk entry's object, the trailer off; None, with the entry removed, when torn."""
+        if _entry_ok(view, crc=False):
             return view[:len(view) - _TRAILER.size]
         self.discard(name)
         return None
 
     def fetch_lock(self, name: str) -> contextlib.AbstractContextManager[object]:
-        """What a miss of ``name`` holds while it looks again and fetches: on disk a node-wide
+        """What a miss of disk entry ``name`` holds while it looks again and fetches: a node-wide
         lock (by a hash of the name), so a miss waits for another process's fetch of it."""
-        if self.space.memory:
-            return contextlib.nullcontext()
         bucket = int(digest(name, 8), 16) % _LOCK_BUCKETS
         return flocked(os.path.join(self.space.root, _LOCKS, str(bucket)), fcntl.LOCK_EX)
 
@@ -434,21 +430,18 @@ class NodeCache:
         return self.space.recount()[1]
 
 
-def _trailer_ok(view: memoryview) -> bool:
-    """Whether a mapped entry ends with its trailer and has the length it names (not torn)."""
+def _entry_ok(view: memoryview, crc: bool) -> bool:
+    """Whether a mapped entry ends with its trailer and has the length it names (not torn) and,
+    with ``crc``, the crc32c it names."""
     if len(view) < _TRAILER.size:
         return False
-    magic, size, _ = _TRAILER.unpack(view[len(view) - _TRAILER.size:])
-    return magic == _MAGIC and size == len(view) - _TRAILER.size
-
-
-def _intact(view: memoryview) -> bool:
-    """Whether the object of a mapped entry whose trailer is whole (:func:`_trailer_ok`) has the
-    crc32c the trailer names."""
+    magic, size, want = _TRAILER.unpack(view[len(view) - _TRAILER.size:])
+    whole = magic == _MAGIC and size == len(view) - _TRAILER.size
+    if not (whole and crc):
+        return whole
     import crc32c
 
-    size, crc = _TRAILER.unpack(view[len(view) - _TRAILER.size:])[1:]
-    return crc32c.crc32c(view[:size]) == crc
+    return crc32c.crc32c(view[:size]) == want
 
 
 # -- the disk location's options, listing and clearing ----------------------------------------
