@@ -97,8 +97,12 @@ class ShardObject:
 
 
 # -- where the objects come from ------------------------------------------------------------------
+@dataclass(eq=False)
 class ShardObjects(ABC):
     """Where one process gets a version's shard objects, whole: decided once per process."""
+
+    version: StoredVersion
+    storage: Storage
 
     #: the objects are files of this node (a local store's): no latency to hide
     local = False
@@ -106,9 +110,6 @@ class ShardObjects(ABC):
     ranged = False
     #: bytes a file of :meth:`file` holds beyond the object (the disk cache's trailer)
     extra = 0
-
-    def __init__(self, version: StoredVersion, storage: Storage) -> None:
-        self.version, self.storage = version, storage
 
     @abstractmethod
     def use(self, obj: ShardObject, fn: Callable[[Buffer], T], keep: bool = True) -> T:
@@ -155,14 +156,12 @@ class ShardObjects(ABC):
         return data
 
 
+@dataclass(eq=False)
 class LocalObjects(ShardObjects):
     """A local store's shard objects, mapped in place (no read, no copy)."""
 
+    maps: MappedFiles
     local = True
-
-    def __init__(self, version: StoredVersion, storage: Storage, maps: MappedFiles) -> None:
-        super().__init__(version, storage)
-        self.maps = maps
 
     def use(self, obj: ShardObject, fn: Callable[[Buffer], T], keep: bool = True) -> T:
         try:
@@ -192,6 +191,7 @@ class RemoteObjects(ShardObjects):
         obj.version.read_shard_rows(self.storage, obj.field, obj.fmt, obj.shard, lo, hi, out)
 
 
+@dataclass(eq=False)
 class DiskObjects(ShardObjects):
     """A remote store's shard objects through the node's disk cache: cached whole (a piece that
     needs a few chunks still fetches its object once: the consumer next to it reads the rest,
@@ -199,11 +199,8 @@ class DiskObjects(ShardObjects):
     cache that fail the decoder's checks are dropped and fetched again: only the store's own
     copy failing raises :class:`CorruptChunk`."""
 
+    cache: NodeCache
     extra = ENTRY_TRAILER
-
-    def __init__(self, version: StoredVersion, storage: Storage, cache: NodeCache) -> None:
-        super().__init__(version, storage)
-        self.cache = cache
 
     def use(self, obj: ShardObject, fn: Callable[[Buffer], T], keep: bool = True) -> T:
         name = entry_name(obj.key)
@@ -251,16 +248,16 @@ class DiskObjects(ShardObjects):
 
 
 # -- shards gathered where they lie ---------------------------------------------------------------
+@dataclass(eq=False)
 class PlacedShards(ABC):
     """An array's shards gathered where they lie, never copied into a window buffer: each as a
     ``(chunks, chunk_rows, *row)`` array (:meth:`array`), or its file mapped into the arena
     (:meth:`pin`), so a batch of the array is one ``index_select`` over its window's shards."""
 
+    objects: ShardObjects
+
     #: slots hold stored objects (each chunk followed by its crc32c), else decoded shards
     stored = True
-
-    def __init__(self, objects: ShardObjects) -> None:
-        self.objects = objects
 
     @abstractmethod
     def array(self, obj: ShardObject, piece: Piece) -> np.ndarray:
@@ -338,16 +335,14 @@ class StoredShards(PlacedShards):
         return all(self.objects.file(o) is not None for o in objs)
 
 
+@dataclass(eq=False)
 class MemoryShards(PlacedShards):
     """Decoded shards in the node's memory cache (``/dev/shm``): one file per shard, decoded
     once per machine and mapped by every process; a shard that does not fit is decoded for
     this process alone."""
 
+    cache: NodeCache
     stored = False
-
-    def __init__(self, objects: ShardObjects, cache: NodeCache) -> None:
-        super().__init__(objects)
-        self.cache = cache
 
     @staticmethod
     def name(obj: ShardObject) -> str:
