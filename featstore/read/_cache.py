@@ -657,7 +657,6 @@ def forget_process_local(key: tuple[Hashable, ...]) -> None:
 
 
 def _handle_key(root: str, scope: str, budget: int, policy: str) -> tuple[Hashable, ...]:
-    """The registry key of one node cache handle: one per process, space, scope, budget, policy."""
     return ("cache", root, scope, budget, policy)
 
 
