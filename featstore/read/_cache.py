@@ -388,8 +388,8 @@ class NodeCache:
         more bytes fit in ``budget``, and reset the ledger to what is left (under its lock)."""
         entries, used = self.space.listing()
         if used + n > budget:
-            stale = {s: s != self.scope and not self.space.in_use(s) for s in {e.scope for e in entries}}
-            victims = entries if self.policy == "lru" or evict_all else [e for e in entries if stale[e.scope]]
+            stale = {s for s in {e.scope for e in entries} if s != self.scope and not self.space.in_use(s)}
+            victims = entries if self.policy == "lru" or evict_all else [e for e in entries if e.scope in stale]
             for e in sorted(victims, key=lambda e: e.used_ns):
                 if used + n <= budget:
                     break
@@ -397,9 +397,8 @@ class NodeCache:
                     os.unlink(e.path)
                     used -= e.size
             left = {e.scope for e in entries if os.path.exists(e.path)}
-            for s, gone in stale.items():
-                if gone and s not in left:
-                    _try_remove(self.space.folder(s))
+            for s in stale - left:
+                _try_remove(self.space.folder(s))
         return ledger.write(used)
 
     def trim(self, budget: int) -> None:
