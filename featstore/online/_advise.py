@@ -245,7 +245,7 @@ def _scratch(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, batc
         for shard, rows in zip(shards, computed, strict=True):
             write_shard(spec, arrays, shard, rows.arrays(), rows.stats)
         t_teacher, t_write = t1 - t0, time.perf_counter() - t1
-        try_commit(store.catalog, planned, FillState(), [None])
+        try_commit(store.catalog, planned, FillState())
         version = store.catalog.open(planned.version.ref)
         stored = _shard_bytes(store.storage, version.key)
         t_read, t_student = _read_epoch(version, batch_size, student)

@@ -27,7 +27,7 @@ class InputPrefetch:
     """
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")  # its thread starts on the first read
         self._todo: deque[tuple[Any, int, int]] = deque()
         self._ahead: tuple[tuple[Any, int, int], Future] | None = None
 
@@ -54,6 +54,4 @@ class InputPrefetch:
         if self._ahead is not None or not self._todo:
             return
         dataset, b0, b1 = self._todo.popleft()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")
         self._ahead = ((dataset, b0, b1), self._pool.submit(read_items, dataset, range(b0, b1)))
