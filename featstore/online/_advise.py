@@ -190,10 +190,9 @@ def measure(store: FeatureStore, teacher: Teacher, *, samples: int = 1024, batch
     plan_s = time.perf_counter() - t0
     layout = real.version.manifest.layout
     tag, scratch = _scratch_teacher(plain, min(real.plan.n, max(samples, layout.samples_per_shard)), layout)
-    teacher_s, write_s, read_s, student_s, stored = _scratch(store, f"advise/scratch-{tag}", scratch, batch_size,
-                                                             student)
-    fixed = _compute_fixed_s(store, f"advise/compute-{tag}", scratch, teacher_s + write_s)
-    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, fixed)
+    costs = _scratch(store, f"advise/scratch-{tag}", scratch, batch_size, student)
+    fixed = _compute_fixed_s(store, f"advise/compute-{tag}", scratch, costs.teacher_s + costs.write_s)
+    return dataclasses.replace(costs, plan_s=plan_s, compute_fixed_s=fixed)
 
 
 def _scratch_teacher(teacher: Teacher, n: int, layout: Layout) -> tuple[str, Teacher]:
@@ -225,10 +224,9 @@ def _compute_fixed_s(store: FeatureStore, name: str, teacher: Teacher, per_sampl
     return max(0.0, took - len(teacher.dataset) * per_sample_s)
 
 
-def _scratch(store: FeatureStore, name: str, teacher: Teacher, batch_size: int,
-             student: Student | None) -> tuple[float, float, float, float, float]:
-    """Per-sample seconds of A, the write, the read and B on scratch version ``name`` of the
-    teacher's items, and its stored bytes per sample."""
+def _scratch(store: FeatureStore, name: str, teacher: Teacher, batch_size: int, student: Student | None) -> Costs:
+    """The per-sample costs (A, the write, the read, B and the stored bytes) on scratch version
+    ``name`` of the teacher's items."""
     from featstore.compute import compute_shard, open_arrays, shard_batches, worker_model, write_shard
     from featstore.online._fill import FillState, try_commit
     from featstore.online._inputs import InputPrefetch
@@ -256,7 +254,7 @@ def _scratch(store: FeatureStore, name: str, teacher: Teacher, batch_size: int,
     finally:
         _remove_scratch(store, name)
     n = len(teacher.dataset)
-    return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
+    return Costs(t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n)
 
 
 def _shard_bytes(storage: Storage, key: str) -> int:

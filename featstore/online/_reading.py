@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -75,9 +75,8 @@ class ComputedSource(ShardSource):
     sources and tries the commit."""
 
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
-        self.planned, self.reads = planned, reads
-        self.ragged = tuple(f for f in reads.fields if planned.version.manifest.arrays[f].ragged)  # per-token
-        self._net: torch.nn.Module | None = None  # built on this process's first computed shard
+        self.planned, self.reads, self.fields = planned, reads, reads.fields  # fields: ShardSource's
+        self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
         self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
@@ -93,11 +92,10 @@ class ComputedSource(ShardSource):
     def device(self) -> torch.device:
         return self.planned.teacher.torch_device()
 
-    @property
+    @cached_property
     def net(self) -> torch.nn.Module:
-        if self._net is None:
-            self._net = worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
-        return self._net
+        """Model A, built on this process's first computed shard."""
+        return worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
 
     def _commit(self) -> None:
         # with this process's storage: neither fork- nor loop-safe
@@ -174,7 +172,7 @@ class ComputedSource(ShardSource):
         window buffers, the per-token ones as each piece's token rows (what the stored version's
         per-token source gives)."""
         specs = self.planned.version.manifest.arrays
-        dense = [f for f in self.reads.fields if f not in self.ragged]
+        dense = [f for f in self.fields if f not in self.ragged]
         arrays = {f: np.empty((window.size, *specs[f].shape), dtype=specs[f].dtype) for f in dense}
         tokens: dict[str, list[RaggedRows]] = {f: [] for f in self.ragged}
         off, view = 0, self.spec.view
