@@ -18,6 +18,7 @@ them from a scratch version of the first ``samples`` items, filled, read back an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -31,7 +32,6 @@ from featstore.errors import InvalidInput
 if TYPE_CHECKING:  # the advisor's arithmetic imports none of them (torch, Dask, zarr)
     import torch
 
-    from featstore.compute import ComputeOptions
     from featstore.format._manifests import Layout
     from featstore.online._teacher import Teacher
     from featstore.storage import Storage
@@ -88,19 +88,16 @@ def terms(c: Costs, w: Workload) -> dict[str, dict[str, float]]:
     2.0
     """
     n, e, k, s = w.samples, w.epochs, w.views, w.students
-    online = {"teacher": s * e * n * c.teacher_s, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s,
-              "setup": s * c.plan_s}
-    compute = {"teacher": k * n * c.teacher_s, "write": k * n * c.write_s, "read": s * e * n * c.read_s,
-               "student": s * e * n * c.student_s, "setup": c.plan_s + c.compute_fixed_s}
-    fill = {"teacher": 0.0, "write": 0.0, "read": 0.0, "student": s * e * n * c.student_s, "setup": s * c.plan_s}
-    missing = k
-    for _ in range(s):
-        filled = min(missing, e)
-        missing -= filled
-        fill["teacher"] += filled * n * c.teacher_s
-        fill["write"] += filled * n * c.write_s
-        fill["read"] += (e - filled) * n * c.read_s
-    return {"online": online, "compute-then-read": compute, "fill": fill}
+
+    def mode(runs: int, writes: int, reads: int, setup: float) -> dict[str, float]:
+        """``runs`` passes of A over the samples, ``writes`` stored, ``reads`` read back."""
+        return {"teacher": runs * n * c.teacher_s, "write": writes * n * c.write_s, "read": reads * n * c.read_s,
+                "student": s * e * n * c.student_s, "setup": setup}
+
+    filled = min(k, s * e)  # the views the first epochs compute, one an epoch (every later epoch reads)
+    return {"online": mode(s * e, 0, 0, s * c.plan_s),
+            "compute-then-read": mode(k, k, s * e, c.plan_s + c.compute_fixed_s),
+            "fill": mode(filled, filled, s * e - filled, s * c.plan_s)}
 
 
 def predict(c: Costs, w: Workload) -> dict[str, float]:
@@ -192,66 +189,72 @@ def measure(store: FeatureStore, teacher: Teacher, *, samples: int = 1024, batch
     real = plan_new(store.catalog, "advise/plan", plain)
     plan_s = time.perf_counter() - t0
     layout = real.version.manifest.layout
-    n = min(len(teacher.dataset), max(samples, layout.samples_per_shard))
-    teacher_s, write_s, read_s, student_s, stored = _scratch(store, plain, n, layout, batch_size, student)
-    fixed = _compute_fixed_s(store, plain, n, layout, teacher_s + write_s)
-    return Costs(teacher_s, write_s, read_s, student_s, stored, plan_s, fixed)
+    tag, scratch = _scratch_teacher(plain, min(real.plan.n, max(samples, layout.samples_per_shard)), layout)
+    costs = _scratch(store, f"advise/scratch-{tag}", scratch, batch_size, student)
+    fixed = _compute_fixed_s(store, f"advise/compute-{tag}", scratch, costs.teacher_s + costs.write_s)
+    return dataclasses.replace(costs, plan_s=plan_s, compute_fixed_s=fixed)
 
 
-def _compute_fixed_s(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, per_sample_s: float) -> float:
-    """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
-    the probe task, claim, commit): a real compute of the first ``n`` items into a scratch
-    version (deleted after), less ``n`` times the per-sample cost measured shard by shard."""
+def _scratch_teacher(teacher: Teacher, n: int, layout: Layout) -> tuple[str, Teacher]:
+    """A fresh tag for scratch versions, and the teacher of their first ``n`` items, filling:
+    in the real layout's shards and chunks (the write's cost per shard is part of its rate),
+    quiet, and named by that tag (no dataset or model digest to take)."""
     from featstore.compute import DatasetPrefix
 
-    tag, opts = _scratch_options(teacher, layout)
-    name = f"advise/compute-{tag}"
+    tag = uuid.uuid4().hex[:12]
+    options = dataclasses.replace(teacher.compute_options, progress=False, dataset_id=f"advise-{tag}",
+                                  model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
+    return tag, dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=options,
+                                    samples_per_shard=layout.samples_per_shard)
+
+
+def _compute_fixed_s(store: FeatureStore, name: str, teacher: Teacher, per_sample_s: float) -> float:
+    """Seconds ``store.compute`` spends beyond A and the writes (its cluster's start and close,
+    the probe task, claim, commit): a real compute of the teacher's request into scratch version
+    ``name`` (deleted after), less its samples times the per-sample cost measured shard by shard."""
+    from featstore.compute import ComputeRequest
+
+    request = {f.name: getattr(teacher, f.name) for f in dataclasses.fields(ComputeRequest) if f.init}
     t0 = time.perf_counter()
     try:
-        store.compute(name, model=teacher.model, dataset=DatasetPrefix(teacher.dataset, n), input_key=teacher.input_key,
-                      keep=teacher.keep, outputs=teacher.outputs, batch_size=teacher.batch_size,
-                      samples_per_shard=layout.samples_per_shard, options=opts)
+        store.compute(name, **request)
         took = time.perf_counter() - t0
     finally:
         _remove_scratch(store, name)  # whatever the compute left
-    return max(0.0, took - n * per_sample_s)
+    return max(0.0, took - len(teacher.dataset) * per_sample_s)
 
 
-def _scratch(store: FeatureStore, teacher: Teacher, n: int, layout: Layout, batch_size: int,
-             student: Student | None) -> tuple[float, float, float, float, float]:
-    """Per-sample seconds of A, the write, the read and B on a scratch version of ``n`` samples,
-    and its stored bytes per sample."""
-    from featstore.compute import DatasetPrefix, compute_shard, open_arrays, shard_batches, worker_model, write_shard
+def _scratch(store: FeatureStore, name: str, teacher: Teacher, batch_size: int, student: Student | None) -> Costs:
+    """The per-sample costs (A, the write, the read, B and the stored bytes) on scratch version
+    ``name`` of the teacher's items."""
+    from featstore.compute import compute_shard, open_arrays, shard_batches, worker_model, write_shard
     from featstore.online._fill import FillState, try_commit
     from featstore.online._inputs import InputPrefetch
     from featstore.online._teacher import plan_new
 
-    tag, opts = _scratch_options(teacher, layout)
-    # the real layout's shards (the write's cost per shard is part of its rate)
-    scratch = dataclasses.replace(teacher, dataset=DatasetPrefix(teacher.dataset, n), fill=True, options=opts,
-                                  samples_per_shard=layout.samples_per_shard)
-    planned = plan_new(store.catalog, f"advise/scratch-{tag}", scratch)
+    planned = plan_new(store.catalog, name, teacher)
     try:
-        spec, device = planned.spec, scratch.torch_device()
-        net = worker_model(scratch.model, spec.model_key, 0, device)
-        compute_shard(spec, net, scratch.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
+        spec, device = planned.spec, teacher.torch_device()
+        net = worker_model(teacher.model, spec.model_key, 0, device)
+        compute_shard(spec, net, teacher.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
         arrays = open_arrays(spec)
         shards = range(spec.layout.n_shards)
         inputs = InputPrefetch()  # A's inputs read a batch ahead, as the online reader reads them
-        inputs.plan(scratch.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
+        inputs.plan(teacher.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
         t0 = time.perf_counter()
-        computed = [compute_shard(spec, net, scratch.dataset, shard, device, inputs.get) for shard in shards]
+        computed = [compute_shard(spec, net, teacher.dataset, shard, device, inputs.get) for shard in shards]
         t1 = time.perf_counter()
         for shard, rows in zip(shards, computed, strict=True):
             write_shard(spec, arrays, shard, rows.arrays(), rows.stats)
         t_teacher, t_write = t1 - t0, time.perf_counter() - t1
-        try_commit(store.catalog, planned, FillState(), [None])
+        try_commit(store.catalog, planned, FillState())
         version = store.catalog.open(planned.version.ref)
         stored = _shard_bytes(store.storage, version.key)
         t_read, t_student = _read_epoch(version, batch_size, student)
     finally:
-        _remove_scratch(store, planned.plan.name)
-    return t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n
+        _remove_scratch(store, name)
+    n = len(teacher.dataset)
+    return Costs(t_teacher / n, t_write / n, t_read / n, t_student / n, stored / n)
 
 
 def _shard_bytes(storage: Storage, key: str) -> int:
@@ -263,16 +266,6 @@ def _shard_bytes(storage: Storage, key: str) -> int:
         raise InvalidInput(f"advise measures stored bytes through fsspec; {type(storage).__name__} is not an "
                            "FsspecStorage: measure on a local or S3 store.")
     return sum(size for k, size in storage.fs.du(storage.path(key), total=False).items() if "/c/" in k)
-
-
-def _scratch_options(teacher: Teacher, layout: Layout) -> tuple[str, ComputeOptions]:
-    """A fresh tag for a scratch version, and the teacher's compute options for it: quiet, named
-    by that tag (no dataset or model digest to take), in the real layout's chunks."""
-    from featstore.compute import ComputeOptions
-
-    tag = uuid.uuid4().hex[:12]
-    return tag, dataclasses.replace(teacher.options or ComputeOptions(), progress=False, dataset_id=f"advise-{tag}",
-                                    model_id=f"advise-{tag}", chunk_rows=layout.chunk_rows)
 
 
 def _read_epoch(version: StoredVersion, batch_size: int, student: Student | None) -> tuple[float, float]:
@@ -294,20 +287,14 @@ def _read_epoch(version: StoredVersion, batch_size: int, student: Student | None
 
 
 def _remove_scratch(store: FeatureStore, name: str) -> None:
-    """Delete the scratch feature set ``name`` (its versions, committed or not, and everything in
-    them) and, on a local store, the folders above it that it leaves empty: the advisor leaves
-    nothing in the user's store (``gc`` has nothing of it to find). A folder another run still
-    uses is not empty, and stays."""
+    """Delete the scratch feature set ``name`` (``advise/<tag>``: its versions, committed or not,
+    and everything in them) and, on a local store, the ``advise`` folder if it is left empty: the
+    advisor leaves nothing in the user's store (``gc`` has nothing of it to find). A folder
+    another run still uses is not empty, and stays."""
     store.storage.delete(name, recursive=True)
-    if not store.storage.is_local:
-        return  # object stores have no folders: the keys are gone with the objects
-    parent = name.rpartition("/")[0]
-    while parent:
-        try:
-            os.rmdir(store.storage.path(parent))
-        except OSError:  # not empty (another advise runs), or already gone
-            return
-        parent = parent.rpartition("/")[0]
+    if store.storage.is_local:  # object stores have no folders: the keys are gone with the objects
+        with contextlib.suppress(OSError):  # not empty (another advise runs), or already gone
+            os.rmdir(store.storage.path(name.rpartition("/")[0]))
 
 
 def advise(store: FeatureStore, teacher: Teacher, workload: Workload, *, samples: int = 1024, batch_size: int = 256,

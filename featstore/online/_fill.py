@@ -20,7 +20,6 @@ leaves receipts: the next run reads those shards and computes the rest.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,7 +60,6 @@ class FillState:
     """One process's view of what is stored: the finished units (refreshed by a listing at
     each iteration's start and after each shard it writes) and whether the version committed."""
 
-    pid: int = field(default_factory=os.getpid)
     done: dict[int | None, set[int]] = field(default_factory=dict)  # view (None: no views) -> shards
     committed: bool = False
 
@@ -74,9 +72,12 @@ class FillState:
     def holds(self, view: int | None, shard: int) -> bool:
         return shard in self.done.get(view, set())
 
+    def add(self, view: int | None, shard: int) -> None:
+        self.done.setdefault(view, set()).add(shard)
+
     def complete(self, n_shards: int, views: Sequence[int | None]) -> bool:
         """Whether every unit of the version has a receipt (as last listed)."""
-        return all(len({i for i in self.done.get(v, set()) if i < n_shards}) == n_shards for v in views)
+        return all(set(range(n_shards)) <= self.done.get(v, set()) for v in views)
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,14 @@ class ShardWrites:
     """One consumer's shard writes on a background thread of its own, so A computes the next
     shard while the last one is encoded, compressed and stored (zstd, crc32c and file or
     socket writes release the GIL); a write's error is raised in the consumer, by the next
-    :meth:`submit`, :meth:`finished` or :meth:`drain`.
+    :meth:`submit`, :meth:`finished` or :meth:`drain` (unless ``quietly``).
 
     >>> writes = ShardWrites()
     >>> writes.submit(ShardUnit(None, 7), print, "shard 7 written")  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-fill")  # its thread starts on the first write
         self._pending: deque[tuple[ShardUnit, Future[object]]] = deque()
 
     def submit(self, key: ShardUnit, fn: Callable[..., object], *args: object) -> list[ShardUnit]:
@@ -112,8 +113,6 @@ class ShardWrites:
         done: list[ShardUnit] = []
         while len(self._pending) >= WRITES_IN_FLIGHT:
             done.append(self._take_oldest())
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-fill")
         self._pending.append((key, self._pool.submit(fn, *args)))
         return done + self.finished()
 
@@ -124,19 +123,17 @@ class ShardWrites:
             done.append(self._take_oldest())
         return done
 
-    def drain(self) -> list[ShardUnit]:
-        """Wait for every pending write; their keys."""
-        return [self._take_oldest() for _ in range(len(self._pending))]
-
-    def drain_quietly(self) -> list[ShardUnit]:
-        """Wait for every pending write of an epoch that ends with an error (or is abandoned);
-        the keys of those that succeeded. A failed one is logged: the epoch's own error is what
-        the caller sees."""
+    def drain(self, quietly: bool = False) -> list[ShardUnit]:
+        """Wait for every pending write; the keys of those that succeeded. ``quietly``, for an
+        epoch that ends with an error (or is abandoned): a failed write is logged, not raised,
+        as the epoch's own error is what the caller sees."""
         done: list[ShardUnit] = []
         while self._pending:
             try:
                 done.append(self._take_oldest())
-            except Exception as exc:  # noqa: BLE001 - logged; the epoch's own error propagates
+            except Exception as exc:  # noqa: BLE001 - quietly: logged; the epoch's own error propagates
+                if not quietly:
+                    raise
                 log.warning("featstore: a shard write of an abandoned epoch failed: %s", exc)
         return done
 
@@ -146,8 +143,9 @@ class ShardWrites:
         return key
 
 
-def try_commit(catalog: Catalog, planned: Planned, state: FillState, views: Sequence[int | None]) -> bool:
-    """Commit the version if every unit has a receipt (listing them first); True once committed.
+def try_commit(catalog: Catalog, planned: Planned, state: FillState) -> bool:
+    """Commit the version if every unit of every view has a receipt (listing them first); True
+    once committed.
 
     A commit racing another consumer's (or another run's) adopts the winner's manifest; what
     the commit refuses (a hole, a gc's mark) is logged and retried at the next epoch, while
@@ -159,18 +157,17 @@ def try_commit(catalog: Catalog, planned: Planned, state: FillState, views: Sequ
         return True
     if planned.claim is None:  # only a fill claims the version's folder: a reader that only reads commits nothing
         return False
+    views: list[int | None] = [None] if planned.version.views is None else list(range(planned.version.views))
     state.refresh(catalog.storage, planned.version, views)
     if not state.complete(planned.version.manifest.layout.n_shards, views):
         return False
-    if catalog.committed(planned.plan.name, planned.vid) is not None:
-        state.committed = True
-        return True
-    try:
-        commit_run(catalog, planned.plan, planned.claim, [], {"filled": 1.0})
-    except ComputeFailed as exc:  # a hole or a gc's mark: its receipts are gone, it is computed again
-        log.warning("featstore: %s was not committed yet (%s); it is retried at the next epoch", planned.version.ref,
-                    exc)
-        return False
+    if catalog.committed(planned.plan.name, planned.vid) is None:
+        try:
+            commit_run(catalog, planned.plan, planned.claim, [], {"filled": 1.0})
+        except ComputeFailed as exc:  # a hole or a gc's mark: its receipts are gone, it is computed again
+            log.warning("featstore: %s was not committed yet (%s); it is retried at the next epoch",
+                        planned.version.ref, exc)
+            return False
+        log.info("featstore: filled and committed %s", planned.version.ref)
     state.committed = True
-    log.info("featstore: filled and committed %s", planned.version.ref)
     return True

@@ -27,20 +27,21 @@ class InputPrefetch:
     """
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._todo: deque[tuple[Any, int, int]] = deque()
-        self._ahead: tuple[tuple[Any, int, int], Future] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")  # its thread starts on the first read
+        self._dataset: Any = None
+        self._todo: deque[tuple[int, int]] = deque()
+        self._ahead: tuple[tuple[int, int], Future] | None = None
 
     def plan(self, dataset: Any, ranges: Iterable[tuple[int, int]]) -> None:
         """The batches ``[b0, b1)`` of ``dataset`` to read next, in order (replacing any plan)."""
-        self._todo = deque((dataset, b0, b1) for b0, b1 in ranges)
+        self._dataset, self._todo = dataset, deque(ranges)
         self._ahead = None  # a read still running finishes on its own; nobody takes it
         self._start_next()
 
     def get(self, dataset: Any, b0: int, b1: int) -> list[Any]:
         """The items of ``dataset[b0:b1]``."""
         # the read ahead is of this batch only if of the same dataset object (not merely an equal one)
-        while self._ahead is not None and not (self._ahead[0][0] is dataset and self._ahead[0][1:] == (b0, b1)):
+        while self._ahead is not None and not (dataset is self._dataset and self._ahead[0] == (b0, b1)):
             self._ahead = None  # passed over
             self._start_next()
         if self._ahead is None:
@@ -51,9 +52,6 @@ class InputPrefetch:
         return fut.result()
 
     def _start_next(self) -> None:
-        if self._ahead is not None or not self._todo:
-            return
-        dataset, b0, b1 = self._todo.popleft()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="featstore-inputs")
-        self._ahead = ((dataset, b0, b1), self._pool.submit(read_items, dataset, range(b0, b1)))
+        if self._ahead is None and self._todo:
+            b0, b1 = self._todo.popleft()
+            self._ahead = ((b0, b1), self._pool.submit(read_items, self._dataset, range(b0, b1)))

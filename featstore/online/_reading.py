@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,8 @@ class ComputedSource(ShardSource):
     sources and tries the commit."""
 
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
-        self.planned, self.reads, self.options = planned, reads, reads.options
-        self.fields = reads.fields
+        self.planned, self.reads, self.fields = planned, reads, reads.fields  # fields: ShardSource's
         self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
-        self._net: torch.nn.Module | None = None  # built on this process's first computed shard
         self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
@@ -93,23 +92,19 @@ class ComputedSource(ShardSource):
     def device(self) -> torch.device:
         return self.planned.teacher.torch_device()
 
-    @property
+    @cached_property
     def net(self) -> torch.nn.Module:
-        if self._net is None:
-            self._net = worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
-        return self._net
+        """Model A, built on this process's first computed shard."""
+        return worker_model(self.planned.teacher.model, self.planned.spec.model_key, 0, self.device)
 
-    def _catalog(self) -> Catalog:
-        return Catalog(self.reads.storage)  # this process's storage: neither fork- nor loop-safe
-
-    def _views(self) -> list[int | None]:
-        views = self.planned.version.views
-        return [None] if views is None else list(range(views))
+    def _commit(self) -> None:
+        # with this process's storage: neither fork- nor loop-safe
+        try_commit(Catalog(self.reads.storage), self.planned, self.fill)
 
     def begin(self, epoch: Epoch) -> None:
         version, view = self.planned.version, self.reads.viewing.view
         self.spec = replace(self.planned.spec, view=view, storage=self.reads.storage)
-        self.seen = self.planned.seen(view, epoch.number, self.options.seed)  # this epoch's view, or fresh draws
+        self.seen = self.planned.seen(view, epoch.number, self.reads.options.seed)  # this epoch's view, or fresh draws
         self.stored, self.owned_left = None, set()
         if self.filling:
             self.fill.refresh(self.reads.storage, version, [view])
@@ -146,21 +141,20 @@ class ComputedSource(ShardSource):
             for s in self.stored:
                 s.end(finished)
             if finished:
-                try_commit(self._catalog(), self.planned, self.fill, self._views())
+                self._commit()
             return
+        completed = False
         try:
             for shard in self.dropped if finished else ():  # stored, never yielded: the fill completes this epoch
                 if not self.fill.holds(self.spec.view, shard):
                     self._computed(shard, write=True)
-        except BaseException:
-            finished = False
-            raise
+            completed = finished
         finally:
-            if not finished:  # an abandoned or failed epoch: the shards computed are still stored
-                for unit in self.writes.drain_quietly():
-                    self.fill.done.setdefault(unit.view, set()).add(unit.shard)
+            if not completed:  # an abandoned or failed epoch: the shards computed are still stored
+                for unit in self.writes.drain(quietly=True):
+                    self.fill.add(unit.view, unit.shard)
         if self.filling and not self._written(self.writes.drain()):  # every consumer tries at its epoch's end
-            try_commit(self._catalog(), self.planned, self.fill, self._views())
+            self._commit()
 
     def _dropped(self, epoch: Epoch) -> list[int]:
         """The shards whose first row lies in the tail that ``partition="drop"`` leaves out of
@@ -169,8 +163,8 @@ class ComputedSource(ShardSource):
         if epoch.partition != "drop" or epoch.consumer != epoch.consumers - 1:
             return []
         layout = self.planned.version.manifest.layout
-        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.options.seed,
-                              epoch=epoch.number, shuffle=self.options.shuffle, consumers=epoch.consumers)
+        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.reads.options.seed,
+                              epoch=epoch.number, shuffle=self.reads.options.shuffle, consumers=epoch.consumers)
         return [p.shard for p in tail if p.lo == 0]
 
     def _window_rows(self, window: Window) -> dict[str, WindowRows]:
@@ -185,15 +179,16 @@ class ComputedSource(ShardSource):
         for piece, own in zip(window.pieces, owned(window.pieces, window.at, len(self.planned.version)), strict=True):
             out = {f: arrays[f][off:off + piece.size] for f in dense}
             off += piece.size
-            if self.filling and own and not self.fill.holds(view, piece.shard) and self.reads.storage.exists(
+            write = self.filling and own
+            if write and not self.fill.holds(view, piece.shard) and self.reads.storage.exists(
                     receipt_key(view_key(self.planned.version.key, view), piece.shard)):
-                self.fill.done.setdefault(view, set()).add(piece.shard)  # another run wrote it since
-            if self.filling and self.fill.holds(view, piece.shard):
+                self.fill.add(view, piece.shard)  # another run wrote it since
+            if self.fill.holds(view, piece.shard):  # only a fill records shards stored
                 for f in dense:
                     self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
                 got = self.reads.read_tokens(self.ragged, piece) if self.ragged else {}
             else:
-                rows = self._computed(piece.shard, write=self.filling and own)
+                rows = self._computed(piece.shard, write=write)
                 for f in dense:
                     out[f][...] = rows[f][piece.lo:piece.hi]
                 got = piece_tokens(rows, self.ragged, piece)
@@ -219,10 +214,10 @@ class ComputedSource(ShardSource):
         """Record finished shard writes; whoever writes the epoch's last owned shard commits.
         Whether the commit was tried (so the epoch's end does not list the receipts again)."""
         for unit in done:
-            self.fill.done.setdefault(unit.view, set()).add(unit.shard)
+            self.fill.add(unit.view, unit.shard)
             self.owned_left.discard(unit.shard)
         if done and not self.owned_left:
-            try_commit(self._catalog(), self.planned, self.fill, self._views())
+            self._commit()
             return True
         return False
 
@@ -242,7 +237,7 @@ class OnlineDataset(FeatureDataset):
         """``public``: wraps what :meth:`committed` returns (the face passes :class:`featstore.Version`)."""
         self._planned = planned
         self._public = public
-        super().__init__(planned.version, sources=_OnlineSources(planned), **options)
+        super().__init__(planned.version, sources=partial(_computed_sources, planned), **options)
         if planned.teacher.fresh and planned.plan.n != len(planned.teacher.dataset):
             raise InvalidInput("the teacher's dataset changed length while it was planned.")
 
@@ -266,14 +261,10 @@ class OnlineDataset(FeatureDataset):
         return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
 
 
-@dataclass(frozen=True)
-class _OnlineSources:
-    """The :data:`~featstore.read._dataset.SourceFactory` of an online reader (picklable)."""
-
-    planned: Planned
-
-    def __call__(self, reads: ProcessReads) -> list[ShardSource]:
-        return [ComputedSource(self.planned, reads)]
+def _computed_sources(planned: Planned, reads: ProcessReads) -> list[ShardSource]:
+    """An online reader's :data:`~featstore.read._dataset.SourceFactory`, given ``planned`` (a
+    picklable partial)."""
+    return [ComputedSource(planned, reads)]
 
 
 def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: PublicVersion | None = None,

@@ -2,12 +2,8 @@
 to fill) and :func:`plan_teacher`, the version ``store.compute`` would commit for the same
 arguments, planned by compute's own planner (:func:`featstore.compute.decide`, the same
 fingerprint, id, views, ``extends`` and ``views_of`` decisions, per-token outputs) and sized by
-compute's probe and layout, run on the teacher's device.
-
-``augment=fn`` without ``views`` (and without ``views_of``) is a *fresh* augmentation: each
-epoch A sees ``fn(dataset[i], generator)`` seeded from (reader seed, epoch, index); those
-outputs are never stored, and the planned fingerprint records the fresh augmentation, so its id
-is no stored version's.
+compute's probe and layout, run on the teacher's device (a fresh augmentation:
+:mod:`featstore.online._reading`).
 """
 
 from __future__ import annotations
@@ -66,10 +62,10 @@ class Teacher(ComputeRequest):
         if not isinstance(self.fill, bool):
             raise InvalidInput(f"fill must be True or False, got {self.fill!r}.")
         try:
-            device = torch.device(self.device)
+            kind = torch.device(self.device).type
         except (RuntimeError, TypeError):
-            raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.") from None
-        if device.type not in ("cpu", "cuda"):
+            kind = None
+        if kind not in ("cpu", "cuda"):
             raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}.")
         if self.fresh and self.fill:
             raise InvalidInput(
@@ -130,16 +126,16 @@ def plan_teacher(catalog: Catalog, name: str, teacher: Teacher) -> Planned | Sto
     plan = decide(catalog, name, teacher, fresh=teacher.fresh)
     if teacher.fill and (existing := catalog.committed(name, plan.vid)) is not None:
         return existing
-    return _planned(catalog, name, teacher, plan)
+    return _planned(catalog, teacher, plan)
 
 
 def plan_new(catalog: Catalog, name: str, teacher: Teacher) -> Planned:
     """:func:`plan_teacher` for a name nothing was committed under (a scratch version): always
     the plan, even with ``fill``."""
-    return _planned(catalog, name, teacher, decide(catalog, name, teacher, fresh=teacher.fresh))
+    return _planned(catalog, teacher, decide(catalog, name, teacher, fresh=teacher.fresh))
 
 
-def _planned(catalog: Catalog, name: str, teacher: Teacher, plan: ComputePlan) -> Planned:
+def _planned(catalog: Catalog, teacher: Teacher, plan: ComputePlan) -> Planned:
     """The plan made concrete: probed on the teacher's device, laid out, and with ``fill``
     claimed."""
     base = TaskSpec.of(plan, catalog.storage, f"{plan.vid}-online-{os.getpid()}-{id(teacher):x}")
@@ -147,7 +143,7 @@ def _planned(catalog: Catalog, name: str, teacher: Teacher, plan: ComputePlan) -
     layout, arrays = plan.layout(probed, catalog.storage.is_local)
     claim = None
     if teacher.fill:
-        claim = catalog.commits.claim(name, plan.vid, layout, arrays, plan.bases, plan.view_count)
+        claim = catalog.commits.claim(plan.name, plan.vid, layout, arrays, plan.bases, plan.view_count)
         layout, arrays = claim.layout, claim.arrays
     spec = replace(base.planned(layout, arrays, probed), view=None)
     return Planned(teacher, plan, StoredVersion(catalog.storage, plan.manifest(layout, arrays)), spec, claim)
