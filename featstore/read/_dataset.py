@@ -284,19 +284,14 @@ class FeatureDataset(IterableDataset):
                 order = slice_rows(it.share.slices[window.number], self.options.seed, it.epoch, True).order[drop:]
                 n = len(order)
             pos = 0
-            if carry is not None:
-                take = min(bs - len(carry["index"]), n)
-                more = window_rows(arrays, order, drop, 0, take)
-                carry = {k: concat_rows([carry[k], more[k]]) for k in arrays}
-                pos = take
+            while pos < n:  # each step fills the batch begun (``carry``), or cuts the next one
+                end = min(n, pos + bs - (0 if carry is None else len(carry["index"])))
+                rows = window_rows(arrays, order, drop, pos, end)
+                carry = rows if carry is None else {k: concat_rows([carry[k], rows[k]]) for k in arrays}
+                pos = end
                 if len(carry["index"]) == bs:
                     yield self.to_batch(carry)
                     carry = None
-            while n - pos >= bs:
-                yield self.to_batch(window_rows(arrays, order, drop, pos, pos + bs))
-                pos += bs
-            if pos < n:
-                carry = window_rows(arrays, order, drop, pos, n)
         if carry is not None and not self.options.drop_last:
             yield self.to_batch(carry)
 
