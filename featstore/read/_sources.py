@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar
 
 import numpy as np
@@ -292,7 +293,6 @@ class ProcessReads:
             else DiskObjects(version, self.storage, self.disk) if self.disk is not None
             else RemoteObjects(version, self.storage))
         self._formats: dict[str, ShardFormat | None] = {}
-        self._sources: list[ShardSource] | None = None
 
     def shard_format(self, field: str) -> ShardFormat | None:
         """The array's shard format when featstore's own decoder reads it (else zarr does)."""
@@ -340,15 +340,12 @@ class ProcessReads:
             return self.objects.local
         return self.objects.near(self.obj(field, p.shard) for w in windows for p in w.pieces)
 
-    @property
+    @cached_property
     def sources(self) -> list[ShardSource]:
         """Each array's source, chosen once (see the module docstring)."""
-        if self._sources is None:
-            ragged = tuple(f for f in self.fields if self.version.manifest.arrays[f].ragged)
-            self._sources = [self._source(f) for f in self.fields if f not in ragged]
-            if ragged:
-                self._sources.append(TokenSource(self, ragged))
-        return self._sources
+        ragged = tuple(f for f in self.fields if self.version.manifest.arrays[f].ragged)
+        tokens: list[ShardSource] = [TokenSource(self, ragged)] if ragged else []
+        return [self._source(f) for f in self.fields if f not in ragged] + tokens
 
     def _source(self, field: str) -> ShardSource:
         fmt = self.shard_format(field)
