@@ -30,8 +30,7 @@ from featstore.read._epoch_state import EpochState, Iteration
 from featstore.read._gather import BatchRows, window_rows
 from featstore.read._objects import scope_identity
 from featstore.read._options import ReaderOptions
-from featstore.read._ranks import Placement
-from featstore.read._slices import Slice, slice_reads, slice_rows
+from featstore.read._slices import slice_reads, slice_rows
 from featstore.read._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, WindowRows, default_cache_bytes,
                                      read_windows)
 from featstore.read._views import ViewReading
@@ -102,12 +101,9 @@ class FeatureDataset(IterableDataset):
         layout = version.manifest.layout
         self.order = EpochOrder(UniformShards(layout.n_samples, layout.samples_per_shard), self.options.seed,
                                 self.options.shuffle, self.options.shuffle_window or 4 * layout.samples_per_shard)
-        # the epochs, placement and resume points, shared with DataLoader workers
         self._epochs = EpochState(version, self.options, self.order, rank, world_size)
         self._sources_for = sources
         self._reads: tuple[ProcessReads, list[ShardSource]] | None = None
-        # Resolved here, once: workers opening the caches later must not see a smaller budget
-        # because the caches themselves have taken shared memory (or disk) meanwhile.
         disk = self.options.disk_options() if not version.storage.is_local else None
         self._caches = Caches(scope_identity(version) if self.options.cache else "",
                               (self.options.cache_bytes or default_cache_bytes()) if self.options.memory else 0,
@@ -118,7 +114,6 @@ class FeatureDataset(IterableDataset):
             # version stay while it lives (see featstore.read).
             self._process()
 
-
     def _process(self) -> ProcessReads:
         """This process's reads of the version (made afresh in a new process)."""
         if self._reads is None or self._reads[0].pid != os.getpid():
@@ -128,10 +123,6 @@ class FeatureDataset(IterableDataset):
 
     def process_sources(self) -> list[ShardSource]:
         """Where this process's rows come from (made once per process)."""
-        return self._sources()
-
-    def _sources(self) -> list[ShardSource]:
-        """Where this process's rows come from."""
         self._process()
         assert self._reads is not None
         return self._reads[1]
@@ -146,21 +137,17 @@ class FeatureDataset(IterableDataset):
         """
         self._process().clear_cache()
 
-
     # -- placement (rank, world size) ---------------------------------------------------
-    def _placement(self) -> Placement:
-        return self._epochs.placement()
-
     @property
     def rank(self) -> int:
         """This process's rank, resolved now (:class:`~featstore.DistributedSetupError` if it
         cannot be)."""
-        return self._placement().check().rank
+        return self._epochs.placement().check().rank
 
     @property
     def world_size(self) -> int:
         """The world size, resolved now."""
-        return self._placement().check().world
+        return self._epochs.placement().check().world
 
     @property
     def partition(self) -> str:
@@ -198,13 +185,10 @@ class FeatureDataset(IterableDataset):
     def plan(self, worker: int = 0, num_workers: int = 0) -> ConsumerPlan:
         """This rank's plan of :attr:`epoch` for one DataLoader worker (``num_workers=0``: the
         main process)."""
-        return self._plan(self.epoch, self._placement().check(), worker, num_workers)
-
-    def _plan(self, epoch: int, placement: Placement, role: int, num_workers: int) -> ConsumerPlan:
-        w = max(1, num_workers)
+        placement, w = self._epochs.placement().check(), max(1, num_workers)
         return consumer_plan(
-            self.order.source, seed=self.options.seed, epoch=epoch,  # type: ignore[arg-type]
-            shuffle=self.options.shuffle, consumers=placement.world * w, cid=placement.rank * w + role,
+            self.order.source, seed=self.options.seed, epoch=self.epoch,  # type: ignore[arg-type]
+            shuffle=self.options.shuffle, consumers=placement.world * w, cid=placement.rank * w + worker,
             partition=self._epochs.partition(placement.world), window=self.order.window,  # type: ignore[arg-type]
         )
 
@@ -253,22 +237,18 @@ class FeatureDataset(IterableDataset):
         # iter(), before the first batch, and that state must be this iteration's. In a worker,
         # an error is raised by the first next() instead: DataLoader creates a persistent worker's
         # next iterator outside its error handling, where the error would kill the worker silently.
-        if not in_worker():
-            return self._iterate(self._start())
         try:
-            it = self._start()
+            it = self._epochs.start()
+            self._viewing.start_epoch(it.epoch)
         except Exception as exc:  # noqa: BLE001 - re-raised by the first next(), in the DataLoader's handling
+            if not in_worker():
+                raise
             return raising(exc)
         return self._iterate(it)
 
-    def _start(self) -> Iteration:
-        it = self._epochs.start()
-        self._viewing.start_epoch(it.epoch)
-        return it
-
     def _iterate(self, it: Iteration) -> Iterator[dict[str, torch.Tensor]]:
         local = self._epochs.local
-        windows = read_windows(self._sources(), self._epoch(it), self.options.prefetch,
+        windows = read_windows(self.process_sources(), self._epoch(it), self.options.prefetch,
                                self.version.manifest.layout.samples_per_shard)
         for batch in self._batches(windows, it):
             local.yielded += 1
@@ -299,32 +279,21 @@ class FeatureDataset(IterableDataset):
         carry: dict[str, BatchRows] | None = None
         for window, arrays in windows:
             drop, n = window.drop, window.size - window.drop
-            order = self._order(it.share.slices[window.number], it.epoch, drop)
-            if order is not None:
+            order = None  # unshuffled: the rows read, in order
+            if self.options.shuffle:  # the slice's rows in yield order, as indices into the rows read
+                order = slice_rows(it.share.slices[window.number], self.options.seed, it.epoch, True).order[drop:]
                 n = len(order)
             pos = 0
-            if carry is not None:
-                take = min(bs - len(carry["index"]), n)
-                more = window_rows(arrays, order, drop, 0, take)
-                carry = {k: concat_rows([carry[k], more[k]]) for k in arrays}
-                pos = take
+            while pos < n:  # each step fills the batch begun (``carry``), or cuts the next one
+                end = min(n, pos + bs - (0 if carry is None else len(carry["index"])))
+                rows = window_rows(arrays, order, drop, pos, end)
+                carry = rows if carry is None else {k: concat_rows([carry[k], rows[k]]) for k in arrays}
+                pos = end
                 if len(carry["index"]) == bs:
                     yield self.to_batch(carry)
                     carry = None
-            while n - pos >= bs:
-                yield self.to_batch(window_rows(arrays, order, drop, pos, pos + bs))
-                pos += bs
-            if pos < n:
-                carry = window_rows(arrays, order, drop, pos, n)
         if carry is not None and not self.options.drop_last:
             yield self.to_batch(carry)
-
-    def _order(self, sl: Slice, epoch: int, drop: int) -> np.ndarray | None:
-        """The slice's rows in yield order, from ``drop`` on, as indices into the rows read (None:
-        unshuffled, the rows read in order)."""
-        if not self.options.shuffle:
-            return None
-        return slice_rows(sl, self.options.seed, epoch, True).order[drop:]
 
     def to_batch(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
         """A batch's rows (stored dtypes, ``"index"`` included) as its tensors, decoded (what

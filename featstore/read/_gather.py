@@ -29,15 +29,13 @@ def window_rows(arrays: dict[str, WindowRows], order: np.ndarray | None, drop: i
     groups = None
     out: dict[str, BatchRows] = {}
     for k, v in arrays.items():
-        if isinstance(v, ArenaRows):
+        if isinstance(v, ArenaRows | RaggedWindow):
             out[k] = v.take(pos)
         elif isinstance(v, InPlace) and order is None:
             out[k] = v.span(drop + a, drop + b)
         elif isinstance(v, InPlace):
             groups = groups if groups is not None else v.groups(pos)
             out[k] = v.take(groups, len(pos))
-        elif isinstance(v, RaggedWindow):
-            out[k] = v.take(pos)
         else:
             out[k] = v[drop + a:drop + b] if order is None else v[pos]
     return out
@@ -156,9 +154,6 @@ class ArenaRows(_Pieces):
         row format, so that one ``index_select`` can take rows of both windows."""
         return (self.src is other.src and self.dtype == other.dtype
                 and tuple(self.fmt.row_shape) == tuple(other.fmt.row_shape))
-
-    def span(self, lo: int, hi: int) -> np.ndarray:
-        return self.take(np.arange(lo, hi))
 
     def release(self) -> None:
         """Give the slots back (once; the rows gathered before stay valid: they are copies)."""

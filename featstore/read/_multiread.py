@@ -95,9 +95,8 @@ class MultiTeacherDataset(IterableDataset):
         self.teachers = {label: FeatureDataset(v, rank=rank, world_size=world_size, options=options,
                                                **option_fields, fields=_fields(per_teacher.get(label)))
                          for label, v in self.versions.items()}
-        first = next(iter(self.teachers.values()))
-        self.options = replace(first.options, fields=None)  # fields are per teacher
-        self._viewing = ViewReading(first.version, first.options, source, augment, source_fields, source_id)
+        self.options = replace(self._first.options, fields=None)  # fields are per teacher
+        self._viewing = ViewReading(self._first.version, self.options, source, augment, source_fields, source_id)
 
     @property
     def _first(self) -> FeatureDataset:
@@ -168,12 +167,8 @@ class MultiTeacherDataset(IterableDataset):
             if not in_worker():
                 raise
             return raising(exc)
-        return self._zip(iterators)
-
-    def _zip(self, iterators: dict[str, Iterator[dict[str, torch.Tensor]]]) -> Iterator[dict[str, torch.Tensor]]:
         labels = list(iterators)
-        for n, batches in enumerate(zip(*iterators.values(), strict=True)):
-            yield self._join(labels, batches, n)
+        return (self._join(labels, batches, n) for n, batches in enumerate(zip(*iterators.values(), strict=True)))
 
     def _join(self, labels: list[str], batches: Sequence[dict[str, torch.Tensor]], n: int) -> dict[str, torch.Tensor]:
         first = batches[0]

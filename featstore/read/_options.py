@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-from featstore.read._cache import POLICIES, DiskCacheOptions
+from featstore.codecs._ragged import RAGGED_FORMS
 from featstore.errors import InvalidInput
-from featstore.codecs._ragged import (RAGGED_FORMS)
 from featstore.read._assignment import PARTITIONS
-
-
+from featstore.read._cache import DiskCacheOptions
 
 #: ``ReaderOptions.cache``: decoded shards in shared memory, remote objects on local disk, or both.
 CACHES = ("memory", "disk", "memory+disk")
@@ -96,18 +93,13 @@ class ReaderOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidInput(f"{name} must be a positive int, got {value!r}.")
-        self._check_disk()
-
-    def _check_disk(self) -> None:
-        disk = self.cache in ("disk", "memory+disk")
-        if not disk and (self.cache_dir is not None or self.disk_policy != "keep"):
+        if self.cache not in ("disk", "memory+disk") and (self.cache_dir is not None or self.disk_policy != "keep"):
             raise InvalidInput("cache_dir and disk_policy configure the disk tier: pass cache='disk' or "
                                "cache='memory+disk' with them.")
         if self.disk_bytes is not None and self.cache != "memory+disk":
             raise InvalidInput("disk_bytes is the disk tier's budget under cache='memory+disk'; with "
                                "cache='disk', cache_bytes is the disk's budget.")
-        if self.disk_policy not in POLICIES:
-            raise InvalidInput(f"disk_policy must be one of {POLICIES}, got {self.disk_policy!r}.")
+        self.disk_options()  # the disk tier's own options check its policy
 
     @property
     def memory(self) -> bool:

@@ -71,22 +71,21 @@ def check_same_run(state: dict[str, Any], version: Any, options: Any, world: int
                            f"{version.id}; open the pinned version with store.open("
                            f"'{state['name']}@{state['version']}').")
     saved, now = state.get("options") or {}, asdict(options)
-    differ = [k for k in (ORDER_OPTIONS if world is None else SPLIT_OPTIONS)
+    differ = [f"{k}={saved[k]!r} (now {now[k]!r})" for k in (ORDER_OPTIONS if world is None else SPLIT_OPTIONS)
               if k in saved and _norm(saved[k]) != _norm(now[k])]
-    if world is None and differ:
-        what = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ)
-        raise InvalidInput(f"seed, shuffle, view and shuffle_window must match the saved state: {what}. Resume "
-                           "with the saved settings, or start the epoch over.")
     if world is None:
+        if differ:
+            raise InvalidInput(f"seed, shuffle, view and shuffle_window must match the saved state: "
+                               f"{', '.join(differ)}. Resume with the saved settings, or start the epoch over.")
         return
-    hint = (" (a state with its epoch's progress resumes on another world size or number of workers through "
-            "dataset.load_state_dict() or featstore.StatefulLoader)") if "progress" in state else ""
-    if differ or state["world_size"] != world:
-        what = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ)
-        if state["world_size"] != world:
-            what = ", ".join(filter(None, [what, f"world_size={state['world_size']} (now {world})"]))
+    if state["world_size"] != world:
+        differ.append(f"world_size={state['world_size']} (now {world})")
+    if differ:
+        hint = (" (a state with its epoch's progress resumes on another world size or number of workers through "
+                "dataset.load_state_dict() or featstore.StatefulLoader)") if "progress" in state else ""
         raise InvalidInput(f"batch_size, seed, shuffle, view, the split and world_size must match the saved "
-                           f"state: {what}. Resume with the saved settings, or start the epoch over{hint}.")
+                           f"state: {', '.join(differ)}. Resume with the saved settings, or start the epoch "
+                           f"over{hint}.")
 
 
 def _norm(value: Any) -> Any:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar
 
 import numpy as np
@@ -292,7 +293,6 @@ class ProcessReads:
             else DiskObjects(version, self.storage, self.disk) if self.disk is not None
             else RemoteObjects(version, self.storage))
         self._formats: dict[str, ShardFormat | None] = {}
-        self._sources: list[ShardSource] | None = None
 
     def shard_format(self, field: str) -> ShardFormat | None:
         """The array's shard format when featstore's own decoder reads it (else zarr does)."""
@@ -340,15 +340,12 @@ class ProcessReads:
             return self.objects.local
         return self.objects.near(self.obj(field, p.shard) for w in windows for p in w.pieces)
 
-    @property
+    @cached_property
     def sources(self) -> list[ShardSource]:
         """Each array's source, chosen once (see the module docstring)."""
-        if self._sources is None:
-            ragged = tuple(f for f in self.fields if self.version.manifest.arrays[f].ragged)
-            self._sources = [self._source(f) for f in self.fields if f not in ragged]
-            if ragged:
-                self._sources.append(TokenSource(self, ragged))
-        return self._sources
+        ragged = tuple(f for f in self.fields if self.version.manifest.arrays[f].ragged)
+        tokens: list[ShardSource] = [TokenSource(self, ragged)] if ragged else []
+        return [self._source(f) for f in self.fields if f not in ragged] + tokens
 
     def _source(self, field: str) -> ShardSource:
         fmt = self.shard_format(field)
@@ -380,7 +377,8 @@ def default_cache_bytes() -> int:
 
 
 # -- windows in flight -----------------------------------------------------------------------------
-class WindowReader:
+def windows_in_flight(sources: Sequence[ShardSource], reads: Executor, windows: Iterable[Window], prefetch: int,
+                      samples_per_shard: int) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
     """Keeps shuffle windows in flight over ``sources`` and yields each once all its reads are
     done (a window is permuted as a whole, so it is only usable once complete).
 
@@ -389,46 +387,37 @@ class WindowReader:
     flight while the current one is consumed, so S3 latency hides behind Model B instead of
     adding up window by window. Every read decodes straight into its rows: no concatenation.
     """
+    todo, queue = iter(windows), deque[tuple[Window, np.ndarray, list[WindowRead]]]()
 
-    def __init__(self, sources: Sequence[ShardSource], reads: Executor, windows: Iterable[Window], prefetch: int,
-                 samples_per_shard: int) -> None:
-        self.sources, self.reads, self.todo = sources, reads, iter(windows)
-        self.prefetch, self.spp = prefetch, samples_per_shard
-        self.queue: deque[tuple[Window, np.ndarray, list[WindowRead]]] = deque()
-        self.in_flight = 0  # pieces submitted and not yet consumed
-
-    def __iter__(self) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
-        current: list[WindowRead] = []
-        try:
-            self._fill()
-            while self.queue:
-                window, index, current = self.queue.popleft()
-                arrays: dict[str, WindowRows] = {"index": index}
-                for r in current:
-                    arrays.update(r.result())
-                self.in_flight -= len(window.pieces)
-                self._fill()
-                yield window, arrays
-                for r in current:  # the consumer has cut every batch of this window
-                    r.close()
-                current = []
-        finally:
-            for r in current:
-                r.close()
-            for _, _, queued in self.queue:  # an abandoned epoch: do not read what nobody will use
-                for r in queued:
-                    r.close()
-
-    def _fill(self) -> None:
-        """Keep ``prefetch`` pieces in flight, and the next two windows at least."""
-        while self.in_flight < self.prefetch or len(self.queue) < 2:
-            window = next(self.todo, None)
+    def fill() -> None:
+        """Keep ``prefetch`` pieces in flight (the queued windows'), and the next two windows at least."""
+        while sum(len(w.pieces) for w, _, _ in queue) < prefetch or len(queue) < 2:
+            window = next(todo, None)
             if window is None:
                 return
-            index = np.concatenate([np.arange(p.shard * self.spp + p.lo, p.shard * self.spp + p.hi, dtype=np.int64)
-                                    for p in window.pieces])
-            self.queue.append((window, index, [s.read(window, self.reads) for s in self.sources]))
-            self.in_flight += len(window.pieces)
+            index = np.concatenate([np.arange(p.shard * samples_per_shard + p.lo, p.shard * samples_per_shard + p.hi,
+                                              dtype=np.int64) for p in window.pieces])
+            queue.append((window, index, [s.read(window, reads) for s in sources]))
+
+    current: list[WindowRead] = []
+    try:
+        fill()
+        while queue:
+            window, index, current = queue.popleft()
+            arrays: dict[str, WindowRows] = {"index": index}
+            for r in current:
+                arrays.update(r.result())
+            fill()
+            yield window, arrays
+            for r in current:  # the consumer has cut every batch of this window
+                r.close()
+            current = []
+    finally:
+        for r in current:
+            r.close()
+        for _, _, queued in queue:  # an abandoned epoch: do not read what nobody will use
+            for r in queued:
+                r.close()
 
 
 def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
@@ -441,11 +430,9 @@ def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
     finished = False
     try:
         todo = epoch.todo
-        if spare_cores() < 1 and all(s.near(todo) for s in sources):
-            yield from WindowReader(sources, InThread(), todo, prefetch, samples_per_shard)
-        else:
-            with ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read") as pool:
-                yield from WindowReader(sources, pool, todo, prefetch, samples_per_shard)
+        here = spare_cores() < 1 and all(s.near(todo) for s in sources)
+        with InThread() if here else ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read") as reads:
+            yield from windows_in_flight(sources, reads, todo, prefetch, samples_per_shard)
         finished = True
     finally:
         for s in sources:

@@ -136,11 +136,7 @@ class SharedProgress:
         self._mine(mine)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_t": self._t, "_lock_path": self._lock_path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._held = None
+        return {**self.__dict__, "_held": None}  # the lock file's fd stays in its process
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -190,13 +186,13 @@ class SharedProgress:
         """The epoch of the latest iteration since the last ``set_epoch``, else the one the next
         will read."""
         with self._locked():
-            latest = self._latest()
-            if latest is not None and latest[2] == self._get(GEN) & 0xFF:
-                return latest[3]
-            return self._get(BASE)
+            latest = self._latest(self._get(GEN))
+            return self._get(BASE) if latest is None else latest
 
-    def _latest(self) -> tuple[int, bool, int, int] | None:
-        return next(reversed(self._records()), None)
+    def _latest(self, gen: int) -> int | None:
+        """The epoch of the ring's latest record when it is of generation ``gen`` (else None)."""
+        latest = next(reversed(self._records()), None)
+        return latest[3] if latest is not None and latest[2] == gen & 0xFF else None
 
     def _records(self) -> list[tuple[int, bool, int, int]]:
         """The ring's records, oldest first (a refused iteration's record is 0: left out)."""
@@ -213,10 +209,8 @@ class SharedProgress:
 
     def _next(self, gen: int) -> tuple[int, bool]:
         """The epoch of a new iteration in generation ``gen``, and whether it is the first."""
-        latest = self._latest()
-        if latest is None or latest[2] != gen & 0xFF:
-            return self._get(BASE), True
-        return min(latest[3] + 1, MAX_EPOCH), False
+        latest = self._latest(gen)
+        return (self._get(BASE), True) if latest is None else (min(latest + 1, MAX_EPOCH), False)
 
     def begin(self, slot: int, key: int | None = None, fresh: bool = True, epoch: int | None = None,
               started: tuple[int, int] | None = None, check: Callable[[Start], None] | None = None) -> Start:
@@ -270,7 +264,7 @@ class SharedProgress:
                 if mine is not None:  # refused: as if never started (the others are refused alike)
                     self._rerecord(*mine, 0)
                 raise
-        if found is None and key is None:
+        if key is None:
             self._record(_pack(_own_key(), first, gen, e))
         self._set(SLOTS + 2 * slot + 1, os.getpid())
         self._set(SLOTS + 2 * slot, _pack(key or 0, first, gen, e))

@@ -207,7 +207,7 @@ def test_an_abandoned_fill_epoch_stores_the_shards_it_computed(reference, tmp_pa
     for _ in range(4):  # the first window's shards are computed and handed to the writer thread
         next(it)
     it.close()  # no write is left pending, and each one written is recorded
-    [state] = ds._sources()  # the online reader's source: what it computed and wrote
+    [state] = ds.process_sources()  # the online reader's source: what it computed and wrote
     assert not state.writes._pending
     receipts = receipt_files(store, "fill/abandon")
     n_shards = reference.manifest.layout.n_shards
