@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, \
+from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
     round_robin_consumed
 from featstore.read._mixture import MixStream, Mixture, mixture_share
 from featstore.read._resume import rotated
@@ -145,6 +145,11 @@ class ResumeState:
     epoch: int
     order: EpochOrder
     segments: tuple[Segment, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        """Steps of the epoch so far: each rank's batches, all segments together."""
+        return sum(s.batches for s in self.segments)
 
     def advanced(self, split: Split, batches: int) -> ResumeState:
         """The state after each rank consumed ``batches`` more under ``split``: the last
@@ -272,17 +277,13 @@ class Progress:
 
     Attributes:
         split: the segment's split.
-        sizes: each consumer's rows (its span of the epoch, or of the previous remaining sequence).
         counts: each consumer's batches, had the segment run to the epoch's end.
-        batches: batches each consumer yielded.
         yielded: rows each consumer yielded (``t_c``).
         ends: rows each would have yielded by the epoch's end (``y_c``).
     """
 
     split: Split
-    sizes: np.ndarray
     counts: np.ndarray
-    batches: np.ndarray
     yielded: np.ndarray
     ends: np.ndarray
 
@@ -317,7 +318,7 @@ def progress(order: EpochOrder, segments: tuple[Segment, ...]) -> list[Progress]
                             for row in per_rank], dtype=np.int64).reshape(-1)
         yielded = np.minimum(batches * bs, sizes)
         ends = sizes // bs * bs if split.drop_last else sizes
-        out.append(Progress(split, sizes, counts, batches, yielded, ends))
+        out.append(Progress(split, counts, yielded, ends))
         n = int((ends - yielded).sum())
     return out
 
@@ -335,10 +336,7 @@ def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Sp
     total = int(offsets[-1])
     start, stop = consumer_span(total, split.consumers, cid, split.partition)
     slices: list[Slice] = []
-    pos = start
-    while pos < stop:  # a "pad" span wraps around to the remaining sequence's start
-        a = pos % total
-        b = min(total, a + stop - pos)
+    for _, a, b in laps(start, stop, total):  # a "pad" span wraps around to the remaining sequence's start
         c = int(np.searchsorted(offsets, a, side="right")) - 1
         while c < len(offsets) - 1 and offsets[c] < b:
             lo, hi = max(a, int(offsets[c])) - int(offsets[c]), min(b, int(offsets[c + 1])) - int(offsets[c])
@@ -349,7 +347,6 @@ def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Sp
                 t = int(last.yielded[c])
                 slices += memo[key].rows(t + lo, t + hi).slices
             c += 1
-        pos += b - a
     return Share(tuple(slices))
 
 

@@ -91,11 +91,6 @@ class Iteration:
     def cid(self) -> int:
         return self.placement.rank * max(1, self.workers) + self.role
 
-    @property
-    def prior(self) -> int:
-        """Steps of the epoch before this iteration."""
-        return 0 if self.base is None else sum(s.batches for s in self.base.segments)
-
 
 @dataclass
 class _Local:
@@ -262,7 +257,7 @@ class EpochState:
         it = self.local.current
         workers = num_workers if num_workers is not None else self._progress.last_workers()
         base = self._base()
-        prior = sum(s.batches for s in base.segments)
+        prior = base.steps
         seen = prior + self.local.yielded if batches_seen is None else int(batches_seen)
         state = rank_state(self.ident, self.options, self.epoch, seen, placement.world, placement.rank, workers)
         if workers is not None and (it is None or it.base is not None):
@@ -330,8 +325,7 @@ class EpochState:
             self._progress.set_epoch(epoch + 1)
             return
         self._loaded.write(progress_state)
-        steps = sum(s.batches for s in progress_state.segments)
-        self._progress.set_resume(epoch, steps, None)
+        self._progress.set_resume(epoch, progress_state.steps, None)
 
     @property
     def world(self) -> int:
@@ -353,7 +347,7 @@ class EpochState:
         split = Split(sp["world"], sp["workers"], sp["batch_size"], sp["partition"], sp["drop_last"])
         since = sum(int(s[PROGRESS]["since"]) for s in started)
         first = started[0]
-        state = rank_state(self.ident, self.options, base.epoch, sum(s.batches for s in base.segments) + since,
+        state = rank_state(self.ident, self.options, base.epoch, base.steps + since,
                            first["world_size"], first["rank"], first["num_workers"])
         state[PROGRESS] = base.advanced(split, since).to_dict()
         return state

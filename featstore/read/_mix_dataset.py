@@ -42,7 +42,7 @@ from featstore.read._epoch_state import EpochState, Iteration
 from featstore.read._mix_gather import MixedRows, MixedSlice, regrouped
 from featstore.read._mixture import MixStream, Mixture
 from featstore.read._options import ReaderOptions
-from featstore.read._slices import Share, slice_reads, slice_rows
+from featstore.read._slices import Share, run_starts, slice_reads, slice_rows
 from featstore.read._sources import Epoch, Window, WindowRows, read_windows
 from featstore.read._worker_share import in_worker
 from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
@@ -163,11 +163,10 @@ class MixtureDataset(IterableDataset):
     def _stream_windows(self, share: Share, it: Iteration) -> list[Iterator[tuple[Window, dict[str, WindowRows]]]]:
         """Each version's windows of ``share`` (one per slice that reads it), read ahead by its
         own reader: each version's reads stay shard-contiguous."""
+        reads = [slice_reads(sl, self.options.shuffle) for sl in share.slices]
         out = []
         for k, reader in enumerate(self.readers):
-            n = len(self.versions[k])
-            windows = tuple(Window(j, reads[k], n) for j, sl in enumerate(share.slices)
-                            if (reads := slice_reads(sl, self.options.shuffle))[k])
+            windows = tuple(Window(j, r[k], len(self.versions[k])) for j, r in enumerate(reads) if r[k])
             epoch = Epoch(it.epoch, it.cid, it.split.consumers, it.split.partition, windows)
             out.append(read_windows(reader.process_sources(), epoch, self.options.prefetch,
                                     self.versions[k].manifest.layout.samples_per_shard))
@@ -183,9 +182,11 @@ class MixtureDataset(IterableDataset):
         held: list[MixedRows] = []  # the batch being filled: its parts from earlier slices
         n_held = 0
         for sl in share.slices:
-            arrays = [next(streams[k])[1] if n else None for k, n in enumerate(_read_sizes(sl, shuffle))]
             rows = slice_rows(sl, self.options.seed, epoch, shuffle)
-            mixed = MixedSlice(arrays, rows.streams, rows.order - _starts(sl, shuffle)[rows.streams], n_held, bs)
+            arrays = [next(streams[k])[1] if run else None for k, run in enumerate(rows.reads)]
+            # each version's rows read start where the rows read of the versions before end
+            starts = run_starts([sum(p.size for p in run) for run in rows.reads])
+            mixed = MixedSlice(arrays, rows.streams, rows.order - starts[rows.streams], n_held, bs)
             pos, n = 0, len(rows.order)
             while pos < n:
                 take = min(bs - n_held, n - pos)
@@ -214,16 +215,6 @@ class MixtureDataset(IterableDataset):
 
     def __repr__(self) -> str:
         return f"MixtureDataset({', '.join(v.ref for v in self.versions)}, counts={self.counts}, {self.options})"
-
-
-def _read_sizes(sl: Any, shuffle: bool) -> list[int]:
-    return [sum(p.size for p in run) for run in slice_reads(sl, shuffle)]
-
-
-def _starts(sl: Any, shuffle: bool) -> np.ndarray:
-    """Where each version's rows start among the rows a slice reads (stream by stream)."""
-    sizes = _read_sizes(sl, shuffle)
-    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
 
 def check_compatible(versions: list[StoredVersion], arrays: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -134,22 +134,6 @@ def balanced_positions(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return _balanced_positions(tuple(int(n) for n in sizes))
 
 
-def flat_positions(sizes: Sequence[int]) -> np.ndarray:
-    """For each position of the balanced interleave of ``sizes``, its row among all streams'
-    rows laid end to end (stream 0's first): ``starts[stream] + rank`` of :func:`balanced_positions`
-    (cached like it)."""
-    return _flat_positions(tuple(int(n) for n in sizes))
-
-
-@functools.lru_cache(maxsize=8)
-def _flat_positions(sizes: tuple[int, ...]) -> np.ndarray:
-    stream, rank = _balanced_positions(sizes)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    flat = starts[stream] + rank
-    flat.flags.writeable = False
-    return flat
-
-
 @functools.lru_cache(maxsize=8)
 def _balanced_positions(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     total = sum(sizes)
@@ -171,10 +155,11 @@ def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.nda
              else np.arange(n) for k, n in enumerate(sizes)]
     if streams == 1:
         return perms[0]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    # position x takes row rank[x] of stream[x]'s permutation: with the permutations (shifted to
-    # the stream's start) laid end to end, that is one gather at starts[stream] + rank
-    return np.concatenate([start + perm for start, perm in zip(starts, perms, strict=True)])[flat_positions(sizes)]
+    stream, rank = balanced_positions(sizes)
+    # position x takes row rank[x] of stream[x]'s permutation: with the permutations laid end to
+    # end, that is one gather at starts[stream] + rank (then shifted to the stream's start)
+    at = run_starts(sizes)[stream]
+    return np.concatenate(perms)[at + rank] + at
 
 
 @dataclass(frozen=True)
@@ -194,23 +179,18 @@ class SliceRows:
 
 def slice_rows(s: Slice, seed: int, epoch: int, shuffle: bool) -> SliceRows:
     """What a consumer reads and yields for one slice (O(window) numpy)."""
-    window = s.window
-    sizes = np.array(window.sizes, dtype=np.int64)
-    labels = np.repeat(np.arange(len(sizes)), sizes)
-    lo, hi = s.rows.start, s.rows.stop
+    window, lo, hi = s.window, s.rows.start, s.rows.stop
     order = window_order(window, seed, epoch, shuffle)[lo:hi]
-    if shuffle or len(s.rows) == window.size:
-        # each stream's rows are permuted among themselves: position x's row is of stream[x]
-        streams = balanced_positions(window.sizes)[0][lo:hi] if len(sizes) > 1 else labels[order]
-        return SliceRows(window.runs, order, streams)
-    # Unshuffled, stream k's rows of the slice are its rows [F_k(lo), F_k(hi)).
-    first, last = interleave(list(window.sizes), lo), interleave(list(window.sizes), hi)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    taken = np.array(last) - np.array(first)
-    new_starts = np.concatenate([[0], np.cumsum(taken)[:-1]])
-    stream = labels[order]
-    reads = tuple(cut_pieces(run, a, b) for run, a, b in zip(window.runs, first, last, strict=True))
-    return SliceRows(reads, order - starts[stream] - np.array(first)[stream] + new_starts[stream], stream)
+    # each stream's rows are permuted among themselves: position x's row is of stream[x]
+    streams = balanced_positions(window.sizes)[0][lo:hi] if len(window.sizes) > 1 else np.zeros(hi - lo, np.int64)
+    reads = slice_reads(s, shuffle)
+    if reads is window.runs:  # shuffled, or the whole window
+        return SliceRows(reads, order, streams)
+    # Unshuffled, stream k's rows of the slice are its rows [F_k(lo), F_k(hi)): each moves from
+    # where they stand among the window's rows to where they stand among the rows read.
+    first = np.array(interleave(list(window.sizes), lo), dtype=np.int64)
+    shift = run_starts(window.sizes) + first - run_starts([sum(p.size for p in run) for run in reads])
+    return SliceRows(reads, order - shift[streams], streams)
 
 
 def slice_reads(s: Slice, shuffle: bool) -> tuple[tuple[Piece, ...], ...]:
@@ -221,6 +201,11 @@ def slice_reads(s: Slice, shuffle: bool) -> tuple[tuple[Piece, ...], ...]:
     sizes = list(s.window.sizes)
     first, last = interleave(sizes, s.rows.start), interleave(sizes, s.rows.stop)
     return tuple(cut_pieces(run, a, b) for run, a, b in zip(s.window.runs, first, last, strict=True))
+
+
+def run_starts(sizes: Sequence[int]) -> np.ndarray:
+    """Where each run starts when runs of ``sizes`` rows are laid end to end."""
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]])
 
 
 def cut_pieces(pieces: Sequence[Piece], lo: int, hi: int) -> tuple[Piece, ...]:
