@@ -194,10 +194,6 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
-def _layout_dict(layout: UniformShards) -> dict[str, int]:
-    return {"n_samples": layout.n_samples, "per_shard": layout.per_shard}
-
-
 def _layout_from(data: dict[str, Any]) -> UniformShards:
     n, per = _count(data["n_samples"], "n_samples"), _count(data["per_shard"], "per_shard")
     if not per:
@@ -209,10 +205,10 @@ def _order_dict(order: EpochOrder) -> dict[str, Any]:
     src = order.source
     if isinstance(src, Mixture):
         source: dict[str, Any] = {"mixture": {"epoch_size": src.epoch_size, "streams": [
-            {**_layout_dict(s.layout), "proportion": s.proportion, "repeat": s.repeat, "choose": s.choose}
+            {**asdict(s.layout), "proportion": s.proportion, "repeat": s.repeat, "choose": s.choose}
             for s in src.streams]}}
     else:
-        source = {"version": _layout_dict(src)}
+        source = {"version": asdict(src)}
     return {"seed": order.seed, "shuffle": order.shuffle, "window": order.window, "source": source}
 
 

@@ -78,7 +78,6 @@ class Iteration:
     epoch: int
     placement: Placement
     worker: int
-    workers: int
     role: int
     skip: int
     share: Share
@@ -89,7 +88,7 @@ class Iteration:
 
     @property
     def cid(self) -> int:
-        return self.placement.rank * max(1, self.workers) + self.role
+        return self.placement.rank * self.split.per_rank + self.role
 
 
 @dataclass
@@ -232,7 +231,7 @@ class EpochState:
         """Consumer ``role``'s whole share of the epoch's plan, ``skip`` of its batches seen."""
         share = epoch_share(self.order, epoch, split, placement.rank * split.per_rank + role)
         rows = min(skip * split.batch_size, share.n_samples)
-        return Iteration(epoch, placement, worker, split.workers, role, skip, share, rows, True, base, split)
+        return Iteration(epoch, placement, worker, role, skip, share, rows, True, base, split)
 
     def _resumed(self, epoch: int, placement: Placement, worker: int, split: Split, seen: int,
                  state: ResumeState | None) -> Iteration:
@@ -246,7 +245,7 @@ class EpochState:
             base = state if state is not None else ResumeState(epoch, self.order).advanced(split, seen)
             return self._continued(epoch, placement, worker, split, role, skip, base)
         r = resume(state, split, placement.rank, worker)
-        return Iteration(epoch, placement, worker, split.workers, r.role, r.skipped, r.share, 0, False, state, split)
+        return Iteration(epoch, placement, worker, r.role, r.skipped, r.share, 0, False, state, split)
 
     # -- states ---------------------------------------------------------------------------
     def state_dict(self, batches_seen: int | None, num_workers: int | None) -> dict[str, Any]:
@@ -287,7 +286,7 @@ class EpochState:
             return worker_state(self.ident, self.options, None, info.id, 0, info.id, info.num_workers,
                                 p.world, p.rank)
         state = worker_state(self.ident, self.options, it.epoch, it.role, it.skip + local.yielded, it.worker,
-                             it.workers, it.placement.world, it.placement.rank)
+                             it.split.workers, it.placement.world, it.placement.rank)
         if it.base is not None:
             state[PROGRESS] = {"base": it.base.to_dict(), "split": asdict(it.split), "since": local.yielded}
         return state
