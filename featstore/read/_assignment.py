@@ -199,16 +199,13 @@ def consumer_plan(
     ``shard_sizes`` as :class:`UniformShards` costs O(the consumer's pieces); as a list of sizes
     (any layout) O(shards). Both give the same plan for the same shards.
     """
+    n = shard_sizes.n_samples if isinstance(shard_sizes, UniformShards) else int(np.sum(shard_sizes, dtype=np.int64))
+    start, stop = consumer_span(n, consumers, cid, partition)
     if isinstance(shard_sizes, UniformShards):
-        n = shard_sizes.n_samples
         perm = ShardPermutation(shard_sizes.n_shards, seed, epoch, shuffle)
-        start, stop = consumer_span(n, consumers, cid, partition)
         pieces = uniform_span_pieces(shard_sizes, perm, start, stop)
     else:
-        n = int(np.sum(shard_sizes, dtype=np.int64))
-        order = ShardPermutation(len(shard_sizes), seed, epoch, shuffle).shards(np.arange(len(shard_sizes)))
-        start, stop = consumer_span(n, consumers, cid, partition)
-        pieces = span_pieces(order, shard_sizes, start, stop)
+        pieces = span_pieces(shard_order(len(shard_sizes), seed, epoch, shuffle), shard_sizes, start, stop)
     return ConsumerPlan(group_windows(pieces, max(1, window)), max(0, stop - start) if n else 0)
 
 

@@ -62,7 +62,7 @@ import numpy as np
 from featstore.errors import InvalidInput
 from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
     round_robin_consumed
-from featstore.read._mixture import MixStream, Mixture, mixture_share
+from featstore.read._mixture import MixStream, Mixture, int_at_least, mixture_share
 from featstore.read._resume import rotated
 from featstore.read._slices import Share, Slice, whole
 
@@ -83,9 +83,7 @@ class Split:
 
     def __post_init__(self) -> None:
         for name, least in (("world", 1), ("workers", 0), ("batch_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InvalidInput(f"{name} must be an int >= {least}, got {value!r}.")
+            int_at_least(getattr(self, name), name, least)
         if self.partition not in PARTITIONS:
             raise InvalidInput(f"partition must be one of {PARTITIONS}, got {self.partition!r}.")
         if not isinstance(self.drop_last, bool):
@@ -121,13 +119,7 @@ class EpochOrder:
     window: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise InvalidInput(f"the shuffle window must be an int >= 1, got {self.window!r}.")
-
-    @property
-    def n_samples(self) -> int:
-        """Samples in one epoch (positions: a mixture's repeats count)."""
-        return self.source.n_samples
+        int_at_least(self.window, "the shuffle window", 1)
 
 
 @dataclass(frozen=True)
@@ -189,9 +181,7 @@ class ResumeState:
 
 
 def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(f"the epoch state's {name} must be an int >= 0, got {value!r}.")
-    return value
+    return int_at_least(value, f"the epoch state's {name}", 0)
 
 
 def _layout_from(data: dict[str, Any]) -> UniformShards:
@@ -298,7 +288,7 @@ def span_sizes(n: int, split: Split) -> np.ndarray:
 def progress(order: EpochOrder, segments: tuple[Segment, ...]) -> list[Progress]:
     """Each segment's :class:`Progress` (O(consumers) arithmetic per segment)."""
     out: list[Progress] = []
-    n = order.n_samples
+    n = order.source.n_samples  # positions: a mixture's repeats count
     for i, seg in enumerate(segments):
         split, bs = seg.split, seg.split.batch_size
         sizes = span_sizes(n, split)
@@ -384,19 +374,5 @@ def resume(state: ResumeState, split: Split, rank: int, worker: int) -> Resumed:
 def remaining_samples(state: ResumeState) -> int:
     """Rows of the state's epoch not yet yielded (0: the epoch is over, the next is whole)."""
     if not state.segments:
-        return state.order.n_samples
+        return state.order.source.n_samples
     return int(progress(state.order, state.segments)[-1].offsets[-1])
-
-
-def yielded_shares(state: ResumeState) -> list[list[Share]]:
-    """What every consumer of every segment yielded (per segment, per consumer): the samples the
-    job has seen. O(the whole epoch's windows): for tests and tools, not for resuming."""
-    done = progress(state.order, state.segments)
-    memo: dict[tuple[int, int], Share] = {}
-    out: list[list[Share]] = []
-    for i, p in enumerate(done):
-        for c in range(p.split.consumers):
-            if (i, c) not in memo:
-                memo[(i, c)] = segment_share(state.order, state.epoch, done[:i], p.split, c, memo)
-        out.append([memo[(i, c)].rows(0, int(p.yielded[c])) for c in range(p.split.consumers)])
-    return out

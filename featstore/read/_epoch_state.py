@@ -341,11 +341,9 @@ class EpochState:
         if any(PROGRESS not in s for s in started):
             raise InvalidInput("these worker states were saved by an older featstore (no progress): resume with "
                                "the same num_workers and world size, or start the epoch over.")
-        base = ResumeState.from_dict(started[0][PROGRESS]["base"])
-        sp = started[0][PROGRESS]["split"]
-        split = Split(sp["world"], sp["workers"], sp["batch_size"], sp["partition"], sp["drop_last"])
-        since = sum(int(s[PROGRESS]["since"]) for s in started)
         first = started[0]
+        base, split = ResumeState.from_dict(first[PROGRESS]["base"]), Split(**first[PROGRESS]["split"])
+        since = sum(int(s[PROGRESS]["since"]) for s in started)
         state = rank_state(self.ident, self.options, base.epoch, base.steps + since,
                            first["world_size"], first["rank"], first["num_workers"])
         state[PROGRESS] = base.advanced(split, since).to_dict()

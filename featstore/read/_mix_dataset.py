@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from featstore.errors import InvalidInput
+from featstore.format._manifests import ArraySpec
 from featstore.read._assignment import UniformShards
 from featstore.read._dataset import FeatureDataset, raising
 from featstore.read._elastic import EpochOrder
@@ -98,9 +99,8 @@ class MixtureDataset(IterableDataset):
             raise InvalidInput("a mixture needs at least one stream: featstore.mix([(version, weight), ...]).")
         self.versions = [stored(s.version) for s in streams]
         self.options = replace(options or ReaderOptions(), **option_fields)
-        fields = check_compatible(self.versions, None if arrays is None else tuple(arrays))
-        self.fields = fields
-        self.readers = [FeatureDataset(v, options=replace(self.options, fields=fields)) for v in self.versions]
+        self.fields = check_compatible(self.versions, None if arrays is None else tuple(arrays))
+        self.readers = [FeatureDataset(v, options=replace(self.options, fields=self.fields)) for v in self.versions]
         layouts = [UniformShards(v.manifest.layout.n_samples, v.manifest.layout.samples_per_shard)
                    for v in self.versions]
         self.mixture = Mixture(tuple(MixStream(lay, s.proportion, s.repeat, s.choose)
@@ -238,18 +238,18 @@ def check_compatible(versions: list[StoredVersion], arrays: tuple[str, ...] | No
             if f not in first or f not in specs:
                 differ.append(f"{f!r} is missing from {versions[0].ref if f not in first else v.ref}")
                 continue
-            a, b = first[f], specs[f]
-            for what in ("codec", "dtype", "shape", "params"):
-                if getattr(a, what) != getattr(b, what):
-                    differ.append(f"{f!r} {what} {getattr(a, what)!r} in {versions[0].ref}, "
-                                  f"{getattr(b, what)!r} in {v.ref}")
+            differ += [f"{f!r} {what} {getattr(first[f], what)!r} in {versions[0].ref}, "
+                       f"{getattr(specs[f], what)!r} in {v.ref}" for what in _disagree(first[f], specs[f])]
         if arrays is None and set(specs) != set(first):
             differ.append(f"{v.ref} has arrays {sorted(specs)}, {versions[0].ref} {sorted(first)}")
     if differ:
-        shared = sorted(f for f in first if all(
-            f in v.manifest.arrays and all(getattr(first[f], w) == getattr(v.manifest.arrays[f], w)
-                                           for w in ("codec", "dtype", "shape", "params")) and not first[f].ragged
-            for v in versions[1:]))
+        shared = sorted(f for f in first if not first[f].ragged and all(
+            f in v.manifest.arrays and not _disagree(first[f], v.manifest.arrays[f]) for v in versions[1:]))
         raise InvalidInput(f"the versions' arrays differ: {'; '.join(differ)}. Pass arrays=[...] naming arrays they "
                            f"share with the same codec, dtype and shape (these agree: {shared}).")
     return tuple(wanted)
+
+
+def _disagree(a: ArraySpec, b: ArraySpec) -> list[str]:
+    """What of two versions' specs of one array differs (the codec, dtype, shape, params)."""
+    return [what for what in ("codec", "dtype", "shape", "params") if getattr(a, what) != getattr(b, what)]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -99,8 +100,7 @@ class Mixture:
             if absolute:
                 raise InvalidInput("epoch_size is for proportions: with repeat/choose each stream's count is "
                                    "absolute already. Drop epoch_size, or weight by proportion.")
-            if isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size < 0:
-                raise InvalidInput(f"epoch_size must be an int >= 0, got {self.epoch_size!r}.")
+            int_at_least(self.epoch_size, "epoch_size", 0)
         for i, (stream, count) in enumerate(zip(self.streams, self.counts(), strict=True)):
             if count and not stream.layout.n_samples:
                 raise InvalidInput(f"stream {i} has no samples but is weighted to {count} per epoch: drop it, "
@@ -121,6 +121,13 @@ class Mixture:
     def n_samples(self) -> int:
         """Samples per epoch, all streams together."""
         return sum(self.counts())
+
+
+def int_at_least(value: Any, what: str, least: int) -> int:
+    """``value``, an int (not a bool) >= ``least``, or :class:`InvalidInput` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidInput(f"{what} must be an int >= {least}, got {value!r}.")
+    return value
 
 
 def apportion(total: int, weights: list[Fraction]) -> tuple[int, ...]:
