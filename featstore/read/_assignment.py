@@ -88,11 +88,8 @@ def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tup
     """
     if not 0 <= cid < consumers:
         raise ValueError(f"consumer {cid} out of range for {consumers} consumers")
-    if partition == "pad":
-        per = -(-n // consumers)
-        return cid * per, (cid + 1) * per
-    if partition == "drop":
-        per = n // consumers
+    if partition in ("pad", "drop"):
+        per = -(-n // consumers) if partition == "pad" else n // consumers
         return cid * per, (cid + 1) * per
     if partition == "even":
         base, extra = divmod(n, consumers)

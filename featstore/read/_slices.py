@@ -210,14 +210,7 @@ def run_starts(sizes: Sequence[int]) -> np.ndarray:
 
 def cut_pieces(pieces: Sequence[Piece], lo: int, hi: int) -> tuple[Piece, ...]:
     """Rows ``[lo, hi)`` of the pieces' rows taken one after another, as pieces."""
-    out: list[Piece] = []
-    pos = 0
-    for p in pieces:
-        a, b = max(lo - pos, 0), min(hi - pos, p.size)
-        if a < b:
-            out.append(Piece(p.shard, p.lo + a, p.lo + b))
-        pos += p.size
-    return tuple(out)
+    return split_pieces(pieces, [lo, hi - lo])[1]
 
 
 def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[tuple[Piece, ...]]:
