@@ -53,9 +53,6 @@ class MixedRows:
     arrays: dict[str, BatchRows]
     labels: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
 
 class MixedSlice:
     """One slice's rows of every version in the mixture's yield order (see the module docstring).
