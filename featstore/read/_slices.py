@@ -135,6 +135,16 @@ def balanced_positions(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=8)
+def _flat_positions(sizes: tuple[int, ...]) -> np.ndarray:
+    """``starts[stream] + rank`` of :func:`balanced_positions`, cached like it: per slice, a
+    mixture's window order is then one gather."""
+    stream, rank = _balanced_positions(sizes)
+    flat = run_starts(sizes)[stream] + rank
+    flat.flags.writeable = False
+    return flat
+
+
+@functools.lru_cache(maxsize=8)
 def _balanced_positions(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     total = sum(sizes)
     cum = np.stack(interleave(list(sizes), np.arange(total + 1, dtype=np.int64)))  # [streams, total + 1]
@@ -155,11 +165,10 @@ def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.nda
              else np.arange(n) for k, n in enumerate(sizes)]
     if streams == 1:
         return perms[0]
-    stream, rank = balanced_positions(sizes)
-    # position x takes row rank[x] of stream[x]'s permutation: with the permutations laid end to
-    # end, that is one gather at starts[stream] + rank (then shifted to the stream's start)
-    at = run_starts(sizes)[stream]
-    return np.concatenate(perms)[at + rank] + at
+    # position x takes row rank[x] of stream[x]'s permutation: with the permutations (shifted to
+    # the stream's start) laid end to end, that is one gather at starts[stream] + rank
+    laid = np.concatenate([start + perm for start, perm in zip(run_starts(sizes), perms, strict=True)])
+    return laid[_flat_positions(sizes)]
 
 
 @dataclass(frozen=True)
