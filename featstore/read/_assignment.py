@@ -20,7 +20,7 @@ Nothing here does IO, so it is tested exhaustively over ranks x workers x shard 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,11 +88,8 @@ def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tup
     """
     if not 0 <= cid < consumers:
         raise ValueError(f"consumer {cid} out of range for {consumers} consumers")
-    if partition == "pad":
-        per = -(-n // consumers)
-        return cid * per, (cid + 1) * per
-    if partition == "drop":
-        per = n // consumers
+    if partition in ("pad", "drop"):
+        per = -(-n // consumers) if partition == "pad" else n // consumers
         return cid * per, (cid + 1) * per
     if partition == "even":
         base, extra = divmod(n, consumers)
@@ -115,15 +112,29 @@ def span_pieces(order: Sequence[int] | np.ndarray, shard_sizes: Sequence[int], s
     offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
     np.cumsum(sizes[ordered], out=offsets[1:])
     pieces: list[Piece] = []
+    for _, a, b in laps(start, stop, n):
+        first, last = np.searchsorted(offsets, [a, b - 1], side="right") - 1  # the shards of a and of b - 1
+        ks = np.arange(first, last + 1)
+        pieces += _pieces(ordered[ks], offsets[ks], offsets[ks + 1], a, b)
+    return pieces
+
+
+def laps(start: int, stop: int, n: int) -> Iterator[tuple[int, int, int]]:
+    """Positions ``[start, stop)`` of a sequence of ``n`` repeated end to end, as runs
+    ``(lap, lo, hi)``: positions ``[lo, hi)`` of the sequence's ``lap``-th repeat."""
     pos = start
     while pos < stop:
-        p = pos % n
-        k = int(np.searchsorted(offsets, p, side="right")) - 1
-        take = min(stop - pos, int(offsets[k + 1]) - p)
-        lo = p - int(offsets[k])
-        pieces.append(Piece(int(ordered[k]), lo, lo + take))
-        pos += take
-    return pieces
+        lap, lo = divmod(pos, n)
+        hi = min(n, lo + stop - pos)
+        yield lap, lo, hi
+        pos += hi - lo
+
+
+def _pieces(shards: np.ndarray, starts: np.ndarray, ends: np.ndarray, a: int, b: int) -> list[Piece]:
+    """Positions ``[a, b)`` of consecutive shards that hold positions ``[starts, ends)`` (an
+    empty shard between them gives no piece)."""
+    los, his = np.maximum(a - starts, 0), np.minimum(b, ends) - starts
+    return [Piece(s, lo, hi) for s, lo, hi in zip(shards.tolist(), los.tolist(), his.tolist(), strict=True) if lo < hi]
 
 
 def group_windows(pieces: Sequence[Piece], window: int) -> tuple[tuple[Piece, ...], ...]:
@@ -157,17 +168,10 @@ def uniform_span_pieces(shards: UniformShards, perm: ShardPermutation, start: in
         return q if p < q * spp + short else q + 1 + (p - q * spp - short) // spp
 
     pieces: list[Piece] = []
-    pos = start
-    while pos < stop:  # at most two segments: a pad span wraps around once
-        a = pos % n
-        b = min(n, a + stop - pos)
+    for _, a, b in laps(start, stop, n):  # at most two: a pad span wraps around once
         ks = np.arange(locate(a), locate(b - 1) + 1, dtype=np.int64)
         offsets = ks * spp - np.where(ks > q, spp - short, 0)
-        ends = offsets + np.where(ks == q, short, spp)
-        los, his = np.maximum(a - offsets, 0), np.minimum(b, ends) - offsets
-        pieces += [Piece(int(s), int(lo), int(hi))
-                   for s, lo, hi in zip(perm.shards(ks).tolist(), los.tolist(), his.tolist(), strict=True)]
-        pos += b - a
+        pieces += _pieces(perm.shards(ks), offsets, offsets + np.where(ks == q, short, spp), a, b)
     return pieces
 
 
@@ -192,16 +196,13 @@ def consumer_plan(
     ``shard_sizes`` as :class:`UniformShards` costs O(the consumer's pieces); as a list of sizes
     (any layout) O(shards). Both give the same plan for the same shards.
     """
+    n = shard_sizes.n_samples if isinstance(shard_sizes, UniformShards) else int(np.sum(shard_sizes, dtype=np.int64))
+    start, stop = consumer_span(n, consumers, cid, partition)
     if isinstance(shard_sizes, UniformShards):
-        n = shard_sizes.n_samples
         perm = ShardPermutation(shard_sizes.n_shards, seed, epoch, shuffle)
-        start, stop = consumer_span(n, consumers, cid, partition)
         pieces = uniform_span_pieces(shard_sizes, perm, start, stop)
     else:
-        n = int(np.sum(shard_sizes, dtype=np.int64))
-        order = ShardPermutation(len(shard_sizes), seed, epoch, shuffle).shards(np.arange(len(shard_sizes)))
-        start, stop = consumer_span(n, consumers, cid, partition)
-        pieces = span_pieces(order, shard_sizes, start, stop)
+        pieces = span_pieces(shard_order(len(shard_sizes), seed, epoch, shuffle), shard_sizes, start, stop)
     return ConsumerPlan(group_windows(pieces, max(1, window)), max(0, stop - start) if n else 0)
 
 

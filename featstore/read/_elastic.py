@@ -60,9 +60,9 @@ from typing import Any
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, \
+from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
     round_robin_consumed
-from featstore.read._mixture import MixStream, Mixture, mixture_share
+from featstore.read._mixture import MixStream, Mixture, int_at_least, mixture_share
 from featstore.read._resume import rotated
 from featstore.read._slices import Share, Slice, whole
 
@@ -83,9 +83,7 @@ class Split:
 
     def __post_init__(self) -> None:
         for name, least in (("world", 1), ("workers", 0), ("batch_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InvalidInput(f"{name} must be an int >= {least}, got {value!r}.")
+            int_at_least(getattr(self, name), name, least)
         if self.partition not in PARTITIONS:
             raise InvalidInput(f"partition must be one of {PARTITIONS}, got {self.partition!r}.")
         if not isinstance(self.drop_last, bool):
@@ -121,13 +119,7 @@ class EpochOrder:
     window: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise InvalidInput(f"the shuffle window must be an int >= 1, got {self.window!r}.")
-
-    @property
-    def n_samples(self) -> int:
-        """Samples in one epoch (positions: a mixture's repeats count)."""
-        return self.source.n_samples
+        int_at_least(self.window, "the shuffle window", 1)
 
 
 @dataclass(frozen=True)
@@ -145,6 +137,11 @@ class ResumeState:
     epoch: int
     order: EpochOrder
     segments: tuple[Segment, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        """Steps of the epoch so far: each rank's batches, all segments together."""
+        return sum(s.batches for s in self.segments)
 
     def advanced(self, split: Split, batches: int) -> ResumeState:
         """The state after each rank consumed ``batches`` more under ``split``: the last
@@ -184,13 +181,7 @@ class ResumeState:
 
 
 def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(f"the epoch state's {name} must be an int >= 0, got {value!r}.")
-    return value
-
-
-def _layout_dict(layout: UniformShards) -> dict[str, int]:
-    return {"n_samples": layout.n_samples, "per_shard": layout.per_shard}
+    return int_at_least(value, f"the epoch state's {name}", 0)
 
 
 def _layout_from(data: dict[str, Any]) -> UniformShards:
@@ -204,10 +195,10 @@ def _order_dict(order: EpochOrder) -> dict[str, Any]:
     src = order.source
     if isinstance(src, Mixture):
         source: dict[str, Any] = {"mixture": {"epoch_size": src.epoch_size, "streams": [
-            {**_layout_dict(s.layout), "proportion": s.proportion, "repeat": s.repeat, "choose": s.choose}
+            {**asdict(s.layout), "proportion": s.proportion, "repeat": s.repeat, "choose": s.choose}
             for s in src.streams]}}
     else:
-        source = {"version": _layout_dict(src)}
+        source = {"version": asdict(src)}
     return {"seed": order.seed, "shuffle": order.shuffle, "window": order.window, "source": source}
 
 
@@ -272,17 +263,13 @@ class Progress:
 
     Attributes:
         split: the segment's split.
-        sizes: each consumer's rows (its span of the epoch, or of the previous remaining sequence).
         counts: each consumer's batches, had the segment run to the epoch's end.
-        batches: batches each consumer yielded.
         yielded: rows each consumer yielded (``t_c``).
         ends: rows each would have yielded by the epoch's end (``y_c``).
     """
 
     split: Split
-    sizes: np.ndarray
     counts: np.ndarray
-    batches: np.ndarray
     yielded: np.ndarray
     ends: np.ndarray
 
@@ -301,7 +288,7 @@ def span_sizes(n: int, split: Split) -> np.ndarray:
 def progress(order: EpochOrder, segments: tuple[Segment, ...]) -> list[Progress]:
     """Each segment's :class:`Progress` (O(consumers) arithmetic per segment)."""
     out: list[Progress] = []
-    n = order.n_samples
+    n = order.source.n_samples  # positions: a mixture's repeats count
     for i, seg in enumerate(segments):
         split, bs = seg.split, seg.split.batch_size
         sizes = span_sizes(n, split)
@@ -317,7 +304,7 @@ def progress(order: EpochOrder, segments: tuple[Segment, ...]) -> list[Progress]
                             for row in per_rank], dtype=np.int64).reshape(-1)
         yielded = np.minimum(batches * bs, sizes)
         ends = sizes // bs * bs if split.drop_last else sizes
-        out.append(Progress(split, sizes, counts, batches, yielded, ends))
+        out.append(Progress(split, counts, yielded, ends))
         n = int((ends - yielded).sum())
     return out
 
@@ -335,10 +322,7 @@ def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Sp
     total = int(offsets[-1])
     start, stop = consumer_span(total, split.consumers, cid, split.partition)
     slices: list[Slice] = []
-    pos = start
-    while pos < stop:  # a "pad" span wraps around to the remaining sequence's start
-        a = pos % total
-        b = min(total, a + stop - pos)
+    for _, a, b in laps(start, stop, total):  # a "pad" span wraps around to the remaining sequence's start
         c = int(np.searchsorted(offsets, a, side="right")) - 1
         while c < len(offsets) - 1 and offsets[c] < b:
             lo, hi = max(a, int(offsets[c])) - int(offsets[c]), min(b, int(offsets[c + 1])) - int(offsets[c])
@@ -349,7 +333,6 @@ def segment_share(order: EpochOrder, epoch: int, done: list[Progress], split: Sp
                 t = int(last.yielded[c])
                 slices += memo[key].rows(t + lo, t + hi).slices
             c += 1
-        pos += b - a
     return Share(tuple(slices))
 
 
@@ -391,19 +374,5 @@ def resume(state: ResumeState, split: Split, rank: int, worker: int) -> Resumed:
 def remaining_samples(state: ResumeState) -> int:
     """Rows of the state's epoch not yet yielded (0: the epoch is over, the next is whole)."""
     if not state.segments:
-        return state.order.n_samples
+        return state.order.source.n_samples
     return int(progress(state.order, state.segments)[-1].offsets[-1])
-
-
-def yielded_shares(state: ResumeState) -> list[list[Share]]:
-    """What every consumer of every segment yielded (per segment, per consumer): the samples the
-    job has seen. O(the whole epoch's windows): for tests and tools, not for resuming."""
-    done = progress(state.order, state.segments)
-    memo: dict[tuple[int, int], Share] = {}
-    out: list[list[Share]] = []
-    for i, p in enumerate(done):
-        for c in range(p.split.consumers):
-            if (i, c) not in memo:
-                memo[(i, c)] = segment_share(state.order, state.epoch, done[:i], p.split, c, memo)
-        out.append([memo[(i, c)].rows(0, int(p.yielded[c])) for c in range(p.split.consumers)])
-    return out

@@ -78,7 +78,6 @@ class Iteration:
     epoch: int
     placement: Placement
     worker: int
-    workers: int
     role: int
     skip: int
     share: Share
@@ -89,12 +88,7 @@ class Iteration:
 
     @property
     def cid(self) -> int:
-        return self.placement.rank * max(1, self.workers) + self.role
-
-    @property
-    def prior(self) -> int:
-        """Steps of the epoch before this iteration."""
-        return 0 if self.base is None else sum(s.batches for s in self.base.segments)
+        return self.placement.rank * self.split.per_rank + self.role
 
 
 @dataclass
@@ -237,7 +231,7 @@ class EpochState:
         """Consumer ``role``'s whole share of the epoch's plan, ``skip`` of its batches seen."""
         share = epoch_share(self.order, epoch, split, placement.rank * split.per_rank + role)
         rows = min(skip * split.batch_size, share.n_samples)
-        return Iteration(epoch, placement, worker, split.workers, role, skip, share, rows, True, base, split)
+        return Iteration(epoch, placement, worker, role, skip, share, rows, True, base, split)
 
     def _resumed(self, epoch: int, placement: Placement, worker: int, split: Split, seen: int,
                  state: ResumeState | None) -> Iteration:
@@ -251,7 +245,7 @@ class EpochState:
             base = state if state is not None else ResumeState(epoch, self.order).advanced(split, seen)
             return self._continued(epoch, placement, worker, split, role, skip, base)
         r = resume(state, split, placement.rank, worker)
-        return Iteration(epoch, placement, worker, split.workers, r.role, r.skipped, r.share, 0, False, state, split)
+        return Iteration(epoch, placement, worker, r.role, r.skipped, r.share, 0, False, state, split)
 
     # -- states ---------------------------------------------------------------------------
     def state_dict(self, batches_seen: int | None, num_workers: int | None) -> dict[str, Any]:
@@ -262,7 +256,7 @@ class EpochState:
         it = self.local.current
         workers = num_workers if num_workers is not None else self._progress.last_workers()
         base = self._base()
-        prior = sum(s.batches for s in base.segments)
+        prior = base.steps
         seen = prior + self.local.yielded if batches_seen is None else int(batches_seen)
         state = rank_state(self.ident, self.options, self.epoch, seen, placement.world, placement.rank, workers)
         if workers is not None and (it is None or it.base is not None):
@@ -292,7 +286,7 @@ class EpochState:
             return worker_state(self.ident, self.options, None, info.id, 0, info.id, info.num_workers,
                                 p.world, p.rank)
         state = worker_state(self.ident, self.options, it.epoch, it.role, it.skip + local.yielded, it.worker,
-                             it.workers, it.placement.world, it.placement.rank)
+                             it.split.workers, it.placement.world, it.placement.rank)
         if it.base is not None:
             state[PROGRESS] = {"base": it.base.to_dict(), "split": asdict(it.split), "since": local.yielded}
         return state
@@ -330,8 +324,7 @@ class EpochState:
             self._progress.set_epoch(epoch + 1)
             return
         self._loaded.write(progress_state)
-        steps = sum(s.batches for s in progress_state.segments)
-        self._progress.set_resume(epoch, steps, None)
+        self._progress.set_resume(epoch, progress_state.steps, None)
 
     @property
     def world(self) -> int:
@@ -348,12 +341,10 @@ class EpochState:
         if any(PROGRESS not in s for s in started):
             raise InvalidInput("these worker states were saved by an older featstore (no progress): resume with "
                                "the same num_workers and world size, or start the epoch over.")
-        base = ResumeState.from_dict(started[0][PROGRESS]["base"])
-        sp = started[0][PROGRESS]["split"]
-        split = Split(sp["world"], sp["workers"], sp["batch_size"], sp["partition"], sp["drop_last"])
-        since = sum(int(s[PROGRESS]["since"]) for s in started)
         first = started[0]
-        state = rank_state(self.ident, self.options, base.epoch, sum(s.batches for s in base.segments) + since,
+        base, split = ResumeState.from_dict(first[PROGRESS]["base"]), Split(**first[PROGRESS]["split"])
+        since = sum(int(s[PROGRESS]["since"]) for s in started)
+        state = rank_state(self.ident, self.options, base.epoch, base.steps + since,
                            first["world_size"], first["rank"], first["num_workers"])
         state[PROGRESS] = base.advanced(split, since).to_dict()
         return state

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from featstore.errors import InvalidInput
+from featstore.format._manifests import ArraySpec
 from featstore.read._assignment import UniformShards
 from featstore.read._dataset import FeatureDataset, raising
 from featstore.read._elastic import EpochOrder
@@ -42,7 +43,7 @@ from featstore.read._epoch_state import EpochState, Iteration
 from featstore.read._mix_gather import MixedRows, MixedSlice, regrouped
 from featstore.read._mixture import MixStream, Mixture
 from featstore.read._options import ReaderOptions
-from featstore.read._slices import Share, slice_reads, slice_rows
+from featstore.read._slices import Share, run_starts, slice_reads, slice_rows
 from featstore.read._sources import Epoch, Window, WindowRows, read_windows
 from featstore.read._worker_share import in_worker
 from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
@@ -98,9 +99,8 @@ class MixtureDataset(IterableDataset):
             raise InvalidInput("a mixture needs at least one stream: featstore.mix([(version, weight), ...]).")
         self.versions = [stored(s.version) for s in streams]
         self.options = replace(options or ReaderOptions(), **option_fields)
-        fields = check_compatible(self.versions, None if arrays is None else tuple(arrays))
-        self.fields = fields
-        self.readers = [FeatureDataset(v, options=replace(self.options, fields=fields)) for v in self.versions]
+        self.fields = check_compatible(self.versions, None if arrays is None else tuple(arrays))
+        self.readers = [FeatureDataset(v, options=replace(self.options, fields=self.fields)) for v in self.versions]
         layouts = [UniformShards(v.manifest.layout.n_samples, v.manifest.layout.samples_per_shard)
                    for v in self.versions]
         self.mixture = Mixture(tuple(MixStream(lay, s.proportion, s.repeat, s.choose)
@@ -163,11 +163,10 @@ class MixtureDataset(IterableDataset):
     def _stream_windows(self, share: Share, it: Iteration) -> list[Iterator[tuple[Window, dict[str, WindowRows]]]]:
         """Each version's windows of ``share`` (one per slice that reads it), read ahead by its
         own reader: each version's reads stay shard-contiguous."""
+        reads = [slice_reads(sl, self.options.shuffle) for sl in share.slices]
         out = []
         for k, reader in enumerate(self.readers):
-            n = len(self.versions[k])
-            windows = tuple(Window(j, reads[k], n) for j, sl in enumerate(share.slices)
-                            if (reads := slice_reads(sl, self.options.shuffle))[k])
+            windows = tuple(Window(j, r[k], len(self.versions[k])) for j, r in enumerate(reads) if r[k])
             epoch = Epoch(it.epoch, it.cid, it.split.consumers, it.split.partition, windows)
             out.append(read_windows(reader.process_sources(), epoch, self.options.prefetch,
                                     self.versions[k].manifest.layout.samples_per_shard))
@@ -183,9 +182,11 @@ class MixtureDataset(IterableDataset):
         held: list[MixedRows] = []  # the batch being filled: its parts from earlier slices
         n_held = 0
         for sl in share.slices:
-            arrays = [next(streams[k])[1] if n else None for k, n in enumerate(_read_sizes(sl, shuffle))]
             rows = slice_rows(sl, self.options.seed, epoch, shuffle)
-            mixed = MixedSlice(arrays, rows.streams, rows.order - _starts(sl, shuffle)[rows.streams], n_held, bs)
+            arrays = [next(streams[k])[1] if run else None for k, run in enumerate(rows.reads)]
+            # each version's rows read start where the rows read of the versions before end
+            starts = run_starts([sum(p.size for p in run) for run in rows.reads])
+            mixed = MixedSlice(arrays, rows.streams, rows.order - starts[rows.streams], n_held, bs)
             pos, n = 0, len(rows.order)
             while pos < n:
                 take = min(bs - n_held, n - pos)
@@ -216,16 +217,6 @@ class MixtureDataset(IterableDataset):
         return f"MixtureDataset({', '.join(v.ref for v in self.versions)}, counts={self.counts}, {self.options})"
 
 
-def _read_sizes(sl: Any, shuffle: bool) -> list[int]:
-    return [sum(p.size for p in run) for run in slice_reads(sl, shuffle)]
-
-
-def _starts(sl: Any, shuffle: bool) -> np.ndarray:
-    """Where each version's rows start among the rows a slice reads (stream by stream)."""
-    sizes = _read_sizes(sl, shuffle)
-    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-
-
 def check_compatible(versions: list[StoredVersion], arrays: tuple[str, ...] | None) -> tuple[str, ...]:
     """The arrays to read from every version: ``arrays``, or all of the first's; each must exist in
     every version with the same codec, dtype, per-sample shape and codec parameters (the tokenizer
@@ -247,18 +238,18 @@ def check_compatible(versions: list[StoredVersion], arrays: tuple[str, ...] | No
             if f not in first or f not in specs:
                 differ.append(f"{f!r} is missing from {versions[0].ref if f not in first else v.ref}")
                 continue
-            a, b = first[f], specs[f]
-            for what in ("codec", "dtype", "shape", "params"):
-                if getattr(a, what) != getattr(b, what):
-                    differ.append(f"{f!r} {what} {getattr(a, what)!r} in {versions[0].ref}, "
-                                  f"{getattr(b, what)!r} in {v.ref}")
+            differ += [f"{f!r} {what} {getattr(first[f], what)!r} in {versions[0].ref}, "
+                       f"{getattr(specs[f], what)!r} in {v.ref}" for what in _disagree(first[f], specs[f])]
         if arrays is None and set(specs) != set(first):
             differ.append(f"{v.ref} has arrays {sorted(specs)}, {versions[0].ref} {sorted(first)}")
     if differ:
-        shared = sorted(f for f in first if all(
-            f in v.manifest.arrays and all(getattr(first[f], w) == getattr(v.manifest.arrays[f], w)
-                                           for w in ("codec", "dtype", "shape", "params")) and not first[f].ragged
-            for v in versions[1:]))
+        shared = sorted(f for f in first if not first[f].ragged and all(
+            f in v.manifest.arrays and not _disagree(first[f], v.manifest.arrays[f]) for v in versions[1:]))
         raise InvalidInput(f"the versions' arrays differ: {'; '.join(differ)}. Pass arrays=[...] naming arrays they "
                            f"share with the same codec, dtype and shape (these agree: {shared}).")
     return tuple(wanted)
+
+
+def _disagree(a: ArraySpec, b: ArraySpec) -> list[str]:
+    """What of two versions' specs of one array differs (the codec, dtype, shape, params)."""
+    return [what for what in ("codec", "dtype", "shape", "params") if getattr(a, what) != getattr(b, what)]

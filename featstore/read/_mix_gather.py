@@ -31,6 +31,7 @@ import numpy as np
 from featstore.codecs._ragged import concat_rows
 from featstore.errors import InvalidInput
 from featstore.read._gather import ArenaRows, BatchRows, WindowRows, window_rows
+from featstore.read._slices import run_starts
 
 #: Rows at most this wide (bytes) are copied into one joint array per slice, like offsets.
 JOINT_ROW_BYTES = 8
@@ -51,9 +52,6 @@ class MixedRows:
 
     arrays: dict[str, BatchRows]
     labels: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.labels)
 
 
 class MixedSlice:
@@ -168,8 +166,7 @@ def _joint(rows: list[WindowRows | None], labels: np.ndarray, local: np.ndarray)
 def _gathered(parts: list[np.ndarray | None], labels: np.ndarray, local: np.ndarray) -> np.ndarray:
     """Row ``local[i]`` of ``parts[labels[i]]`` for every ``i`` (a version whose part is None
     has no rows in the slice)."""
-    sizes = np.array([0 if p is None else len(p) for p in parts], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    starts = run_starts([0 if p is None else len(p) for p in parts])
     return np.concatenate([p for p in parts if p is not None])[starts[labels] + local]
 
 

@@ -40,14 +40,14 @@ windows x streams), whatever the epoch or the streams' sizes. Nothing here does 
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import Partition, Piece, UniformShards, consumer_span, uniform_span_pieces
+from featstore.read._assignment import Partition, Piece, UniformShards, consumer_span, laps, uniform_span_pieces
 from featstore.read._shuffle import ShardPermutation
 from featstore.read._slices import Share, Slice, Window, interleave, split_pieces
 
@@ -100,8 +100,7 @@ class Mixture:
             if absolute:
                 raise InvalidInput("epoch_size is for proportions: with repeat/choose each stream's count is "
                                    "absolute already. Drop epoch_size, or weight by proportion.")
-            if isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size < 0:
-                raise InvalidInput(f"epoch_size must be an int >= 0, got {self.epoch_size!r}.")
+            int_at_least(self.epoch_size, "epoch_size", 0)
         for i, (stream, count) in enumerate(zip(self.streams, self.counts(), strict=True)):
             if count and not stream.layout.n_samples:
                 raise InvalidInput(f"stream {i} has no samples but is weighted to {count} per epoch: drop it, "
@@ -122,6 +121,13 @@ class Mixture:
     def n_samples(self) -> int:
         """Samples per epoch, all streams together."""
         return sum(self.counts())
+
+
+def int_at_least(value: Any, what: str, least: int) -> int:
+    """``value``, an int (not a bool) >= ``least``, or :class:`InvalidInput` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidInput(f"{what} must be an int >= {least}, got {value!r}.")
+    return value
 
 
 def apportion(total: int, weights: list[Fraction]) -> tuple[int, ...]:
@@ -147,15 +153,8 @@ def stream_seed(seed: int, stream: int) -> int:
 
 def stream_pieces(layout: UniformShards, seed: int, shuffle: bool, lo: int, hi: int) -> list[Piece]:
     """Positions ``[lo, hi)`` of a stream's endless sequence of passes, as shard pieces."""
-    n = layout.n_samples
-    pieces: list[Piece] = []
-    pos = lo
-    while pos < hi:
-        p, a = divmod(pos, n)
-        b = min(n, a + hi - pos)
-        pieces += uniform_span_pieces(layout, _pass_order(layout.n_shards, seed, p, shuffle), a, b)
-        pos += b - a
-    return pieces
+    return [piece for p, a, b in laps(lo, hi, layout.n_samples)
+            for piece in uniform_span_pieces(layout, _pass_order(layout.n_shards, seed, p, shuffle), a, b)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -163,24 +162,6 @@ def _pass_order(n_shards: int, seed: int, p: int, shuffle: bool) -> ShardPermuta
     """A stream's shard order in pass ``p``, kept for the few passes an epoch's windows read
     (each window asks for it again: drawing the round keys and locating the short shard once)."""
     return ShardPermutation(n_shards, seed, p, shuffle)
-
-
-def window_runs(mix: Mixture, counts: tuple[int, ...], seeds: list[int], epoch: int, shuffle: bool,
-                a: int, b: int) -> tuple[tuple[Piece, ...], ...]:
-    """Each stream's pieces at the epoch's positions ``[a, b)`` (``b`` may pass the epoch's end:
-    positions wrap around, as ``"pad"`` does); ``seeds``: each stream's :func:`stream_seed`."""
-    m = sum(counts)
-    runs: list[list[Piece]] = [[] for _ in counts]
-    pos = a
-    while pos < b:
-        x = pos % m
-        y = min(m, x + b - pos)
-        first, last = interleave(list(counts), x), interleave(list(counts), y)
-        for s, stream in enumerate(mix.streams):
-            base = epoch * counts[s]
-            runs[s] += stream_pieces(stream.layout, seeds[s], shuffle, base + first[s], base + last[s])
-        pos += y - x
-    return tuple(tuple(r) for r in runs)
 
 
 def mixture_share(mix: Mixture, *, seed: int, epoch: int, shuffle: bool, consumers: int, cid: int,
@@ -191,18 +172,17 @@ def mixture_share(mix: Mixture, *, seed: int, epoch: int, shuffle: bool, consume
     start, stop = consumer_span(m, consumers, cid, partition)
     if not m:
         return Share(())
-    step = max(1, window)
-    seeds = [stream_seed(seed, s) for s in range(len(mix.streams))]
-    bounds = [*range(start, stop, step), stop]
-    if stop <= m:
-        # No wrap: each stream's positions over the whole span are one run of its sequence,
-        # planned at once (one walk of each pass's permutation) and cut at the windows' bounds.
-        at = np.stack(interleave(list(counts), np.array(bounds, dtype=np.int64)))  # [streams, bounds]
-        per_stream = [split_pieces(stream_pieces(st.layout, seeds[s], shuffle, epoch * counts[s] + int(at[s, 0]),
-                                                 epoch * counts[s] + int(at[s, -1])), np.diff(at[s]).tolist())
-                      for s, st in enumerate(mix.streams)]
-        runs = list(zip(*per_stream, strict=True))
-    else:
-        runs = [window_runs(mix, counts, seeds, epoch, shuffle, a, b) for a, b in itertools.pairwise(bounds)]
-    windows = (Window(r, cid, k) for k, r in enumerate(runs))
+    bounds = np.array([*range(start, stop, max(1, window)), stop], dtype=np.int64)
+    # Each stream's rows over the whole span are one run of its positions, planned at once (one
+    # walk of each pass's permutation) and cut at the windows' bounds. Past the epoch's end
+    # ("pad") the epoch's positions start again, and so do the stream's: its rows count on
+    # (counts[s] a lap), its positions repeat.
+    at = np.stack(interleave(list(counts), bounds % m)) + np.outer(counts, bounds // m)  # [streams, bounds]
+    runs = []
+    for s, stream in enumerate(mix.streams):
+        base, sseed = epoch * counts[s], stream_seed(seed, s)
+        pieces = [piece for _, a, b in laps(int(at[s, 0]), int(at[s, -1]), counts[s])
+                  for piece in stream_pieces(stream.layout, sseed, shuffle, base + a, base + b)]
+        runs.append(split_pieces(pieces, np.diff(at[s]).tolist()))
+    windows = (Window(r, cid, k) for k, r in enumerate(zip(*runs, strict=True)))
     return Share(tuple(Slice(w, range(w.size)) for w in windows))

@@ -61,30 +61,29 @@ def resolve(rank: int | None = None, world: int | None = None) -> Placement:
     >>> resolve(1, 4)
     Placement(rank=1, world=4, source=4)
     """
-    source = 4
-    if rank is None or world is None:
-        found, source = _detected()
-        if found is None:
-            return Placement(0, 0, UNRESOLVED)
-        rank = found[0] if rank is None else rank
-        world = found[1] if world is None else world
+    # both given (rule 1): nothing to detect, the source is all that is taken from here
+    found = Placement(0, 0, 4) if rank is not None and world is not None else _detected()
+    if not found.resolved:
+        return found
+    rank = found.rank if rank is None else rank
+    world = found.world if world is None else world
     if not 0 <= rank < world:
         raise InvalidInput(f"rank {rank} is out of range for world_size {world}.")
-    return Placement(int(rank), int(world), source)
+    return Placement(int(rank), int(world), found.source)
 
 
-def _detected() -> tuple[tuple[int, int] | None, int]:
-    """(rank, world) from torch.distributed or the environment, and the source's code."""
+def _detected() -> Placement:
+    """The placement torch.distributed or the environment gives (rules 2-4)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank(), dist.get_world_size()), 3
+        return Placement(dist.get_rank(), dist.get_world_size(), 3)
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     try:
         if env_rank is not None and env_world is not None:
-            return (int(env_rank), int(env_world)), 2
+            return Placement(int(env_rank), int(env_world), 2)
         if env_world is not None and int(env_world) > 1:
-            return None, UNRESOLVED
+            return Placement(0, 0, UNRESOLVED)
     except ValueError:
         raise InvalidInput(f"RANK={env_rank!r} / WORLD_SIZE={env_world!r} are not integers.") from None
-    return (0, 1), 1
+    return Placement(0, 1, 1)

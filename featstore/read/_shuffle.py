@@ -51,8 +51,10 @@ class ShardPermutation:
         x ^= x >> np.uint64(29)
         return x & self.mask
 
-    def _walk(self, x: np.ndarray, keys: np.ndarray, forward: bool) -> np.ndarray:
-        x = x.astype(np.uint64, copy=True)
+    def _walk(self, given: np.ndarray, keys: np.ndarray, forward: bool) -> np.ndarray:
+        if not self.shuffle:
+            return np.array(given, dtype=np.int64)
+        x = np.array(given, dtype=np.uint64)
         todo = np.ones(len(x), dtype=bool)
         while todo.any():
             left, right = x[todo] >> self.half, x[todo] & self.mask
@@ -67,8 +69,7 @@ class ShardPermutation:
 
     def shards(self, positions: np.ndarray) -> np.ndarray:
         """The shard at each of ``positions`` (each in ``range(n)``) of the epoch's order."""
-        positions = np.asarray(positions, dtype=np.int64)
-        return positions.copy() if not self.shuffle else self._walk(positions, self.keys, True)
+        return self._walk(positions, self.keys, True)
 
     @functools.cached_property
     def last(self) -> int:
@@ -78,5 +79,4 @@ class ShardPermutation:
 
     def positions(self, shards: np.ndarray) -> np.ndarray:
         """Where each of ``shards`` stands in the epoch's order (the inverse of :meth:`shards`)."""
-        shards = np.asarray(shards, dtype=np.int64)
-        return shards.copy() if not self.shuffle else self._walk(shards, self.keys[::-1], False)
+        return self._walk(shards, self.keys[::-1], False)

@@ -134,18 +134,12 @@ def balanced_positions(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return _balanced_positions(tuple(int(n) for n in sizes))
 
 
-def flat_positions(sizes: Sequence[int]) -> np.ndarray:
-    """For each position of the balanced interleave of ``sizes``, its row among all streams'
-    rows laid end to end (stream 0's first): ``starts[stream] + rank`` of :func:`balanced_positions`
-    (cached like it)."""
-    return _flat_positions(tuple(int(n) for n in sizes))
-
-
 @functools.lru_cache(maxsize=8)
 def _flat_positions(sizes: tuple[int, ...]) -> np.ndarray:
+    """``starts[stream] + rank`` of :func:`balanced_positions`, cached like it: per slice, a
+    mixture's window order is then one gather."""
     stream, rank = _balanced_positions(sizes)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    flat = starts[stream] + rank
+    flat = run_starts(sizes)[stream] + rank
     flat.flags.writeable = False
     return flat
 
@@ -171,10 +165,10 @@ def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.nda
              else np.arange(n) for k, n in enumerate(sizes)]
     if streams == 1:
         return perms[0]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     # position x takes row rank[x] of stream[x]'s permutation: with the permutations (shifted to
     # the stream's start) laid end to end, that is one gather at starts[stream] + rank
-    return np.concatenate([start + perm for start, perm in zip(starts, perms, strict=True)])[flat_positions(sizes)]
+    laid = np.concatenate([start + perm for start, perm in zip(run_starts(sizes), perms, strict=True)])
+    return laid[_flat_positions(sizes)]
 
 
 @dataclass(frozen=True)
@@ -194,23 +188,18 @@ class SliceRows:
 
 def slice_rows(s: Slice, seed: int, epoch: int, shuffle: bool) -> SliceRows:
     """What a consumer reads and yields for one slice (O(window) numpy)."""
-    window = s.window
-    sizes = np.array(window.sizes, dtype=np.int64)
-    labels = np.repeat(np.arange(len(sizes)), sizes)
-    lo, hi = s.rows.start, s.rows.stop
+    window, lo, hi = s.window, s.rows.start, s.rows.stop
     order = window_order(window, seed, epoch, shuffle)[lo:hi]
-    if shuffle or len(s.rows) == window.size:
-        # each stream's rows are permuted among themselves: position x's row is of stream[x]
-        streams = balanced_positions(window.sizes)[0][lo:hi] if len(sizes) > 1 else labels[order]
-        return SliceRows(window.runs, order, streams)
-    # Unshuffled, stream k's rows of the slice are its rows [F_k(lo), F_k(hi)).
-    first, last = interleave(list(window.sizes), lo), interleave(list(window.sizes), hi)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    taken = np.array(last) - np.array(first)
-    new_starts = np.concatenate([[0], np.cumsum(taken)[:-1]])
-    stream = labels[order]
-    reads = tuple(cut_pieces(run, a, b) for run, a, b in zip(window.runs, first, last, strict=True))
-    return SliceRows(reads, order - starts[stream] - np.array(first)[stream] + new_starts[stream], stream)
+    # each stream's rows are permuted among themselves: position x's row is of stream[x]
+    streams = balanced_positions(window.sizes)[0][lo:hi] if len(window.sizes) > 1 else np.zeros(hi - lo, np.int64)
+    reads = slice_reads(s, shuffle)
+    if reads is window.runs:  # shuffled, or the whole window
+        return SliceRows(reads, order, streams)
+    # Unshuffled, stream k's rows of the slice are its rows [F_k(lo), F_k(hi)): each moves from
+    # where they stand among the window's rows to where they stand among the rows read.
+    first = np.array(interleave(list(window.sizes), lo), dtype=np.int64)
+    shift = run_starts(window.sizes) + first - run_starts([sum(p.size for p in run) for run in reads])
+    return SliceRows(reads, order - shift[streams], streams)
 
 
 def slice_reads(s: Slice, shuffle: bool) -> tuple[tuple[Piece, ...], ...]:
@@ -223,16 +212,14 @@ def slice_reads(s: Slice, shuffle: bool) -> tuple[tuple[Piece, ...], ...]:
     return tuple(cut_pieces(run, a, b) for run, a, b in zip(s.window.runs, first, last, strict=True))
 
 
+def run_starts(sizes: Sequence[int]) -> np.ndarray:
+    """Where each run starts when runs of ``sizes`` rows are laid end to end."""
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]])
+
+
 def cut_pieces(pieces: Sequence[Piece], lo: int, hi: int) -> tuple[Piece, ...]:
     """Rows ``[lo, hi)`` of the pieces' rows taken one after another, as pieces."""
-    out: list[Piece] = []
-    pos = 0
-    for p in pieces:
-        a, b = max(lo - pos, 0), min(hi - pos, p.size)
-        if a < b:
-            out.append(Piece(p.shard, p.lo + a, p.lo + b))
-        pos += p.size
-    return tuple(out)
+    return split_pieces(pieces, [lo, hi - lo])[1]
 
 
 def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[tuple[Piece, ...]]:

@@ -21,8 +21,9 @@ from featstore.read import _assignment
 from featstore.read._assignment import UniformShards, consumer_plan, consumer_span, round_robin_consumed, \
     window_permutation
 from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch,
-                                     check_same_order, epoch_share, remaining_samples, resume, yielded_shares)
-from featstore.read._slices import slice_rows
+                                     check_same_order, epoch_share, progress, remaining_samples, resume,
+                                     segment_share)
+from featstore.read._slices import Share, slice_rows
 from tests.read.plan_rows import (batches, count_pieces, every_row, rank_batches, rank_totals, resumed_shares,
                                   share_rows)
 
@@ -95,6 +96,20 @@ def test_an_uninterrupted_share_is_the_readers_plan(layout, world, workers, part
             window_permutation(0, 3, cid, wi, sum(p.size for p in w))] for wi, w in enumerate(plan.windows)]
         got = share_rows(epoch_share(order, 3, sp, cid), order, 3)
         assert got.tolist() == (np.concatenate(want).tolist() if want else [])
+
+
+def yielded_shares(state: ResumeState) -> list[list[Share]]:
+    """What every consumer of every segment yielded (per segment, per consumer): the samples the
+    job has seen. O(the whole epoch's windows)."""
+    done = progress(state.order, state.segments)
+    memo: dict[tuple[int, int], Share] = {}
+    out: list[list[Share]] = []
+    for i, p in enumerate(done):
+        for c in range(p.split.consumers):
+            if (i, c) not in memo:
+                memo[(i, c)] = segment_share(state.order, state.epoch, done[:i], p.split, c, memo)
+        out.append([memo[(i, c)].rows(0, int(p.yielded[c])) for c in range(p.split.consumers)])
+    return out
 
 
 # -- one resume: every old split x every new split ------------------------------------------------

@@ -257,7 +257,7 @@ def test_batch_grouped_is_each_batch_stably_sorted_by_version(streams, batch_siz
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_share_planned_at_once_is_the_windows_planned_one_by_one(partition, consumers, window, shuffle):
     """mixture_share plans each stream's run once and cuts it at the windows' bounds: the same
-    windows as window_runs gives for each window on its own."""
+    windows as planning each window on its own gives."""
     mix = MIXTURES["upsampled"]
     counts, seeds = mix.counts(), [stream_seed(5, s) for s in range(len(mix.streams))]
     for epoch, cid in itertools.product((0, 3), range(consumers)):
@@ -266,7 +266,24 @@ def test_a_share_planned_at_once_is_the_windows_planned_one_by_one(partition, co
         start, stop = _mixture.consumer_span(sum(counts), consumers, cid, partition)
         bounds = [*range(start, stop, window), stop]
         assert [s.window.runs for s in share.slices] == [
-            _mixture.window_runs(mix, counts, seeds, epoch, shuffle, a, b) for a, b in itertools.pairwise(bounds)]
+            _window_runs(mix, counts, seeds, epoch, shuffle, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _window_runs(mix, counts, seeds, epoch, shuffle, a, b):
+    """Each stream's pieces at the epoch's positions ``[a, b)``, planned for this window alone
+    (``b`` may pass the epoch's end: positions wrap around, as ``"pad"`` does)."""
+    m = sum(counts)
+    runs = [[] for _ in counts]
+    pos = a
+    while pos < b:
+        x = pos % m
+        y = min(m, x + b - pos)
+        first, last = interleave(list(counts), x), interleave(list(counts), y)
+        for s, stream in enumerate(mix.streams):
+            base = epoch * counts[s]
+            runs[s] += _mixture.stream_pieces(stream.layout, seeds[s], shuffle, base + first[s], base + last[s])
+        pos += y - x
+    return tuple(tuple(r) for r in runs)
 
 
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.data())
@@ -277,4 +294,16 @@ def test_split_pieces_is_cut_pieces_for_every_run(sizes, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, total), max_size=5)))
     bounds = [0, *cuts, total]
     runs = [b - a for a, b in itertools.pairwise(bounds)]
-    assert split_pieces(pieces, runs) == [cut_pieces(pieces, a, b) for a, b in itertools.pairwise(bounds)]
+    assert split_pieces(pieces, runs) == [_cut(pieces, a, b) for a, b in itertools.pairwise(bounds)]
+    assert [cut_pieces(pieces, a, b) for a, b in itertools.pairwise(bounds)] == split_pieces(pieces, runs)
+
+
+def _cut(pieces, lo, hi):
+    """Rows ``[lo, hi)`` of the pieces' rows taken one after another, piece by piece."""
+    out, pos = [], 0
+    for p in pieces:
+        a, b = max(lo - pos, 0), min(hi - pos, p.size)
+        if a < b:
+            out.append(Piece(p.shard, p.lo + a, p.lo + b))
+        pos += p.size
+    return tuple(out)
