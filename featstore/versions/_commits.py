@@ -222,8 +222,7 @@ class Commits:
         every array's stored metadata is the manifest's layout (every view's, with views)."""
         vkey = version_key(manifest.name, manifest.id)
         have = stored_objects(self.storage, vkey, manifest.layout.spread)
-        views: list[int | None] = [None] if manifest.views is None else list(range(manifest.views.count))
-        for view in views:
+        for view in [None] if manifest.views is None else range(manifest.views.count):
             self._check_group(manifest, view_key(vkey, view), have)
             self._check_layout(manifest, view_key(vkey, view))
 

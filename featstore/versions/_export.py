@@ -64,14 +64,13 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
     dest = backend_for(url)(url, storage_options)
     if dest.find(""):
         raise StoreConflict(f"{dest.url} is not empty: export into a new folder.")
-    groups = [None] if version.views is None else list(range(version.views))
     attributes = {"featstore": {"exported_from": version.ref, "fingerprint": version.fingerprint,
                                 "samples": len(version), "views": version.views}}
     dest.write_bytes("zarr.json", _json({**GROUP_META, "attributes": attributes}))
     if version.views is not None:
         dest.write_bytes(f"{VIEWS_GROUP}/zarr.json", _json({**GROUP_META, "attributes": {}}))
     copies: list[tuple[StoredVersion, str, int]] = []
-    for view in groups:
+    for view in [None] if version.views is None else range(version.views):
         source = version if view is None else version.view(view)
         prefix = "" if view is None else f"{view_path(view)}/"
         if view is not None:

@@ -111,8 +111,8 @@ def sampled_digest(dataset: MapDataset) -> str:
     return h.hexdigest()
 
 
-def check_repeatable(dataset: MapDataset) -> bool:
-    """Whether the first and the last item read back the same a second time; if not, warn: the
+def check_repeatable(dataset: MapDataset) -> None:
+    """Warn unless the first and the last item read back the same a second time: else the
     sampled digest differs on every run, so every rerun would compute a new version (and the
     stored outputs would belong to one random draw of the items)."""
     n = dataset_length(dataset)
@@ -124,8 +124,7 @@ def check_repeatable(dataset: MapDataset) -> bool:
                 "a new version. Make __getitem__ deterministic (augment with views=K and augment=fn, which replay "
                 "exactly), or name the contents with ComputeOptions(dataset_id='...') (--dataset-id)."),
                 stacklevel=2)
-            return False
-    return True
+            return
 
 
 def describe_key(key: object) -> JSON:
