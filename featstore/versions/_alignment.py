@@ -167,18 +167,16 @@ def check_aligned(versions: Mapping[str, StoredVersion]) -> None:
 
     >>> check_aligned({"a": store.open("teacher-a/train"), "b": store.open("teacher-b/train")})
     """
-    labels = list(versions)
-    first = versions[labels[0]]
+    (label0, first), *others = versions.items()
     want = Alignment.of(first.manifest)
-    for label in labels[1:]:
-        other = versions[label]
+    for label, other in others:
         differs = want.differs(Alignment.of(other.manifest))
         a, b = first.manifest.layout.samples_per_shard, other.manifest.layout.samples_per_shard
         if a != b:
             differs.append(f"samples per shard ({a} vs {b})")
         if differs:
             raise VersionsMisaligned(
-                f"teachers {labels[0]!r} ({first.ref}) and {label!r} ({other.ref}) are not on the same rows: "
+                f"teachers {label0!r} ({first.ref}) and {label!r} ({other.ref}) are not on the same rows: "
                 f"{'; '.join(differs)} differ. Compute {label!r} with views_of={first.ref!r} (same dataset, "
                 "same augment: it then runs on exactly those views, in the same shards).",
                 tuple(d.split(" (")[0] for d in differs))

@@ -114,19 +114,18 @@ class Catalog:
     def tags(self, name: str) -> dict[str, str]:
         """``{tag: version id}`` for one feature set."""
         out = {}
-        for entry in self.storage.list_dirs(f"{check_name(name)}/_tags"):
-            if entry.endswith(".json"):
-                try:
-                    check_tag(entry[:-5])
-                except FeatstoreError:
-                    continue  # not a tag featstore wrote: never addressed
-                try:
-                    vid = self._tag(name, entry[:-5])
-                except IncompatibleFormat as exc:  # a damaged tag hides only itself
-                    log.warning("skipping tag %s@%s: %s", name, entry[:-5], exc)
-                    continue
-                if vid is not None:
-                    out[entry[:-5]] = vid
+        for tag in (e[:-5] for e in self.storage.list_dirs(f"{check_name(name)}/_tags") if e.endswith(".json")):
+            try:
+                check_tag(tag)
+            except FeatstoreError:
+                continue  # not a tag featstore wrote: never addressed
+            try:
+                vid = self._tag(name, tag)
+            except IncompatibleFormat as exc:  # a damaged tag hides only itself
+                log.warning("skipping tag %s@%s: %s", name, tag, exc)
+                continue
+            if vid is not None:
+                out[tag] = vid
         return out
 
     # -- resolving ------------------------------------------------------------------------
@@ -157,9 +156,9 @@ class Catalog:
                 )
             return versions[-1]
         vid = sel if is_version_id(sel) else self._tag(name, sel)
-        m = read_manifest(self.storage, name, vid) if vid is not None else None
-        if m is not None:
-            return StoredVersion(self.storage, m)
+        found = None if vid is None else self.committed(name, vid)
+        if found is not None:
+            return found
         if vid is not None and not is_version_id(sel):  # a tag left behind by a deleted version
             raise VersionNotFound(f"tag {sel!r} points at version {vid}, which was deleted; move it "
                                   f"(store.tag) or remove it (store.untag({name!r}, {sel!r})).")

@@ -72,9 +72,8 @@ class Commits:
         of receipts and resume) is the (view, shard); views and bases never come together.
         """
         key = version_key(name, vid)
-        where = self.storage.child_url(f"{key}/{PENDING}")
         mine = Pending.of(layout, dict(arrays))
-        claimed = self._pending(key, mine, where)
+        claimed = self._pending(key, mine)
         if _sans_compression(claimed.arrays) != _sans_compression(mine.arrays):
             raise StoreConflict(
                 f"{self.storage.child_url(key)} is being (or was) computed with other arrays "
@@ -125,13 +124,13 @@ class Commits:
                 raise VersionNotFound(f"{b.name}@{b.id}, which {name}@{vid} extends, was deleted; "
                                       "compute the dataset without extends, or from another parent.")
 
-    def _pending(self, key: str, mine: Pending, where: str) -> Pending:
+    def _pending(self, key: str, mine: Pending) -> Pending:
         """Create the claim, or read the one another run created first."""
         if self.storage.create(f"{key}/{PENDING}", canonical_json(mine.to_json())):
             return mine
         obj = self.storage.read_json(f"{key}/{PENDING}")
         # None: removed by a run that committed in between; that commit will be adopted.
-        return mine if obj is None else Pending.from_json(obj, where)
+        return mine if obj is None else Pending.from_json(obj, self.storage.child_url(f"{key}/{PENDING}"))
 
     def collect_receipts(self, name: str, vid: str, layout: Layout, fresh: Sequence[ShardReceipt],
                          inherited: Sequence[ShardReceipt] = (), views: int | None = None) -> list[ShardReceipt]:
@@ -223,8 +222,7 @@ class Commits:
         every array's stored metadata is the manifest's layout (every view's, with views)."""
         vkey = version_key(manifest.name, manifest.id)
         have = stored_objects(self.storage, vkey, manifest.layout.spread)
-        views: list[int | None] = [None] if manifest.views is None else list(range(manifest.views.count))
-        for view in views:
+        for view in [None] if manifest.views is None else range(manifest.views.count):
             self._check_group(manifest, view_key(vkey, view), have)
             self._check_layout(manifest, view_key(vkey, view))
 

@@ -11,12 +11,11 @@ it is given into one with :func:`stored`, as ``os.fspath`` does for paths.
 
 from __future__ import annotations
 
-import copy
 import os
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
 
 from featstore.codecs._dense import codec_by_name
 from featstore.codecs._parts import assemble, parts_codec
@@ -42,14 +41,6 @@ if TYPE_CHECKING:  # zarr only where an array is opened (array()): list, info an
 
 #: ``[(first row, stop row, version folder key, that folder's n_samples), ...]``: see :meth:`StoredVersion.homes`.
 Home = tuple[int, int, str, int]
-
-
-class _State(TypedDict):
-    """What a pickled :class:`StoredVersion` carries: no open array, no cache."""
-
-    storage: Storage
-    manifest: Manifest
-    view: int | None
 
 
 class HasStoredVersion(Protocol):
@@ -102,8 +93,9 @@ def read_manifest(storage: Storage, name: str, vid: str) -> Manifest | None:
 
 def deleted_or(version: StoredVersion, error: FeatstoreError) -> FeatstoreError:
     """``error`` about ``version``'s data, unless the version was deleted (its manifest is gone:
-    ``store.delete`` removes it before the data): then :class:`VersionNotFound` saying so."""
-    if not version.was_deleted():
+    ``store.delete`` removes it before the data): then :class:`VersionNotFound` saying so.
+    Asked on error paths only, through a storage of this process's own."""
+    if version.storage.reopen().exists(f"{version.key}/{MANIFEST}"):
         return error
     return VersionNotFound(f"version {version.ref} was deleted (store.delete) while it was being read; its data "
                            "is gone. Open another version (store.versions(name)) and start the epoch again.")
@@ -123,20 +115,16 @@ class StoredVersion:
     incremental version reads its bases' shards in place), and its rows. The plumbing behind
     the user's :class:`featstore.Version`, which the readers and the compute side take."""
 
-    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, view: int | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
         self._arrays: dict[tuple[str, str], zarr.Array] = {}
         self._pid = -1
-        self._view: int | None = None  # the view this object reads (see view())
+        self._view = view  # the view this object reads (see view())
         self._views: dict[int, StoredVersion] = {}
 
-    def __getstate__(self) -> _State:
-        return {"storage": self.storage, "manifest": self.manifest, "view": self._view}
-
-    def __setstate__(self, state: _State) -> None:
-        type(self).__init__(self, state["storage"], state["manifest"])
-        self._view = state.get("view")
+    def __reduce__(self) -> tuple[type[StoredVersion], tuple[Storage, Manifest, int | None]]:
+        return StoredVersion, (self.storage, self.manifest, self._view)  # no open array, no cache
 
     def __repr__(self) -> str:
         return f"<StoredVersion {self.ref} samples={len(self)} arrays={sorted(self.manifest.arrays)}>"
@@ -198,11 +186,7 @@ class StoredVersion:
                 or not 0 <= int(view) < self.views:
             raise InvalidInput(f"view {view!r} does not exist: {self.ref} has "
                                f"{'no views' if self.views is None else f'views 0..{self.views - 1}'}.")
-        if int(view) not in self._views:
-            bound = copy.copy(self)
-            bound._arrays, bound._pid, bound._view, bound._views = {}, -1, int(view), {}
-            self._views[int(view)] = bound
-        return self._views[int(view)]
+        return self._views.setdefault(int(view), StoredVersion(self.storage, self.manifest, int(view)))
 
     # -- where shards live (an incremental version reads its bases' shards in place) ----
     def homes(self) -> list[Home]:
@@ -234,11 +218,6 @@ class StoredVersion:
         under ``_views/<v>/`` when this object reads a view)."""
         key = chunk_key(field, shard, len(self.manifest.arrays[field].shape))
         return key if self._view is None else f"{view_path(self._view)}/{key}"
-
-    def was_deleted(self) -> bool:
-        """Whether this version's manifest is gone (``store.delete`` removes it before the data).
-        Asked on error paths only, through a storage of this process's own."""
-        return not self.storage.reopen().exists(f"{self.key}/{MANIFEST}")
 
     def shard_receipts(self) -> list[ShardReceipt]:
         """Every shard's digests and statistics: inline in a schema 1 manifest, read from the
@@ -362,17 +341,15 @@ class StoredVersion:
         """On a failed multi-shard read, find the shard that fails on its own (error path only)."""
         spp = self.manifest.layout.samples_per_shard
         if isinstance(selection, slice):
-            shards: Iterable[int] = range(selection.start // spp, -(-selection.stop // spp))
+            shards: Sequence[int] = range(selection.start // spp, -(-selection.stop // spp))
         else:
             shards = sorted({int(r) // spp for r in np.asarray(selection).reshape(-1)})
-        first = None
         for shard in shards:
-            first = shard if first is None else first
             try:
                 self.array(field, home, n_samples)[shard * spp:min((shard + 1) * spp, len(self))]
             except Exception:  # noqa: BLE001 - the failing one is what we are looking for
                 return shard
-        return first or 0
+        return shards[0] if shards else 0
 
     def read_tokens(self, field: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Stored token rows of a per-token array for samples given by (``token_start``,

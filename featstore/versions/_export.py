@@ -64,14 +64,13 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
     dest = backend_for(url)(url, storage_options)
     if dest.find(""):
         raise StoreConflict(f"{dest.url} is not empty: export into a new folder.")
-    groups = [None] if version.views is None else list(range(version.views))
     attributes = {"featstore": {"exported_from": version.ref, "fingerprint": version.fingerprint,
                                 "samples": len(version), "views": version.views}}
     dest.write_bytes("zarr.json", _json({**GROUP_META, "attributes": attributes}))
     if version.views is not None:
         dest.write_bytes(f"{VIEWS_GROUP}/zarr.json", _json({**GROUP_META, "attributes": {}}))
-    copies: list[tuple[StoredVersion, str, str]] = []
-    for view in groups:
+    copies: list[tuple[StoredVersion, str, int]] = []
+    for view in [None] if version.views is None else range(version.views):
         source = version if view is None else version.view(view)
         prefix = "" if view is None else f"{view_path(view)}/"
         if view is not None:
@@ -80,9 +79,7 @@ def export_version(version: StoredVersion | HasStoredVersion, url: str,
             meta = _array_metadata(version, source, field)
             dest.write_bytes(f"{prefix}{field}/zarr.json", _json(meta))
             shard_rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])  # the sharding codec's
-            n_shards = -(-meta["shape"][0] // shard_rows)
-            ndim = len(version.manifest.arrays[field].shape)
-            copies += [(source, field, f"{prefix}{chunk_key(field, s, ndim)}") for s in range(n_shards)]
+            copies += [(source, field, s) for s in range(-(-meta["shape"][0] // shard_rows))]
     written = _copy_objects(version, dest, copies, progress)
     consolidate(dest.zarr_store("", read_only=False), consolidated_groups(version.views))
     checked = verify_export(version, dest) if verify else 0
@@ -104,18 +101,18 @@ def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -
     return json.loads(mark_metadata(raw, None))
 
 
-def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[StoredVersion, str, str]],
+def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[StoredVersion, str, int]],
                   progress: Callable[[int, int], None] | None) -> int:
     """Copy every shard object from wherever it lies (its folder, a parent's, a spread prefix)
-    to its default key in ``dest``, concurrently; the bytes copied."""
+    to its default key in ``dest`` (its key inside the version), concurrently; the bytes copied."""
     storage = version.storage.reopen()
 
-    def copy(item: tuple[StoredVersion, str, str]) -> int:
-        source, field, key = item
-        shard = int(key.split("/c/", 1)[1].split("/", 1)[0])
+    def copy(item: tuple[StoredVersion, str, int]) -> int:
+        source, field, shard = item
+        key = source.chunk_key(field, shard)
         data = storage.read_bytes(source.object_key(field, shard))
         if not data:
-            raise missing_data_error(version, ChunkRef(version.ref, field, source.chunk_key(field, shard)), data)
+            raise missing_data_error(version, ChunkRef(version.ref, field, key), data)
         dest.write_bytes(key, data)
         return len(data)
 

@@ -41,22 +41,19 @@ def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         h.update(name.encode() + b"\0")
-        if isinstance(value, torch.Tensor):
-            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            h.update(raw_bytes(value))
-        else:
-            h.update(repr(value).encode())
+        h.update(_array_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
     return h.hexdigest()
+
+
+def _array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
+    """Its dtype and shape, then its bytes: what every digest here reads of a tensor or array."""
+    return f"{x.dtype}{tuple(x.shape)}".encode() + raw_bytes(x)
 
 
 def _update_item(h: hashlib._Hash, item: object, path: str = "") -> None:
     """Feed one dataset item into ``h``; ``path`` names the field being digested (for messages)."""
-    if isinstance(item, torch.Tensor):
-        h.update(f"T{item.dtype}{tuple(item.shape)}".encode())
-        h.update(raw_bytes(item))
-    elif isinstance(item, np.ndarray):
-        h.update(f"N{item.dtype}{item.shape}".encode())
-        h.update(raw_bytes(item))
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + _array_bytes(item))
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):
@@ -114,8 +111,8 @@ def sampled_digest(dataset: MapDataset) -> str:
     return h.hexdigest()
 
 
-def check_repeatable(dataset: MapDataset) -> bool:
-    """Whether the first and the last item read back the same a second time; if not, warn: the
+def check_repeatable(dataset: MapDataset) -> None:
+    """Warn unless the first and the last item read back the same a second time: else the
     sampled digest differs on every run, so every rerun would compute a new version (and the
     stored outputs would belong to one random draw of the items)."""
     n = dataset_length(dataset)
@@ -127,8 +124,7 @@ def check_repeatable(dataset: MapDataset) -> bool:
                 "a new version. Make __getitem__ deterministic (augment with views=K and augment=fn, which replay "
                 "exactly), or name the contents with ComputeOptions(dataset_id='...') (--dataset-id)."),
                 stacklevel=2)
-            return False
-    return True
+            return
 
 
 def describe_key(key: object) -> JSON:
@@ -246,9 +242,7 @@ def _setting(value: object) -> bytes | None:
         return repr(value).encode()
     if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
         return repr(tuple(value)).encode()
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{tuple(value.shape)}".encode() + raw_bytes(value)
-    return None
+    return _array_bytes(value) if isinstance(value, torch.Tensor) else None
 
 
 def code_digest(model: torch.nn.Module) -> str:

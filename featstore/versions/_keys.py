@@ -6,8 +6,9 @@ lie under the store root (the layout is in :mod:`featstore.versions`' docstring)
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_folder, spread_key, view_path
 from featstore._allowed_names import check_name, check_tag, check_version_id
@@ -29,6 +30,17 @@ REFS = "_refs"
 IO_THREADS = 32
 #: A task compacts its per-shard receipts into one run object every this many shards.
 RUN_EVERY = 256
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def concurrently(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]`` with up to :data:`IO_THREADS` requests in flight (one runs here)."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="featstore-meta") as pool:
+        return list(pool.map(fn, items))
 
 
 # -- keys --------------------------------------------------------------------------------------
@@ -109,11 +121,7 @@ def spread_homes(key: str, spread: int) -> list[str]:
 def stored_objects(storage: Storage, key: str, spread: int) -> set[str]:
     """Every object under ``key``, spread ones included, by :func:`logical_key` (one listing
     per folder, run concurrently)."""
-    homes = spread_homes(key, spread)
-    if len(homes) == 1:
-        return set(storage.find(key))
-    with ThreadPoolExecutor(min(IO_THREADS, len(homes)), thread_name_prefix="featstore-meta") as pool:
-        return {logical_key(k) for found in pool.map(storage.find, homes) for k in found}
+    return {logical_key(k) for found in concurrently(storage.find, spread_homes(key, spread)) for k in found}
 
 
 def spread_roots(storage: Storage, vkey: str) -> list[str]:

@@ -6,8 +6,9 @@ schema 2: what a resume and the commit read to know which shards are done.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from itertools import groupby
 
 from featstore.errors import CorruptChunk
 from featstore._json import load_json
@@ -15,7 +16,7 @@ from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ShardRece
                                          encode_records)
 from featstore.format._objects import ReceiptRun
 from featstore.storage import Storage
-from featstore.versions._keys import IO_THREADS, RECEIPTS, RECORDS, RUN_EVERY, receipt_key
+from featstore.versions._keys import RECEIPTS, RECORDS, RUN_EVERY, concurrently, receipt_key
 
 
 # -- receipts ----------------------------------------------------------------------------------
@@ -35,13 +36,9 @@ def contiguous_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     >>> contiguous_runs([5, 1, 2, 3, 7])
     [(1, 3), (5, 5), (7, 7)]
     """
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return [(a, b) for a, b in runs]
+    # within a run, a shard's index minus its position in the sorted list is constant
+    runs = groupby(enumerate(sorted(set(indices))), key=lambda pos_i: pos_i[1] - pos_i[0])
+    return [(shards[0], shards[-1]) for shards in ([i for _, i in run] for _, run in runs)]
 
 
 def compact_receipts(storage: Storage, vkey: str, receipts: Sequence[ShardReceipt]) -> None:
@@ -76,20 +73,18 @@ class ReceiptRuns:
             self.pending = []
 
 
+#: The name of a receipt object: one shard's (``000042.json``) or a run's (:func:`run_key`).
+_RECEIPT_NAME = re.compile(r"(\d+)\.json|run-(\d+)-(\d+)\.json")
+
+
 def _receipt_objects(storage: Storage, vkey: str) -> dict[str, range]:
     """``{object key: the shards it holds}`` from one listing of the receipts folder (no GETs)."""
     out = {}
     for entry in storage.list_dirs(f"{vkey}/{RECEIPTS}"):
-        stem = entry.removesuffix(".json")
-        if stem == entry:
-            continue
-        if stem.isdigit():
-            out[f"{vkey}/{RECEIPTS}/{entry}"] = range(int(stem), int(stem) + 1)
-            continue
-        head, _, rest = stem.partition("-")
-        first, _, last = rest.partition("-")
-        if head == "run" and first.isdigit() and last.isdigit() and int(first) <= int(last):
-            out[f"{vkey}/{RECEIPTS}/{entry}"] = range(int(first), int(last) + 1)
+        if got := _RECEIPT_NAME.fullmatch(entry):
+            first, last = int(got[1] or got[2]), int(got[1] or got[3])
+            if first <= last:
+                out[f"{vkey}/{RECEIPTS}/{entry}"] = range(first, last + 1)
     return out
 
 
@@ -105,7 +100,7 @@ def forget_receipts(storage: Storage, vkey: str, indices: Iterable[int]) -> None
     if not drop:
         return
     for key, shards in _receipt_objects(storage, vkey).items():
-        if not drop.intersection(shards):
+        if drop.isdisjoint(shards):
             continue
         obj = storage.read_json(key) if len(shards) > 1 else None
         if obj is not None:
@@ -115,15 +110,9 @@ def forget_receipts(storage: Storage, vkey: str, indices: Iterable[int]) -> None
         storage.delete(key)
 
 
-def read_many(storage: Storage, keys: Sequence[str], threads: int = IO_THREADS) -> dict[str, bytes | None]:
+def read_many(storage: Storage, keys: Sequence[str]) -> dict[str, bytes | None]:
     """Read many small metadata objects concurrently (the latency of S3 GETs overlaps)."""
-    def read(key: str) -> bytes | None:
-        return storage.read_bytes(key, metadata=True)
-
-    if len(keys) <= 1:
-        return {k: read(k) for k in keys}
-    with ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="featstore-meta") as pool:
-        return dict(zip(keys, pool.map(read, keys), strict=True))
+    return dict(zip(keys, concurrently(lambda k: storage.read_bytes(k, metadata=True), keys), strict=True))
 
 
 def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = None) -> dict[int, ShardReceipt]:
@@ -133,8 +122,7 @@ def read_receipts(storage: Storage, vkey: str, indices: Iterable[int] | None = N
     """
     objects = _receipt_objects(storage, vkey)
     wanted = None if indices is None else set(indices)
-    keys = [k for k, shards in objects.items()
-            if wanted is None or any(i in wanted for i in shards)]
+    keys = [k for k, shards in objects.items() if wanted is None or not wanted.isdisjoint(shards)]
     out: dict[int, ShardReceipt] = {}
     for key, data in read_many(storage, keys).items():
         if data is None:
@@ -162,8 +150,7 @@ def write_records(storage: Storage, vkey: str, receipts: Sequence[ShardReceipt],
     blobs = encode_records(receipts, list(fields), RECORDS_PER_OBJECT)
     digests = [hashlib.sha256(b).hexdigest() for b in blobs]
     jobs = [(records_key(vkey, k, d), b) for k, (d, b) in enumerate(zip(digests, blobs, strict=True))]
-    with ThreadPoolExecutor(max(1, min(IO_THREADS, len(jobs))), thread_name_prefix="featstore-meta") as pool:
-        list(pool.map(lambda kb: storage.write_bytes(*kb), jobs))
+    concurrently(lambda kb: storage.write_bytes(*kb), jobs)
     return ShardRecords(tuple(fields), RECORDS_PER_OBJECT, tuple(digests))
 
 
@@ -177,7 +164,7 @@ def read_records(storage: Storage, vkey: str, manifest: Manifest, ref: str) -> l
     for k, key in enumerate(keys):
         data, where = got[key], storage.child_url(key)
         if data is None or hashlib.sha256(data).hexdigest() != rec.objects[k]:
-            raise CorruptChunk.damaged(ref, RECORDS, key.rsplit("/", 2)[-2] + "/" + key.rsplit("/", 1)[-1],
+            raise CorruptChunk.damaged(ref, RECORDS, "/".join(key.rsplit("/", 2)[-2:]),
                                        "is missing" if data is None else "fails its sha256")
         out += decode_records(data, rec, k * rec.per_object, manifest.layout, where,
                               None if manifest.views is None else manifest.views.count)

@@ -67,23 +67,19 @@ class Views:
     seed: int = 0
 
 
-def views_arguments(views: Views | int | None, augment: Augment | None, augment_seed: int | None, linked: bool = False,
-                    caller: str = "compute", stacklevel: int = 3) -> tuple[int | None, Augment | None, int | None]:
-    """``views=Views(k, augment, seed)`` as the driver's three values; the old keywords
-    (``views=K, augment=fn, augment_seed=S``) still work for one release, with a warning.
-    ``linked`` (``views_of=``): ``augment=fn`` alone is the way to name the base's augment, and
-    the seed left out is the base's (None)."""
-    if linked and views is None and augment_seed is None:
-        return None, augment, None
+def views_arguments(views: Views | int | None, augment: Augment | None, augment_seed: int | None, linked: bool,
+                    caller: str, stacklevel: int) -> tuple[int | None, Augment | None, int | None]:
+    """``views=Views(k, augment, seed)`` as the driver's three values, where ``views`` or
+    ``augment_seed`` is given (``augment=fn`` alone, which names a ``views_of=`` base's augment,
+    never comes here); the old keywords (``views=K, augment=fn, augment_seed=S``) still work for
+    one release, with a warning. ``linked`` (``views_of=``): the seed left out is the base's (None)."""
     if isinstance(views, Views):
         if augment is not None or augment_seed is not None:
             raise InvalidInput("give augment and its seed inside views=featstore.Views(k=..., augment=fn, seed=...), "
                                "not beside it.")
         return views.k, views.augment, views.seed
-    if views is not None or augment is not None or augment_seed is not None:
-        warnings.warn(f"{caller}(views=K, augment=fn, augment_seed=S) is deprecated and goes in the next release: "
-                      "pass views=featstore.Views(k=K, augment=fn, seed=S).", DeprecationWarning,
-                      stacklevel=stacklevel)
+    warnings.warn(f"{caller}(views=K, augment=fn, augment_seed=S) is deprecated and goes in the next release: "
+                  "pass views=featstore.Views(k=K, augment=fn, seed=S).", DeprecationWarning, stacklevel=stacklevel)
     return views, augment, None if linked and augment_seed is None else (augment_seed or 0)
 
 
