@@ -122,13 +122,29 @@ SLOW = (
     "tests/cli/test_cli.py::test_quick_commands_import_neither_torch_nor_dask",
     "tests/test_edges.py::test_outputs_may_name_a_subset_of_what_a_returns",
     "tests/format/test_plain_readers.py::test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently",
+    "tests/hf/test_smollm2.py", "tests/hf/test_trainer.py::test_two_torchrun_ranks_read_and_train_on_disjoint_samples",
 )
 
 
+#: Rough seconds of a ``slow`` test and of another, on the 2-core machine: only their ratio
+#: matters, to order the files below.
+SLOW_S, QUICK_S = 10.0, 0.3
+
+
 def pytest_collection_modifyitems(items):
+    """Mark the tests of seconds each ``slow``, and order the files by their estimated cost,
+    dearest first. ``--dist loadfile`` (pyproject.toml) hands whole files to the xdist workers in
+    collection order (``--no-loadscope-reorder``; xdist's own order, by number of tests, put
+    tests/storage/test_faults.py's few minute-long tests last, one worker running them alone at
+    the end): the cheap files fill in behind the dear ones and the workers finish together."""
+    cost: dict[str, float] = {}
     for item in items:
-        if item.nodeid.split("[")[0].startswith(SLOW):
+        slow = item.nodeid.split("[")[0].startswith(SLOW) or item.get_closest_marker("slow") is not None
+        if slow:
             item.add_marker(pytest.mark.slow)
+        path = item.nodeid.split("::")[0]
+        cost[path] = cost.get(path, 0.0) + (SLOW_S if slow else QUICK_S)
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: order within a file kept
 
 
 @pytest.fixture(scope="session")

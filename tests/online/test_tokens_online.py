@@ -211,3 +211,14 @@ def test_fill_with_tokens_and_views_fills_one_view_per_epoch(tmp_path):
         seen |= {int(v) for b in got for v in b["view"]}
     assert seen == {0, 1}
     assert_is_reference(ds.committed(), ref)
+
+
+def test_advise_measures_a_per_token_teacher_and_leaves_nothing(tmp_path):
+    """The advisor's compute measurement carries every keyword of the teacher's request: before,
+    it dropped ``tokens=`` and ``store.compute`` refused the per-token outputs (OutputMismatch)."""
+    store = featstore.open_store(tmp_path / "store")
+    advice = featstore.advise(store, teacher(), featstore.Workload(N, epochs=3), samples=32, batch_size=8)
+    c = advice.costs
+    assert c.teacher_s > 0 and c.write_s > 0 and c.read_s > 0 and c.compute_fixed_s >= 0
+    assert c.bytes_per_sample > 0 and advice.mode in ("online", "compute-then-read", "fill")
+    assert store.names() == [] and store.storage.find("") == []  # the scratch versions are gone
