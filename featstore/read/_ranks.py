@@ -61,15 +61,17 @@ def resolve(rank: int | None = None, world: int | None = None) -> Placement:
     >>> resolve(1, 4)
     Placement(rank=1, world=4, source=4)
     """
-    # both given (rule 1): nothing to detect, the source is all that is taken from here
-    found = Placement(0, 0, 4) if rank is not None and world is not None else _detected()
-    if not found.resolved:
-        return found
-    rank = found.rank if rank is None else rank
-    world = found.world if world is None else world
+    source = 4  # rule 1: both given, nothing to detect
+    if rank is None or world is None:
+        found = _detected()
+        if not found.resolved:
+            return found
+        rank = found.rank if rank is None else rank
+        world = found.world if world is None else world
+        source = found.source
     if not 0 <= rank < world:
         raise InvalidInput(f"rank {rank} is out of range for world_size {world}.")
-    return Placement(int(rank), int(world), found.source)
+    return Placement(int(rank), int(world), source)
 
 
 def _detected() -> Placement:

@@ -186,7 +186,9 @@ class StoredVersion:
                 or not 0 <= int(view) < self.views:
             raise InvalidInput(f"view {view!r} does not exist: {self.ref} has "
                                f"{'no views' if self.views is None else f'views 0..{self.views - 1}'}.")
-        return self._views.setdefault(int(view), StoredVersion(self.storage, self.manifest, int(view)))
+        if int(view) not in self._views:
+            self._views[int(view)] = StoredVersion(self.storage, self.manifest, int(view))
+        return self._views[int(view)]
 
     # -- where shards live (an incremental version reads its bases' shards in place) ----
     def homes(self) -> list[Home]:
