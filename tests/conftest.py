@@ -41,6 +41,20 @@ INHERITED = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k
 for _name in [k for k in os.environ if k.startswith("MALLOC_")] + list(CLEARED):
     os.environ.pop(_name, None)
 os.environ.update(PINNED)
+#: Dask's self-monitoring, slowed down for the suite's clusters (the session's LocalCluster, the
+#: embedded ones, `dask scheduler`/`dask worker` subprocesses: all read DASK_* at import). An idle
+#: LocalCluster of 2 workers spent 0.13 CPU s per second on it (a statistical profile every 10 ms
+#: in each worker, memory checks every 100 ms, an event-loop tick every 20 ms in every process),
+#: 0.02 with these: about 180 CPU s over a run of the suite on 2 cores. Nothing the tests check
+#: reads them: the profile is not asserted, no test sets a memory limit a worker must react to
+#: (tests/daskprocs.py starts its workers with --memory-limit 0), and the tick only times warnings.
+DASK_QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+              "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
+              "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
+              "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s"}
+os.environ.update(DASK_QUIET)
+if "dask" in sys.modules:  # imported before this file (a plugin): read the variables again
+    sys.modules["dask"].config.refresh()
 if "torch" in sys.modules:  # imported before this file (a plugin): pin its threads directly
     sys.modules["torch"].set_num_threads(1)
 
@@ -124,6 +138,17 @@ SLOW = (
     "tests/format/test_plain_readers.py::test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently",
     "tests/hf/test_smollm2.py", "tests/hf/test_trainer.py::test_two_torchrun_ranks_read_and_train_on_disjoint_samples",
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one xdist worker more than the cores this process may run on. With one per
+    core, a 2-core machine sat 19 % idle over the suite: many tests wait (fault stalls, timeouts,
+    child processes and servers starting) with their core free. PYTEST_XDIST_AUTO_NUM_WORKERS
+    still wins (None hands the choice to xdist's own hook)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.numprocesses != "auto":
+        return None
+    return len(os.sched_getaffinity(0)) + 1
 
 
 #: Rough seconds of a ``slow`` test and of another, on the 2-core machine: only their ratio
