@@ -148,7 +148,9 @@ def pytest_xdist_auto_num_workers(config):
     still wins (None hands the choice to xdist's own hook)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.numprocesses != "auto":
         return None
-    return len(os.sched_getaffinity(0)) + 1
+    # macOS has no sched_getaffinity
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores + 1
 
 
 #: Rough seconds of a ``slow`` test and of another, on the 2-core machine: only their ratio
