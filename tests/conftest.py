@@ -29,11 +29,21 @@ CLEARED = ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "GLIBC_TUNABLES", "LD_PRELOAD",
 #: and DataLoader workers; unpinned, each would start one OpenMP thread per core (and torch in
 #: this process reads it once, at import). No value depends on it: the test models compute
 #: exactly (tests/models.py). S3 tests use the standard credential chain (environment), never
-#: storage_options secrets, and never a config file of the user's.
+#: storage_options secrets, and never a config file of the user's. DASK_*: Dask's self-monitoring,
+#: slowed for the suite's clusters (the session's LocalCluster, the embedded ones, `dask scheduler`
+#: and `dask worker` subprocesses all read DASK_* at import). An idle LocalCluster of 2 workers
+#: spent 0.13 CPU s per second on it (a statistical profile every 10 ms in each worker, memory
+#: checks every 100 ms, an event-loop tick every 20 ms in every process), 0.02 with these: about
+#: 180 CPU s over a run of the suite on 2 cores. No test reads them: none asserts a profile, none
+#: sets a memory limit a worker must react to (tests/daskprocs.py: --memory-limit 0), and the tick
+#: only times warnings.
 PINNED = {"OMP_NUM_THREADS": "1", "AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret",
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
           "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true",
-          "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+          "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+          "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+          "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
+          "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s", "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s"}
 #: What this process inherited of those. glibc read MALLOC_*, GLIBC_TUNABLES and LD_PRELOAD when
 #: this process started, so clearing them changes its children only: a test that inspects the
 #: allocator of a process runs a fresh child (see test_compute).
@@ -41,18 +51,6 @@ INHERITED = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k
 for _name in [k for k in os.environ if k.startswith("MALLOC_")] + list(CLEARED):
     os.environ.pop(_name, None)
 os.environ.update(PINNED)
-#: Dask's self-monitoring, slowed down for the suite's clusters (the session's LocalCluster, the
-#: embedded ones, `dask scheduler`/`dask worker` subprocesses: all read DASK_* at import). An idle
-#: LocalCluster of 2 workers spent 0.13 CPU s per second on it (a statistical profile every 10 ms
-#: in each worker, memory checks every 100 ms, an event-loop tick every 20 ms in every process),
-#: 0.02 with these: about 180 CPU s over a run of the suite on 2 cores. Nothing the tests check
-#: reads them: the profile is not asserted, no test sets a memory limit a worker must react to
-#: (tests/daskprocs.py starts its workers with --memory-limit 0), and the tick only times warnings.
-DASK_QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
-              "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
-              "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
-              "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s"}
-os.environ.update(DASK_QUIET)
 if "dask" in sys.modules:  # imported before this file (a plugin): read the variables again
     sys.modules["dask"].config.refresh()
 if "torch" in sys.modules:  # imported before this file (a plugin): pin its threads directly
@@ -142,15 +140,13 @@ SLOW = (
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one xdist worker more than the cores this process may run on. With one per
-    core, a 2-core machine sat 19 % idle over the suite: many tests wait (fault stalls, timeouts,
-    child processes and servers starting) with their core free. PYTEST_XDIST_AUTO_NUM_WORKERS
-    still wins (None hands the choice to xdist's own hook)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.numprocesses != "auto":
-        return None
-    # macOS has no sched_getaffinity
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
+    """``-n auto``/``logical``: one xdist worker more than xdist's own count of the cores. With
+    one per core, a 2-core machine sat 19 % idle over the suite: many tests wait (fault stalls,
+    timeouts, child processes and servers starting) with their core free. A count the user gave
+    in PYTEST_XDIST_AUTO_NUM_WORKERS is taken as it is (None: xdist's hook reads it)."""
+    from xdist.plugin import pytest_xdist_auto_num_workers as xdist_count
+
+    return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else xdist_count(config) + 1
 
 
 #: Rough seconds of a ``slow`` test and of another, on the 2-core machine: only their ratio
