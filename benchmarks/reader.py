@@ -501,7 +501,7 @@ NOTES = (
     "- *Local byte rate*: a shuffled epoch gathers random rows into every batch, a whole-file read "
     "copies sequentially; the *reference* row gathers the same batches from the in-memory tensor. "
     "featstore maps each array's shard objects back to back into one reserved address range per "
-    "process (`featstore/read/_arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
+    "process (`featstore/read/shards/_arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
     "array with one `torch.index_select` over it, straight from the page cache; each chunk's crc32c "
     "is checked once per mapping. The *shard-by-shard* row is the numpy gather it replaced "
     "(`FEATSTORE_ARENA=0`, also what non-Linux systems use). The in-memory reference indexes as a "

@@ -67,7 +67,7 @@ def piece_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piec
 
 
 class ComputedSource(ShardSource):
-    """Where an online reader's rows come from (the :class:`~featstore.read._sources.ShardSource`
+    """Where an online reader's rows come from (the :class:`~featstore.read.shards._sources.ShardSource`
     of :class:`OnlineDataset`, one per process): Model A computes each window's shards, whole,
     in the consuming thread, a window at a time as the batches need it. With ``fill``, the
     shards this consumer owns are written (:class:`ShardWrites`), those already stored are read,

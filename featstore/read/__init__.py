@@ -10,27 +10,27 @@ from typing import TYPE_CHECKING
 from featstore._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: imported on first use)
-    from featstore.read._assignment import (consumer_plan as consumer_plan, ConsumerPlan as ConsumerPlan,
+    from featstore.read.plans._assignment import (consumer_plan as consumer_plan, ConsumerPlan as ConsumerPlan,
                                             dropped_pieces as dropped_pieces, PARTITIONS as PARTITIONS, Piece as Piece,
                                             shard_order as shard_order, UniformShards as UniformShards)
-    from featstore.read._cache import (clear_disk_cache as clear_disk_cache, DiskCacheOptions as DiskCacheOptions,
+    from featstore.read.shards._cache import (clear_disk_cache as clear_disk_cache, DiskCacheOptions as DiskCacheOptions,
                                        list_disk_cache as list_disk_cache)
     from featstore.read._dataset import FeatureDataset as FeatureDataset
     from featstore.read._multiread import MultiTeacherDataset as MultiTeacherDataset
     from featstore.read._options import CACHES as CACHES, ReaderOptions as ReaderOptions
-    from featstore.read._shuffle import ShardPermutation as ShardPermutation
-    from featstore.read._sources import (Epoch as Epoch, ProcessReads as ProcessReads, ShardSource as ShardSource,
+    from featstore.read.plans._shuffle import ShardPermutation as ShardPermutation
+    from featstore.read.shards._sources import (Epoch as Epoch, ProcessReads as ProcessReads, ShardSource as ShardSource,
                                          Window as Window, WindowRead as WindowRead, WindowRows as WindowRows)
 
 _NAMES = {
     "FeatureDataset": "_dataset", "ReaderOptions": "_options", "CACHES": "_options",
-    "DiskCacheOptions": "_cache", "clear_disk_cache": "_cache", "list_disk_cache": "_cache",
-    "ConsumerPlan": "_assignment", "Piece": "_assignment", "UniformShards": "_assignment",
-    "consumer_plan": "_assignment", "shard_order": "_assignment", "PARTITIONS": "_assignment",
-    "ShardPermutation": "_shuffle", "MultiTeacherDataset": "_multiread", "dropped_pieces": "_assignment",
+    "DiskCacheOptions": "shards._cache", "clear_disk_cache": "shards._cache", "list_disk_cache": "shards._cache",
+    "ConsumerPlan": "plans._assignment", "Piece": "plans._assignment", "UniformShards": "plans._assignment",
+    "consumer_plan": "plans._assignment", "shard_order": "plans._assignment", "PARTITIONS": "plans._assignment",
+    "ShardPermutation": "plans._shuffle", "MultiTeacherDataset": "_multiread", "dropped_pieces": "plans._assignment",
     # where a window's rows come from: what another source (featstore.online's) builds on
-    "ShardSource": "_sources", "ProcessReads": "_sources", "Window": "_sources", "Epoch": "_sources",
-    "WindowRead": "_sources", "WindowRows": "_sources",
+    "ShardSource": "shards._sources", "ProcessReads": "shards._sources", "Window": "shards._sources", "Epoch": "shards._sources",
+    "WindowRead": "shards._sources", "WindowRows": "shards._sources",
     # several versions read as one weighted stream
     "mix": "_mix_dataset", "Stream": "_mix_dataset", "MixtureDataset": "_mix_dataset",
 }

@@ -24,17 +24,17 @@ from torch.utils.data import IterableDataset
 from featstore.codecs._parts import assemble, expand_fields
 from featstore.codecs._ragged import LENGTHS, OFFSETS, RaggedRows, concat_rows, offsets, pad_value, padded
 from featstore.errors import InvalidInput
-from featstore.read._assignment import ConsumerPlan, UniformShards, consumer_plan, consumer_span
-from featstore.read._elastic import EpochOrder
-from featstore.read._epoch_state import EpochState, Iteration
-from featstore.read._gather import BatchRows, window_rows
-from featstore.read._objects import scope_identity
+from featstore.read.plans._assignment import ConsumerPlan, UniformShards, consumer_plan, consumer_span
+from featstore.read.plans._elastic import EpochOrder
+from featstore.read.state._epoch_state import EpochState, Iteration
+from featstore.read.shards._gather import BatchRows, window_rows
+from featstore.read.shards._objects import scope_identity
 from featstore.read._options import ReaderOptions
-from featstore.read._slices import slice_reads, slice_rows
-from featstore.read._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, WindowRows, default_cache_bytes,
+from featstore.read.plans._slices import slice_reads, slice_rows
+from featstore.read.shards._sources import (Caches, Epoch, ProcessReads, ShardSource, Window, WindowRows, default_cache_bytes,
                                      read_windows)
 from featstore.read._views import ViewReading
-from featstore.read._worker_share import in_worker
+from featstore.read.state._worker_share import in_worker
 from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 
 #: What a dataset's rows come from in one process, given that process's reads of the stored
@@ -75,9 +75,9 @@ class FeatureDataset(IterableDataset):
     torchdata's per-worker states; see ``docs/elastic.md``).
 
     Its parts: the epochs, placement and resume points shared with DataLoader workers
-    (:class:`~featstore.read._epoch_state.EpochState`), the view each epoch reads and the
+    (:class:`~featstore.read.state._epoch_state.EpochState`), the view each epoch reads and the
     source join (:class:`~featstore.read._views.ViewReading`), and per process the reads of the
-    version (:class:`~featstore.read._sources.ProcessReads`) with the sources the rows come from.
+    version (:class:`~featstore.read.shards._sources.ProcessReads`) with the sources the rows come from.
     """
 
     def __init__(self, version: StoredVersion | HasStoredVersion, *, rank: int | None = None,

@@ -4,13 +4,13 @@
 >>> for batch in DataLoader(ds, batch_size=None, num_workers=2):
 ...     batch["features"], batch["index"], batch["source"]   # source: the row's version, ds.versions[i]
 
-The plan is the pure one of :mod:`featstore.read._mixture` (weights as Mosaic Streaming defines
+The plan is the pure one of :mod:`featstore.read.plans._mixture` (weights as Mosaic Streaming defines
 them: ``proportion``, ``repeat``, ``choose``): each consumer (rank, DataLoader worker) takes its
 span of the epoch's positions, cut into shuffle windows that read a run of each version's shard
 order and yield its rows in the window's stratified order, so every stretch of the stream holds
 each version in its proportion. Nothing else is new: a :class:`MixtureDataset` holds one
 :class:`~featstore.FeatureDataset` per version as its reader (its sources, caches, decoding) and
-one :class:`~featstore.read._epoch_state.EpochState` for the mixture's epochs, placement and
+one :class:`~featstore.read.state._epoch_state.EpochState` for the mixture's epochs, placement and
 resume points - so sharding, ``set_epoch``, ``state_dict``/``load_state_dict`` and the elastic
 resume under another split are the single version's.
 
@@ -36,16 +36,16 @@ from torch.utils.data import IterableDataset
 
 from featstore.errors import InvalidInput
 from featstore.format._manifests import ArraySpec
-from featstore.read._assignment import UniformShards
+from featstore.read.plans._assignment import UniformShards
 from featstore.read._dataset import FeatureDataset, raising
-from featstore.read._elastic import EpochOrder
-from featstore.read._epoch_state import EpochState, Iteration
+from featstore.read.plans._elastic import EpochOrder
+from featstore.read.state._epoch_state import EpochState, Iteration
 from featstore.read._mix_gather import MixedRows, MixedSlice, regrouped
-from featstore.read._mixture import MixStream, Mixture
+from featstore.read.plans._mixture import MixStream, Mixture
 from featstore.read._options import ReaderOptions
-from featstore.read._slices import Share, run_starts, slice_reads, slice_rows
-from featstore.read._sources import Epoch, Window, WindowRows, read_windows
-from featstore.read._worker_share import in_worker
+from featstore.read.plans._slices import Share, run_starts, slice_reads, slice_rows
+from featstore.read.shards._sources import Epoch, Window, WindowRows, read_windows
+from featstore.read.state._worker_share import in_worker
 from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 
 SOURCE = "source"

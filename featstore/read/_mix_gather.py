@@ -1,7 +1,7 @@
 """How a mixture's batch takes its rows from its versions' windows (the mixture reader's innermost loop).
 
 A slice of a mixture's window has each version's rows read into that version's window arrays
-(:mod:`featstore.read._gather`), and a yield order (:func:`~featstore.read._slices.slice_rows`):
+(:mod:`featstore.read.shards._gather`), and a yield order (:func:`~featstore.read.plans._slices.slice_rows`):
 for each position, its version (``streams``) and its row among that version's rows read
 (``local``). A batch yields its rows grouped by version (version 0's first), each version's in
 yield order, with each row's version beside them.
@@ -11,7 +11,7 @@ about what one version's does (one gather per array):
 
 - per slice, for each array whose rows all the versions' windows can address jointly, one array
   for the whole slice in yield order: the unit offsets of windows mapped into the same arena
-  (:class:`~featstore.read._gather.ArenaRows` that :meth:`~featstore.read._gather.ArenaRows.shares_rows`),
+  (:class:`~featstore.read.shards._gather.ArenaRows` that :meth:`~featstore.read.shards._gather.ArenaRows.shares_rows`),
   or the rows themselves when they are at most :data:`JOINT_ROW_BYTES` (the sample index, a
   label: copying them costs what an offset would);
 - per slice too, the order batches yield its rows (:func:`batch_grouped`: each batch grouped by
@@ -30,8 +30,8 @@ import numpy as np
 
 from featstore.codecs._ragged import concat_rows
 from featstore.errors import InvalidInput
-from featstore.read._gather import ArenaRows, BatchRows, WindowRows, window_rows
-from featstore.read._slices import run_starts
+from featstore.read.shards._gather import ArenaRows, BatchRows, WindowRows, window_rows
+from featstore.read.plans._slices import run_starts
 
 #: Rows at most this wide (bytes) are copied into one joint array per slice, like offsets.
 JOINT_ROW_BYTES = 8

@@ -15,7 +15,7 @@ version).
 
 How: one :class:`~featstore.FeatureDataset` per teacher, all with the same options. The plan is
 a pure function of the layout, the options, the epoch and the (rank, worker) consumer
-(:mod:`featstore.read._assignment`), and the view an epoch reads of the view count and the seed
+(:mod:`featstore.read.plans._assignment`), and the view an epoch reads of the view count and the seed
 (:func:`featstore.views.epoch_view`), so aligned versions get the same plan and the same view:
 each teacher's reader reads its own bytes of that plan (one view, each row once per epoch, no
 more than read alone) with its own caches, prefetch and storage, and the batches are zipped. Every
@@ -36,11 +36,11 @@ from torch.utils.data import IterableDataset
 
 from featstore._allowed_names import check_field
 from featstore.errors import InvalidInput, VersionsMisaligned
-from featstore.read._assignment import ConsumerPlan
+from featstore.read.plans._assignment import ConsumerPlan
 from featstore.read._dataset import FeatureDataset, raising
 from featstore.read._options import ReaderOptions
 from featstore.read._views import ViewReading
-from featstore.read._worker_share import in_worker
+from featstore.read.state._worker_share import in_worker
 from featstore.versions._alignment import check_aligned
 from featstore.versions._committed import HasStoredVersion, StoredVersion, stored
 from featstore.versions._views import VIEW_FIELD

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from featstore.codecs._ragged import RAGGED_FORMS
 from featstore.errors import InvalidInput
-from featstore.read._assignment import PARTITIONS
-from featstore.read._cache import DiskCacheOptions
+from featstore.read.plans._assignment import PARTITIONS
+from featstore.read.shards._cache import DiskCacheOptions
 
 #: ``ReaderOptions.cache``: decoded shards in shared memory, remote objects on local disk, or both.
 CACHES = ("memory", "disk", "memory+disk")

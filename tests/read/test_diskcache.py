@@ -1,4 +1,4 @@
-"""The disk tier for remote stores (cache="disk", featstore/read/_cache.py and _objects.py).
+"""The disk tier for remote stores (cache="disk", featstore/read/shards/_cache.py and _objects.py).
 
 Real parts only: the moto S3 server with the loopback proxy in front of it counting every GET
 (tests/faultproxy.py), real DataLoader worker processes, real rank processes sharing one cache
@@ -24,8 +24,8 @@ import featstore
 from featstore import InvalidInput
 from featstore import list_disk_cache
 from featstore.cli import main as cli_main
-from featstore.read._cache import DiskCacheOptions
-from featstore.read._objects import entry_name, scope_identity
+from featstore.read.shards._cache import DiskCacheOptions
+from featstore.read.shards._objects import entry_name, scope_identity
 from featstore.versions import StoredVersion, stored
 
 from featstore.testing import FaultProxy, Rule, wait_until
@@ -343,7 +343,7 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     child's copy of the descriptor is closed at the fork, so the lock ends with the parent's."""
     import fcntl
 
-    from featstore.read._cache import flocked
+    from featstore.read.shards._cache import flocked
 
     lock = str(tmp_path / "lock")
     ready_r, ready_w = os.pipe()

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import InvalidInput, Stream
-from featstore.read._mixture import mixture_share
-from featstore.read._slices import slice_rows
+from featstore.read.plans._mixture import mixture_share
+from featstore.read.plans._slices import slice_rows
 from tests.helpers import noisy_flip, write_version
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import round_robin_consumed
+from featstore.read.plans._assignment import round_robin_consumed
 
 WORKER_SCHEMA = "featstore.worker_state"
 #: Options that change which samples a consumer reads, and in which order.

@@ -4,15 +4,15 @@
 One collaborator per dataset, :class:`EpochState`, owns:
 
 - the placement (rank, world size) and the epoch counter shared with DataLoader workers
-  (:class:`~featstore.read._worker_share.SharedProgress`);
+  (:class:`~featstore.read.state._worker_share.SharedProgress`);
 - the resume point loaded by ``load_state_dict``: the rank-level count of
-  :mod:`featstore.read._resume` and, beside it, the epoch's global progress
-  (:class:`~featstore.read._elastic.ResumeState`: the plan and the batches each split consumed),
+  :mod:`featstore.read.state._resume` and, beside it, the epoch's global progress
+  (:class:`~featstore.read.plans._elastic.ResumeState`: the plan and the batches each split consumed),
   kept in a small shared buffer of its own (:class:`LoadedProgress`) so that workers started
   before the load see it too;
 - what each iteration reads (:meth:`EpochState.start`): the consumer's whole share of a fresh
   epoch, or under a resume its share of the epoch's rest under the *current* split
-  (:func:`~featstore.read._elastic.resume`);
+  (:func:`~featstore.read.plans._elastic.resume`);
 - the states it saves: per rank (``state_dict(batches_seen=k)``) and per DataLoader worker
   (torchdata's), both with a ``"progress"`` entry, and the rank-level state made of a loader's
   worker states (:meth:`EpochState.from_workers`, what :class:`featstore.StatefulLoader` loads
@@ -38,14 +38,14 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import DistributedSetupError, InvalidInput
-from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch, check_same_order,
+from featstore.read.plans._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch, check_same_order,
                                      epoch_share, progress, remaining_samples, resume)
 from featstore.read._options import ReaderOptions
-from featstore.read._ranks import Placement, resolve
-from featstore.read._resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
+from featstore.read.state._ranks import Placement, resolve
+from featstore.read.state._resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
                                     rotated, worker_state)
-from featstore.read._slices import Share
-from featstore.read._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
+from featstore.read.plans._slices import Share
+from featstore.read.state._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
 
 PROGRESS = "progress"
 

@@ -1,7 +1,7 @@
 """A consumer's reads as slices of shuffle windows, so that a plan can start and stop mid-window.
 
 An epoch's plan gives each consumer shuffle windows (:func:`featstore.read.consumer_plan` for one
-version, :func:`featstore.read._mixture.mixture_share` for several). A consumer yields each
+version, :func:`featstore.read.plans._mixture.mixture_share` for several). A consumer yields each
 window's rows in the window's *order* (:func:`window_order`), cutting batches across window
 boundaries. This module names the pieces of that sequence:
 
@@ -12,13 +12,13 @@ boundaries. This module names the pieces of that sequence:
 - a :class:`Share` is what one consumer yields, in order: a tuple of slices.
 
 An uninterrupted epoch's share is its windows whole. A resumed consumer's share
-(:mod:`featstore.read._elastic`) starts and ends mid-window, wherever the interrupted run stopped
+(:mod:`featstore.read.plans._elastic`) starts and ends mid-window, wherever the interrupted run stopped
 or the new split cuts, and keeps every window's order: a row's place is fixed by the epoch's
 first plan, whichever split reads it.
 
 **A window's order.** Its rows are read stream by stream (``runs[0]``'s pieces, then
 ``runs[1]``'s, ...). With one stream, shuffled, the order is
-:func:`~featstore.read._assignment.window_permutation` (the reader's order), unshuffled the
+:func:`~featstore.read.plans._assignment.window_permutation` (the reader's order), unshuffled the
 identity. With several streams it is *stratified*: each stream's rows are permuted on their own
 (shuffled), and the streams take turns in the balanced pattern of :func:`interleave`, so that
 every stretch of the order, not only the whole window, holds each stream in its proportion to
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from featstore.read._assignment import ConsumerPlan, Piece, window_permutation
+from featstore.read.plans._assignment import ConsumerPlan, Piece, window_permutation
 
 
 def interleave(counts: Sequence[int], x: Any) -> list[Any]:

@@ -9,7 +9,7 @@
 - compressed ones, or not in featstore's layout: :class:`DecodedSource`, into window buffers;
   per-token arrays: :class:`TokenSource`.
 
-Where the objects come from is the process's :class:`~featstore.read._objects.ShardObjects`.
+Where the objects come from is the process's :class:`~featstore.read.shards._objects.ShardObjects`.
 The online reader (:mod:`featstore.online`) supplies a source that computes rows on a miss.
 """
 
@@ -30,13 +30,13 @@ import torch
 
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, RaggedRows, RaggedWindow
 from featstore.format._shard_decoder import ShardFormat, shard_format
-from featstore.read import _objects
-from featstore.read._arena import Slot, process_arena
-from featstore.read._arena import supported as arena_supported
-from featstore.read._assignment import Piece
-from featstore.read._cache import DiskCacheOptions, NodeCache, Space, shm_root
-from featstore.read._gather import ArenaRows, InPlace, WindowRows
-from featstore.read._objects import (DiskObjects, LocalObjects, MemoryShards, PlacedShards, RemoteObjects,
+from featstore.read.shards import _objects
+from featstore.read.shards._arena import Slot, process_arena
+from featstore.read.shards._arena import supported as arena_supported
+from featstore.read.plans._assignment import Piece
+from featstore.read.shards._cache import DiskCacheOptions, NodeCache, Space, shm_root
+from featstore.read.shards._gather import ArenaRows, InPlace, WindowRows
+from featstore.read.shards._objects import (DiskObjects, LocalObjects, MemoryShards, PlacedShards, RemoteObjects,
                                      ShardObject, ShardObjects, StoredShards, process_maps)
 from featstore.read._options import ReaderOptions
 from featstore.read._views import ViewReading
@@ -132,7 +132,7 @@ class ShardSource(ABC):
     """Where the rows of some arrays (:attr:`fields`) of one version come from, in one process.
     Made once per process, it reads a window at a time from the consuming thread: ``reads``
     runs what blocks (a pool, or the calling thread when no core is spare), and the
-    :class:`WindowRead`'s rows are what batches are cut from (:mod:`featstore.read._gather`)."""
+    :class:`WindowRead`'s rows are what batches are cut from (:mod:`featstore.read.shards._gather`)."""
 
     fields: tuple[str, ...]
 
@@ -188,8 +188,8 @@ class DecodedSource(ShardSource):
 
 
 class InPlaceSource(ShardSource):
-    """An array gathered where its shards lie (:class:`~featstore.read._objects.PlacedShards`),
-    shard by shard with numpy (:class:`~featstore.read._gather.InPlace`)."""
+    """An array gathered where its shards lie (:class:`~featstore.read.shards._objects.PlacedShards`),
+    shard by shard with numpy (:class:`~featstore.read.shards._gather.InPlace`)."""
 
     def __init__(self, reads: ProcessReads, field: str, shards: PlacedShards, here: bool = False) -> None:
         """``here``: read in the calling thread (mapping a local shard is bookkeeping, ~0.2 ms,
@@ -209,7 +209,7 @@ class InPlaceSource(ShardSource):
 
 class ArenaSource(InPlaceSource):
     """An array whose window's shards are mapped back to back into the process's arena, so a
-    batch is one ``index_select`` (:class:`~featstore.read._gather.ArenaRows`); a window whose
+    batch is one ``index_select`` (:class:`~featstore.read.shards._gather.ArenaRows`); a window whose
     shards cannot all be held is gathered shard by shard (:class:`InPlaceSource`)."""
 
     def read(self, window: Window, reads: Executor) -> WindowRead:
@@ -273,7 +273,7 @@ class Caches:
 
 class ProcessReads:
     """What one process reads a version with: its own storage (an fsspec filesystem is neither
-    fork- nor loop-safe), its :class:`~featstore.read._objects.ShardObjects`, its handles on
+    fork- nor loop-safe), its :class:`~featstore.read.shards._objects.ShardObjects`, its handles on
     the node's caches, the arrays' shard formats and the sources chosen for them."""
 
     def __init__(self, version: StoredVersion, fields: tuple[str, ...], viewing: ViewReading, caches: Caches,

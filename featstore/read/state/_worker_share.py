@@ -61,8 +61,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import InvalidInput
-from featstore.read._cache import held_open, process_local, shm_root
-from featstore.read._ranks import Placement
+from featstore.read.shards._cache import held_open, process_local, shm_root
+from featstore.read.state._ranks import Placement
 
 # header words
 OWNER, GEN, BASE, RESUME_GEN, RESUME_SEEN, RESUME_WORKERS, LAST_WORKERS, RANK, WORLD, SOURCE, RING_NEXT = range(11)

@@ -11,13 +11,13 @@ From it, the rest of the epoch under any split:
 
 1. **Segment 0 is the epoch's plan**: consumer ``c`` (rank ``c // W``, worker ``c % W``) yields
    its :func:`epoch_share` (:func:`~featstore.read.consumer_plan` for a version,
-   :func:`~featstore.read._mixture.mixture_share` for a mixture) as window slices
-   (:mod:`featstore.read._slices`).
+   :func:`~featstore.read.plans._mixture.mixture_share` for a mixture) as window slices
+   (:mod:`featstore.read.plans._slices`).
 2. **What each consumer of a segment yielded** (:func:`progress`, arithmetic on counts): each
    consumer's share has ``n_c`` rows (its span's length), so ``ceil(n_c / batch)`` batches
    (``floor`` with drop_last); a rank's DataLoader takes its workers' batches in turn from worker
    0, skipping a worker once it is exhausted, so after ``k`` batches its worker ``w`` had
-   yielded :func:`~featstore.read._assignment.round_robin_consumed` ``(k, counts)[w]`` batches:
+   yielded :func:`~featstore.read.plans._assignment.round_robin_consumed` ``(k, counts)[w]`` batches:
    the first ``t_c = min(batches * batch, n_c)`` rows of its share. Had the run gone on it would
    have yielded ``y_c = n_c`` rows (drop_last: ``n_c`` rounded down to whole batches).
 3. **The remaining sequence** of a segment is every consumer's rows ``[t_c, y_c)``, consumer
@@ -37,7 +37,7 @@ From it, the rest of the epoch under any split:
 workers are one split: one consumer per rank), each worker continues that segment as the
 uninterrupted run would have, in the original order: the DataLoader's round robin restarts at
 worker 0, which plays the role of the worker the run would have read next
-(:func:`~featstore.read._resume.rotated`). Under any other split a new segment starts. The run
+(:func:`~featstore.read.state._resume.rotated`). Under any other split a new segment starts. The run
 then saves :meth:`ResumeState.advanced` by the batches each rank consumed since (a split that
 consumed none is not recorded: it changed nothing). The next epoch is a whole epoch.
 
@@ -60,11 +60,11 @@ from typing import Any
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
+from featstore.read.plans._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
     round_robin_consumed
-from featstore.read._mixture import MixStream, Mixture, int_at_least, mixture_share
-from featstore.read._resume import rotated
-from featstore.read._slices import Share, Slice, whole
+from featstore.read.plans._mixture import MixStream, Mixture, int_at_least, mixture_share
+from featstore.read.state._resume import rotated
+from featstore.read.plans._slices import Share, Slice, whole
 
 SCHEMA = "featstore.epoch_progress"
 SCHEMA_VERSION = 1

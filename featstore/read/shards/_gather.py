@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from featstore.read._arena import Arena, Slot
+from featstore.read.shards._arena import Arena, Slot
 from featstore.format._shard_decoder import ShardFormat
-from featstore.read._assignment import Piece
+from featstore.read.plans._assignment import Piece
 from featstore.codecs._ragged import RaggedRows, RaggedWindow
 
 def window_rows(arrays: dict[str, WindowRows], order: np.ndarray | None, drop: int, a: int,

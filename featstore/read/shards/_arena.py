@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from featstore.read._cache import Sig, file_sig, process_local
+from featstore.read.shards._cache import Sig, file_sig, process_local
 
 # Linux's values (asm-generic/mman-common.h); the arena is only used on Linux.
 _PROT_NONE, _PROT_READ = 0x0, 0x1

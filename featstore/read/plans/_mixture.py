@@ -22,18 +22,18 @@ and at most one weight, as Mosaic Streaming's ``Stream`` defines them:
    as well as within one, and with replacement (another pass) beyond; unshuffled, a stream's
    epochs follow each other through its samples. The stream's seed is drawn from (seed, stream).
 2. **Interleaving.** The epoch is one sequence of ``M`` positions (the counts summed) in which
-   the streams take turns in the balanced pattern of :func:`~featstore.read._slices.interleave`:
+   the streams take turns in the balanced pattern of :func:`~featstore.read.plans._slices.interleave`:
    of the first ``x`` positions, stream ``s`` has ``F_s(x)``, within a row of ``x * c_s / M``.
-3. **Splitting.** As for one version (:mod:`featstore.read._assignment`): consumer ``cid`` takes
+3. **Splitting.** As for one version (:mod:`featstore.read.plans._assignment`): consumer ``cid`` takes
    the span ``consumer_span(M, consumers, cid, partition)`` (``"pad"`` wraps to the epoch's start),
    cut into shuffle windows of ``window`` positions. A window ``[a, b)`` reads, of each stream,
    its positions ``[F_s(a), F_s(b))`` - a run of that stream's sequence, so shard pieces - and
-   yields them in the window's stratified order (:func:`~featstore.read._slices.window_order`), so
+   yields them in the window's stratified order (:func:`~featstore.read.plans._slices.window_order`), so
    that every stretch of what a consumer yields holds each stream in its proportion.
 
-A consumer's plan is a :class:`~featstore.read._slices.Share` like a plain version's, with a
+A consumer's plan is a :class:`~featstore.read.plans._slices.Share` like a plain version's, with a
 stream per run: the same reader loop reads both, labels each row with its stream, and resumes
-either under another split (:mod:`featstore.read._elastic`). Planning costs O(the consumer's
+either under another split (:mod:`featstore.read.plans._elastic`). Planning costs O(the consumer's
 windows x streams), whatever the epoch or the streams' sizes. Nothing here does IO.
 """
 
@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read._assignment import Partition, Piece, UniformShards, consumer_span, laps, uniform_span_pieces
-from featstore.read._shuffle import ShardPermutation
-from featstore.read._slices import Share, Slice, Window, interleave, split_pieces
+from featstore.read.plans._assignment import Partition, Piece, UniformShards, consumer_span, laps, uniform_span_pieces
+from featstore.read.plans._shuffle import ShardPermutation
+from featstore.read.plans._slices import Share, Slice, Window, interleave, split_pieces
 
 WEIGHTS = ("proportion", "repeat", "choose")
 

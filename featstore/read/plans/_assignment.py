@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from featstore.read._shuffle import ShardPermutation
+from featstore.read.plans._shuffle import ShardPermutation
 
 Partition = Literal["even", "pad", "drop"]
 PARTITIONS = ("even", "pad", "drop")

@@ -25,9 +25,9 @@ from featstore._json import canonical_json
 from featstore.errors import CorruptChunk
 from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_index_bytes,
                                              shard_intact)
-from featstore.read._arena import Arena, Slot
-from featstore.read._assignment import Piece
-from featstore.read._cache import ENTRY_TRAILER, MappedFiles, NodeCache, digest, process_local
+from featstore.read.shards._arena import Arena, Slot
+from featstore.read.plans._assignment import Piece
+from featstore.read.shards._cache import ENTRY_TRAILER, MappedFiles, NodeCache, digest, process_local
 from featstore.storage import Storage
 from featstore.versions._committed import StoredVersion, missing_data_error
 
