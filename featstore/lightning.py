@@ -146,10 +146,11 @@ class FeatureDataModule(LightningDataModule):
     def _dataset(self, which: str) -> FeatureDataset:
         if which not in self.datasets:
             options = self.options if which == "train" else self.val_options
-            source = self._sources[which]
-            self.datasets[which] = FeatureDataset(self._version(which), options=options) if source is None else \
-                FeatureDataset(self._version(which), options=options, source=source, augment=self._augment,
-                               source_fields=self._source_fields, source_id=self._source_id)
+            source, workers = self._sources[which], self.loader.num_workers
+            self.datasets[which] = self._version(which).dataset(options=options, num_workers=workers) \
+                if source is None else self._version(which).dataset(
+                    options=options, num_workers=workers, source=source, augment=self._augment,
+                    source_fields=self._source_fields, source_id=self._source_id)
         return self.datasets[which]
 
     def train_dataloader(self) -> StatefulLoader:

@@ -6,11 +6,16 @@ statistics a manifest records.
 
 from featstore.codecs._chunking import dividing_chunk
 from featstore.codecs._dense import Codec, codec_by_name, keep_codec, output_codec
-from featstore.codecs._parts import CODEC_CHOICES, PartsCodec, check_output_codec, is_parts_codec, parts_codec
-from featstore.codecs._ragged import Tokens
+from featstore.codecs._parts import (CODEC_CHOICES, PartsCodec, assemble, check_output_codec, expand_fields,
+                                     is_parts_codec, parts_codec)
+from featstore.codecs._ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START,
+                                      RaggedRows, RaggedWindow, Tokens, concat_rows, gather_rows, offsets, pad_value,
+                                      padded)
 from featstore.codecs._statistics import summarize, value_stats
 from featstore.codecs._vocabulary import Vocabulary
 
-__all__ = ["CODEC_CHOICES", "Codec", "PartsCodec", "Tokens", "check_output_codec", "codec_by_name", "dividing_chunk",
-           "is_parts_codec", "keep_codec", "output_codec", "parts_codec", "summarize", "value_stats",
-           "Vocabulary"]
+__all__ = ["CODEC_CHOICES", "LENGTHS", "OFFSETS", "RAGGED_FORMS", "TOKEN_FIELDS", "TOKEN_LENGTH", "TOKEN_START",
+           "Codec", "PartsCodec", "RaggedRows", "RaggedWindow", "Tokens", "Vocabulary", "assemble",
+           "check_output_codec", "codec_by_name", "concat_rows", "dividing_chunk", "expand_fields", "gather_rows",
+           "is_parts_codec", "keep_codec", "offsets", "output_codec", "pad_value", "padded", "parts_codec", "summarize",
+           "value_stats"]

@@ -27,7 +27,8 @@ import zarr
 from featstore._version import __version__
 from featstore.compute._decision import ComputePlan, decide
 from featstore.compute._layout import choose_layout
-from featstore.compute._request import ComputeCall, keywords_of
+from featstore._keywords import keywords_of
+from featstore.compute._request import ComputeCall
 from featstore.compute._runners import Group, ShardRunner, Unit, runner_for
 from featstore.compute._shard_task import REUSED, release_models
 from featstore.compute._task_spec import TaskSpec

@@ -17,18 +17,24 @@ from typing import TYPE_CHECKING
 from featstore._lazy import lazy_exports
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim, Commits
-from featstore.versions._committed import StoredVersion, missing_data_error, stored, verify_version
+from featstore.versions._alignment import check_aligned, views_of
+from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored, verify_version
 from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, receipt_key, tag_key,
                                       version_key, view_key)
 from featstore.versions._receipts import (compact_receipts, finished_shards, forget_receipts, read_receipts, run_key,
                                           write_receipt)
-from featstore.versions._views import SEED_POLICY, Views, epoch_seeds, epoch_view, replay, view_seed, view_seeds
+from featstore.versions._views import (SEED_POLICY, VIEW_FIELD, Augment, SourceJoin, Views, check_view_mode,
+                                      epoch_seeds, epoch_view, normalize_fields, replay, view_seed, view_seeds)
 
 if TYPE_CHECKING:
+    from featstore.versions._committed import Index as Index
     from featstore.versions._export import Exported, export_version, verify_export
+    from featstore.versions._fingerprints import dataset_digest, describe_key
 
+# The export imports zarr, the fingerprints numpy: imported when first asked for.
 _lazy, __dir__ = lazy_exports(__name__, {"Exported": "_export", "export_version": "_export",
-                                         "verify_export": "_export"})
+                                         "verify_export": "_export", "dataset_digest": "_fingerprints",
+                                         "describe_key": "_fingerprints"})
 
 
 def __getattr__(name: str) -> object:
@@ -39,8 +45,10 @@ def __getattr__(name: str) -> object:
     return _lazy(name)
 
 
-__all__ = ["GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "Catalog", "Claim", "Commits",
-           "Exported", "StoredVersion", "Views", "compact_receipts", "epoch_seeds", "epoch_view", "export_version",
-           "finished_shards", "forget_receipts", "missing_data_error", "read_receipts", "receipt_key", "replay",
-           "run_key", "stored", "tag_key", "verify_export", "verify_version", "version_key", "view_key", "view_seed",
-           "view_seeds", "write_receipt"]
+__all__ = ["GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "VIEW_FIELD", "Augment",
+           "Catalog", "Claim", "Commits", "Exported", "HasStoredVersion", "SourceJoin", "StoredVersion", "Views",
+           "check_aligned", "check_view_mode", "compact_receipts", "dataset_digest", "describe_key", "epoch_seeds",
+           "epoch_view", "export_version", "finished_shards", "forget_receipts", "missing_data_error",
+           "normalize_fields", "read_receipts", "receipt_key", "replay", "run_key", "stored", "tag_key",
+           "verify_export", "verify_version", "version_key", "view_key", "view_seed", "view_seeds", "views_of",
+           "write_receipt"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
 
 from featstore.codecs._dense import codec_by_name
-from featstore.codecs._parts import assemble, parts_codec
-from featstore.codecs._ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets
+from featstore.codecs._parts import parts_codec
+from featstore.codecs._ragged import TOKEN_LENGTH
 from featstore.errors import (CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreUnavailable,
                               VersionNotFound)
 from featstore.format._keys import chunk_key, shard_digest, view_path
@@ -178,6 +178,11 @@ class StoredVersion:
     def views(self) -> int | None:
         """How many augmented views per sample the version holds (None: computed without views)."""
         return None if self.manifest.views is None else self.manifest.views.count
+
+    @property
+    def read_view(self) -> int | None:
+        """The view this object reads (:meth:`view`; None: the version itself)."""
+        return self._view
 
     def view(self, view: int) -> StoredVersion:
         """This version reading view ``view`` (laid out like a version without views, so
@@ -353,21 +358,6 @@ class StoredVersion:
                 return shard
         return shards[0] if shards else 0
 
-    def read_tokens(self, field: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Stored token rows of a per-token array for samples given by (``token_start``,
-        ``token_length``), sample after sample: one read per shard touched."""
-        spec = self.manifest.arrays[field]
-        rows = gather_rows(starts, lengths)
-        out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
-        if not len(rows):
-            return out
-        shard = rows // spec.tokens[0]
-        for s in np.unique(shard):
-            sel = shard == s
-            lo, hi = int(rows[sel].min()), int(rows[sel].max()) + 1
-            out[sel] = self.token_rows(field, int(s), lo, hi)[rows[sel] - lo]
-        return out
-
     def token_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
         """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard`` (in a base's
         folder for an incremental version's inherited shard); damage is a :class:`CorruptChunk`
@@ -388,51 +378,6 @@ class StoredVersion:
         if spec.output:  # one part of an output stored in parts: ids as int64, -1 in unused slots
             return parts_codec(spec.codec).decode_part(spec.part, stored)
         return codec_by_name(spec.codec).decode(stored)
-
-    def __getitem__(self, index: Index) -> dict[str, torch.Tensor]:
-        """Random access: a dict of tensors (one per array) plus ``index``; ``version[v, rows]``
-        reads view ``v`` of a version with views (and adds ``view``)."""
-        if isinstance(index, tuple) and len(index) == 2 and self.views is not None:
-            out = self.view(index[0])[index[1]]
-            out["view"] = torch.full(out["index"].shape, int(index[0]), dtype=torch.int64)
-            return out
-        n = len(self)
-        if isinstance(index, (int, np.integer)):
-            i = int(index) + (n if index < 0 else 0)
-            if not 0 <= i < n:
-                raise IndexError(f"index {index} out of range for {n} samples")
-            batch = self[i:i + 1]
-            ragged = {f for f, a in self.manifest.arrays.items() if a.ragged}
-            # a per-token array's rows are all this sample's tokens: returned whole
-            return {k: v if k in ragged else v[0] for k, v in batch.items() if not k.endswith(f".{OFFSETS}")}
-        if isinstance(index, slice):
-            start, stop, step = index.indices(n)
-            if step != 1:
-                return self[np.arange(start, stop, step)]
-            rows = np.arange(start, max(start, stop))
-            selection: slice | np.ndarray = slice(start, stop)
-        else:
-            rows = np.asarray(index, dtype=np.int64).reshape(-1)
-            if rows.size and (rows.min() < -n or rows.max() >= n):
-                raise IndexError(f"indices out of range for {n} samples")
-            rows = selection = np.where(rows < 0, rows + n, rows)
-        stored = {f: self._read(f, selection) for f, a in self.manifest.arrays.items() if not a.ragged}
-        out = {f: self.decode(f, v) for f, v in stored.items() if f not in TOKEN_FIELDS}
-        out.update(self._ragged(stored))
-        out["index"] = torch.from_numpy(rows.astype(np.int64))
-        return assemble(self.manifest.arrays, out)
-
-    def _ragged(self, stored: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """The per-token arrays of the samples whose ``token_start``/``token_length`` are in
-        ``stored``: flat token rows, and ``<output>.offsets`` per per-token output."""
-        ragged = {f: a for f, a in self.manifest.arrays.items() if a.ragged}
-        if not ragged:
-            return {}
-        starts, lengths = stored[TOKEN_START], stored[TOKEN_LENGTH]
-        out = {f: self.decode(f, self.read_tokens(f, starts, lengths)) for f in ragged}
-        for name in {a.output or f for f, a in ragged.items()}:
-            out[f"{name}.{OFFSETS}"] = torch.from_numpy(offsets(lengths))
-        return out
 
 
 def verify_version(version: StoredVersion | HasStoredVersion, progress: bool = False) -> list[str]:

@@ -64,7 +64,7 @@ def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> 
 
 
 def folder_of(ds) -> Path:
-    return Path(ds._process().memory.folder)
+    return Path(ds.process_reads().memory.folder)
 
 
 def entries(folder: Path) -> list[str]:
@@ -172,7 +172,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
     shard = SPP * 5 * 4  # one logits shard, decoded (the largest entry)
     big = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=2**24)
     batches(big)  # fills the version's cache beyond the next reader's budget
-    assert big._process().memory.used_bytes() > 3 * shard
+    assert big.process_reads().memory.used_bytes() > 3 * shard
     ds = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=3 * shard)
     ref = batches(v.dataset(batch_size=32, seed=1))
     for _ in range(2):
@@ -180,7 +180,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
         assert same(batches(ds), ref)
         # within the budget: an insert renames its shard into place under the eviction lock, so
         # a concurrent insert making room never misses it in its listing
-        assert 0 < ds._process().memory.used_bytes() <= 3 * shard
+        assert 0 < ds.process_reads().memory.used_bytes() <= 3 * shard
     tiny = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=8)  # nothing fits
     assert same(batches(tiny), ref)
 

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from featstore.read.plans._partitions import PARTITIONS, Partition
 from featstore.read.plans._shuffle import ShardPermutation
 
-Partition = Literal["even", "pad", "drop"]
-PARTITIONS = ("even", "pad", "drop")
 
 
 @dataclass(frozen=True)
@@ -230,3 +228,12 @@ def round_robin_consumed(batches_seen: int, per_worker: Sequence[int]) -> list[i
     done = np.minimum(counts, lo)
     done[np.flatnonzero(counts > lo)[:batches_seen - int(done.sum())]] += 1
     return done.tolist()
+
+
+def rotated(worker: int, workers: int, seen: int, counts: Sequence[int]) -> tuple[int, int]:
+    """(role, batches to skip) of ``worker`` resuming a rank-level state after ``seen`` batches;
+    ``counts``: each role's batches this epoch. DataLoader's round robin restarts at worker 0,
+    which must continue as the worker the original run would have read next."""
+    w = max(1, workers)
+    role = (worker + seen) % w
+    return role, round_robin_consumed(seen, counts)[role]

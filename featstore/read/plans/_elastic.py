@@ -37,7 +37,7 @@ From it, the rest of the epoch under any split:
 workers are one split: one consumer per rank), each worker continues that segment as the
 uninterrupted run would have, in the original order: the DataLoader's round robin restarts at
 worker 0, which plays the role of the worker the run would have read next
-(:func:`~featstore.read.state._resume.rotated`). Under any other split a new segment starts. The run
+(:func:`~featstore.read.plans._assignment.rotated`). Under any other split a new segment starts. The run
 then saves :meth:`ResumeState.advanced` by the batches each rank consumed since (a split that
 consumed none is not recorded: it changed nothing). The next epoch is a whole epoch.
 
@@ -60,10 +60,9 @@ from typing import Any
 import numpy as np
 
 from featstore.errors import InvalidInput
-from featstore.read.plans._assignment import PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps, \
-    round_robin_consumed
+from featstore.read.plans._assignment import (PARTITIONS, Partition, UniformShards, consumer_plan, consumer_span, laps,
+                                              rotated, round_robin_consumed)
 from featstore.read.plans._mixture import MixStream, Mixture, int_at_least, mixture_share
-from featstore.read.state._resume import rotated
 from featstore.read.plans._slices import Share, Slice, whole
 
 SCHEMA = "featstore.epoch_progress"

@@ -40,6 +40,7 @@ windows x streams), whatever the epoch or the streams' sizes. Nothing here does 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -73,6 +74,10 @@ class MixStream:
                     or (w == "choose" and not isinstance(value, int)):
                 kind = "an int" if w == "choose" else "a number"
                 raise InvalidInput(f"{w} must be {kind} >= 0, got {value!r}.")
+            if not math.isfinite(value):
+                raise InvalidInput(f"{w}={value!r} is not a finite weight: a stream read without end would leave no "
+                                   "room for the others. Give a finite proportion (relative to the others), repeat "
+                                   "(times its size per epoch) or choose (samples per epoch).")
 
     @property
     def weight(self) -> str | None:
@@ -100,7 +105,10 @@ class Mixture:
             if absolute:
                 raise InvalidInput("epoch_size is for proportions: with repeat/choose each stream's count is "
                                    "absolute already. Drop epoch_size, or weight by proportion.")
-            int_at_least(self.epoch_size, "epoch_size", 0)
+            if isinstance(self.epoch_size, int) and not isinstance(self.epoch_size, bool) and self.epoch_size == 0:
+                raise InvalidInput("epoch_size=0 reads nothing: give the samples per epoch (>= 1), or None for the "
+                                   "streams' sizes summed.")
+            int_at_least(self.epoch_size, "epoch_size", 1)
         for i, (stream, count) in enumerate(zip(self.streams, self.counts(), strict=True)):
             if count and not stream.layout.n_samples:
                 raise InvalidInput(f"stream {i} has no samples but is weighted to {count} per epoch: drop it, "
@@ -152,9 +160,37 @@ def stream_seed(seed: int, stream: int) -> int:
 
 
 def stream_pieces(layout: UniformShards, seed: int, shuffle: bool, lo: int, hi: int) -> list[Piece]:
-    """Positions ``[lo, hi)`` of a stream's endless sequence of passes, as shard pieces."""
-    return [piece for p, a, b in laps(lo, hi, layout.n_samples)
-            for piece in uniform_span_pieces(layout, _pass_order(layout.n_shards, seed, p, shuffle), a, b)]
+    """Positions ``[lo, hi)`` of a stream's endless sequence of passes, as shard pieces. A
+    stream of one shard, or a whole pass of a small one, costs no permutation walk: a small stream
+    upsampled many times over reads thousands of passes an epoch."""
+    if layout.n_shards == 1:  # every pass is its one shard
+        return [Piece(0, a, b) for _, a, b in laps(lo, hi, layout.n_samples)]
+    out: list[Piece] = []
+    for p, a, b in laps(lo, hi, layout.n_samples):
+        order = _pass_order(layout.n_shards, seed, p, shuffle)
+        if a == 0 and b == layout.n_samples:
+            out += _whole_pass(layout, order)
+        else:
+            out += uniform_span_pieces(layout, order, a, b)
+    return out
+
+
+def _whole_pass(layout: UniformShards, order: ShardPermutation) -> list[Piece]:
+    """Every shard of a pass, in its order, whole."""
+    shards = order.shards(np.arange(layout.n_shards, dtype=np.int64)).tolist()
+    last, short = layout.n_shards - 1, layout.n_samples - (layout.n_shards - 1) * layout.per_shard
+    return [Piece(s, 0, short if s == last else layout.per_shard) for s in shards]
+
+
+def stream_samples(mix: Mixture, stream: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The samples stream ``stream`` reads in epoch ``epoch`` (its positions ``[e * c, (e + 1) * c)``,
+    ``c`` its count), in its passes' order: what a map-style view of the mixture's epoch reads
+    (:class:`featstore.hf.SoftLabels` over a mixture)."""
+    c, layout = mix.counts()[stream], mix.streams[stream].layout
+    pieces = stream_pieces(layout, stream_seed(seed, stream), shuffle, epoch * c, (epoch + 1) * c)
+    spp = layout.per_shard
+    return np.concatenate([np.zeros(0, dtype=np.int64)] + [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi)
+                                                            for p in pieces]).astype(np.int64, copy=False)
 
 
 @functools.lru_cache(maxsize=64)

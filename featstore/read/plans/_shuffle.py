@@ -41,8 +41,9 @@ class ShardPermutation:
         bits = max(2, (n - 1).bit_length())
         self.half = np.uint64((bits + 1) // 2)
         self.mask = np.uint64((1 << int(self.half)) - 1)
-        rng = np.random.default_rng([seed, epoch, 0])
-        self.keys = rng.integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
+        # an order that is not shuffled needs no keys (a mixture's small stream asks for one per pass)
+        self.keys = np.random.default_rng([seed, epoch, 0]).integers(0, 2**63, size=ROUNDS, dtype=np.uint64) \
+            if self.shuffle else np.zeros(0, dtype=np.uint64)
 
     def _f(self, r: np.ndarray, key: np.uint64) -> np.ndarray:
         x = (r ^ key) * _M1  # splitmix64's finaliser: every input bit reaches every output bit

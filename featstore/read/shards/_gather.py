@@ -10,17 +10,19 @@ array is one ``torch.index_select``: docs/benchmarks.md measures a shuffled read
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from featstore.read.shards._arena import Arena, Slot
-from featstore.format._shard_decoder import ShardFormat
-from featstore.read.plans._assignment import Piece
 from featstore.codecs._ragged import RaggedRows, RaggedWindow
+from featstore.format._shard_decoder import ShardFormat
+from featstore.read.plans import Piece
+from featstore.read.shards._arena import Arena, Slot
 
-def window_rows(arrays: dict[str, WindowRows], order: np.ndarray | None, drop: int, a: int,
+
+def window_rows(arrays: dict[str, SpanRows], order: np.ndarray | None, drop: int, a: int,
                 b: int) -> dict[str, BatchRows]:
     """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``;
     fields left in place (:class:`InPlace`, :class:`ArenaRows`) are gathered straight into the
@@ -164,6 +166,17 @@ class ArenaRows(_Pieces):
 
 #: One array of a window as a source hands it over: decoded rows in window order, rows left
 #: where they lie (:class:`InPlace`, :class:`ArenaRows`), or per-token rows.
-WindowRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
+SpanRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
 #: One array of a batch: its rows, or with per-token arrays each sample's token rows.
 BatchRows = np.ndarray | RaggedRows
+
+
+def piece_tokens(fields: Sequence[str], lengths: np.ndarray, first: int,
+                 read: Callable[[str, int, int], np.ndarray]) -> dict[str, RaggedRows]:
+    """The token rows of a piece's samples in each per-token array of ``fields``: the samples'
+    token rows are one run of their shard's, from row ``first`` (the tokens of the shard's
+    samples before the piece) for ``lengths.sum()`` rows; ``read(field, lo, hi)`` gives rows
+    ``[lo, hi)`` of the shard's token rows (stored, or as Model A computed them). The one place
+    per-token rows are cut by sample: the stored sources, the online source and random access."""
+    n = int(lengths.sum(dtype=np.int64))
+    return {f: RaggedRows(read(f, first, first + n), lengths) for f in fields}

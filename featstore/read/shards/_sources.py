@@ -1,5 +1,5 @@
 """Where a window's rows come from, decided once per (version, array): :class:`ShardSource`
-(one required method, :meth:`~ShardSource.read`), the stored sources, and the windows in flight.
+(one required method, :meth:`~ShardSource.read`), the stored sources, and the spans in flight.
 :meth:`ProcessReads.sources` picks each array's source once per process:
 
 - uncompressed, and its objects files of this node (a local store's, or the disk cache's under
@@ -18,38 +18,38 @@ from __future__ import annotations
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, RaggedRows, RaggedWindow
 from featstore.format._shard_decoder import ShardFormat, shard_format
+from featstore.read.plans import Piece
 from featstore.read.shards import _objects
 from featstore.read.shards._arena import Slot, process_arena
 from featstore.read.shards._arena import supported as arena_supported
-from featstore.read.plans._assignment import Piece
 from featstore.read.shards._cache import DiskCacheOptions, NodeCache, Space, shm_root
-from featstore.read.shards._gather import ArenaRows, InPlace, WindowRows
+from featstore.read.shards._gather import ArenaRows, InPlace, SpanRows, piece_tokens
 from featstore.read.shards._objects import (DiskObjects, LocalObjects, MemoryShards, PlacedShards, RemoteObjects,
-                                     ShardObject, ShardObjects, StoredShards, process_maps)
-from featstore.read._options import ReaderOptions
-from featstore.read._views import ViewReading
+                                            ShardObject, ShardObjects, StoredShards, process_maps)
 from featstore.versions._committed import StoredVersion
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Window:
-    """One shuffle window of a consumer's epoch: its number in the plan (it seeds the window's
-    row permutation), its pieces, the epoch position of its first row, and how many of its rows
-    were already seen (a resumed epoch's first window)."""
+class Span:
+    """What a source reads of one window of a consumer's plan (:class:`featstore.read.plans.Window`):
+    the window's number in the plan, the shard pieces of its stream, the epoch position of its
+    first row (where the consumer's own span of the epoch starts: what the online fill's
+    ownership of shards is decided by), and how many of its rows were already seen (a resumed
+    epoch's first window)."""
 
     number: int
     pieces: tuple[Piece, ...]
@@ -63,49 +63,42 @@ class Window:
 
 @dataclass(frozen=True)
 class Epoch:
-    """What a source learns when a consumer's iteration starts: the epoch, the consumer, and
-    every window of its plan (``skip``: rows already seen, on a resumed epoch)."""
+    """What a source learns when a consumer's iteration starts: the epoch, the consumer, the
+    order's seed and shuffle, and every span of its stream in the consumer's plan
+    (``todo``: those this iteration reads, the rows already seen dropped)."""
 
     number: int
     consumer: int
     consumers: int
     partition: str
-    windows: tuple[Window, ...]
-    skip: int = 0
-
-    @property
-    def todo(self) -> list[Window]:
-        """The windows this iteration reads, the rows already seen dropped."""
-        out, pos = [], 0
-        for w in self.windows:
-            if pos + w.size > self.skip:
-                out.append(Window(w.number, w.pieces, w.at, max(0, self.skip - pos)))
-            pos += w.size
-        return out
+    seed: int
+    shuffle: bool
+    spans: tuple[Span, ...]
+    todo: tuple[Span, ...]
 
 
-class WindowRead:
+class SpanRead:
     """One source's reads of one window, in flight: ``futures`` (errors are raised by
     :meth:`result`), then ``finish()`` gives the window's rows of the source's arrays.
     ``give_back(rows)`` takes back what a consumed window held (buffers to reuse)."""
 
-    def __init__(self, futures: list[Future], finish: Callable[[], dict[str, WindowRows]],
-                 give_back: Callable[[dict[str, WindowRows]], None] | None = None) -> None:
+    def __init__(self, futures: list[Future], finish: Callable[[], dict[str, SpanRows]],
+                 give_back: Callable[[dict[str, SpanRows]], None] | None = None) -> None:
         self.futures, self._finish, self._give_back = futures, finish, give_back
-        self.rows: dict[str, WindowRows] | None = None
+        self.rows: dict[str, SpanRows] | None = None
 
     @classmethod
-    def joined(cls, reads: Sequence["WindowRead"]) -> "WindowRead":
+    def joined(cls, reads: Sequence["SpanRead"]) -> "SpanRead":
         """Several sources' reads of one window as one."""
-        def finish() -> dict[str, WindowRows]:
+        def finish() -> dict[str, SpanRows]:
             return {k: v for r in reads for k, v in r.result().items()}
 
-        def give_back(_: dict[str, WindowRows]) -> None:
+        def give_back(_: dict[str, SpanRows]) -> None:
             for r in reads:
                 r.close()
         return cls([f for r in reads for f in r.futures], finish, give_back)
 
-    def result(self) -> dict[str, WindowRows]:
+    def result(self) -> dict[str, SpanRows]:
         for f in self.futures:
             f.result()
         self.rows = self._finish()
@@ -132,16 +125,16 @@ class ShardSource(ABC):
     """Where the rows of some arrays (:attr:`fields`) of one version come from, in one process.
     Made once per process, it reads a window at a time from the consuming thread: ``reads``
     runs what blocks (a pool, or the calling thread when no core is spare), and the
-    :class:`WindowRead`'s rows are what batches are cut from (:mod:`featstore.read.shards._gather`)."""
+    :class:`SpanRead`'s rows are what batches are cut from (:mod:`featstore.read.shards._gather`)."""
 
     fields: tuple[str, ...]
 
     @abstractmethod
-    def read(self, window: Window, reads: Executor) -> WindowRead:
-        """Start reading ``window``'s rows of :attr:`fields`."""
+    def read(self, span: Span, reads: Executor) -> SpanRead:
+        """Start reading ``span``'s rows of :attr:`fields`."""
 
-    def near(self, windows: Sequence[Window]) -> bool:
-        """Whether these windows' reads need no remote storage (then, with no core to spare,
+    def near(self, spans: Sequence[Span]) -> bool:
+        """Whether these spans' reads need no remote storage (then, with no core to spare,
         they run in the consuming thread: there is no latency to hide)."""
         return False
 
@@ -161,16 +154,16 @@ class DecodedSource(ShardSource):
     def __init__(self, reads: ProcessReads, field: str) -> None:
         self.reads, self.fields = reads, (field,)
         self.spec = reads.version.manifest.arrays[field]
-        self.spare: list[np.ndarray] | None = [] if reads.options.shuffle else None
+        self.spare: list[np.ndarray] | None = [] if reads.reuse_buffers else None
 
-    def read(self, window: Window, reads: Executor) -> WindowRead:
+    def read(self, span: Span, reads: Executor) -> SpanRead:
         (field,) = self.fields
-        out = self._buffer(window.size)
+        out = self._buffer(span.size)
         futs, off = [], 0
-        for p in window.pieces:
+        for p in span.pieces:
             futs.append(reads.submit(self.reads.read_rows, field, p.shard, p.lo, p.hi, out[off:off + p.size]))
             off += p.size
-        return WindowRead(futs, lambda: {field: out}, self._give_back)
+        return SpanRead(futs, lambda: {field: out}, self._give_back)
 
     def _buffer(self, n: int) -> np.ndarray:
         while self.spare:
@@ -179,12 +172,12 @@ class DecodedSource(ShardSource):
                 return got
         return np.empty((n, *self.spec.shape), dtype=self.spec.dtype)
 
-    def _give_back(self, rows: dict[str, WindowRows]) -> None:
+    def _give_back(self, rows: dict[str, SpanRows]) -> None:
         if self.spare is not None:
             self.spare.append(rows[self.fields[0]])  # type: ignore[arg-type]
 
-    def near(self, windows: Sequence[Window]) -> bool:
-        return self.reads.near(self.fields[0], windows)
+    def near(self, spans: Sequence[Span]) -> bool:
+        return self.reads.near(self.fields[0], spans)
 
 
 class InPlaceSource(ShardSource):
@@ -196,15 +189,15 @@ class InPlaceSource(ShardSource):
         not work for a pool thread that would wait for a core behind Model B's torch threads)."""
         self.reads, self.fields, self.shards, self.here = reads, (field,), shards, here
 
-    def read(self, window: Window, reads: Executor) -> WindowRead:
+    def read(self, span: Span, reads: Executor) -> SpanRead:
         run = now if self.here else reads.submit
         (field,) = self.fields
-        futs = [run(self.shards.array, self.reads.obj(field, p.shard), p) for p in window.pieces]
+        futs = [run(self.shards.array, self.reads.obj(field, p.shard), p) for p in span.pieces]
         chunk_rows = self.reads.version.manifest.layout.chunk_rows
-        return WindowRead(futs, lambda: {field: InPlace([f.result() for f in futs], window.pieces, chunk_rows)})
+        return SpanRead(futs, lambda: {field: InPlace([f.result() for f in futs], span.pieces, chunk_rows)})
 
-    def near(self, windows: Sequence[Window]) -> bool:
-        return self.reads.near(self.fields[0], windows)
+    def near(self, spans: Sequence[Span]) -> bool:
+        return self.reads.near(self.fields[0], spans)
 
 
 class ArenaSource(InPlaceSource):
@@ -212,23 +205,23 @@ class ArenaSource(InPlaceSource):
     batch is one ``index_select`` (:class:`~featstore.read.shards._gather.ArenaRows`); a window whose
     shards cannot all be held is gathered shard by shard (:class:`InPlaceSource`)."""
 
-    def read(self, window: Window, reads: Executor) -> WindowRead:
+    def read(self, span: Span, reads: Executor) -> SpanRead:
         (field,) = self.fields
-        objs = [self.reads.obj(field, p.shard) for p in window.pieces]
+        objs = [self.reads.obj(field, p.shard) for p in span.pieces]
         if not self.shards.ready(objs):
             # the disk cache does not hold them all yet: fetched piece by piece on the pool
             # (pinning here would fetch them one at a time)
-            return super().read(window, reads)
-        fut = now(self._rows, window, objs)  # bookkeeping only, in this thread
-        return WindowRead([fut], lambda: {field: fut.result()})
+            return super().read(span, reads)
+        fut = now(self._rows, span, objs)  # bookkeeping only, in this thread
+        return SpanRead([fut], lambda: {field: fut.result()})
 
-    def _rows(self, window: Window, objs: list[ShardObject]) -> ArenaRows | InPlace:
+    def _rows(self, span: Span, objs: list[ShardObject]) -> ArenaRows | InPlace:
         fmt = objs[0].fmt
         arena = process_arena(self.shards.slot_bytes(fmt), _objects.MAPPED_BYTES)
         got: list[Slot | np.ndarray | None] = []
         if arena is not None:
             try:
-                for obj, piece in zip(objs, window.pieces, strict=True):
+                for obj, piece in zip(objs, span.pieces, strict=True):
                     got.append(self.shards.pin(arena, obj, piece))
             except BaseException:
                 for g in got:
@@ -237,12 +230,12 @@ class ArenaSource(InPlaceSource):
                 raise
             slots = [g for g in got if isinstance(g, Slot)]
             if len(slots) == len(objs):
-                return ArenaRows(arena, slots, window.pieces, fmt, self.shards.stored)
+                return ArenaRows(arena, slots, span.pieces, fmt, self.shards.stored)
             for s in slots:  # a shard that cannot be held: this window is read shard by shard
                 arena.unpin(s)
         got += [None] * (len(objs) - len(got))
         return InPlace([g if isinstance(g, np.ndarray) else self.shards.array(o, p)
-                        for g, o, p in zip(got, objs, window.pieces, strict=True)], window.pieces, fmt.chunk_rows)
+                        for g, o, p in zip(got, objs, span.pieces, strict=True)], span.pieces, fmt.chunk_rows)
 
 
 class TokenSource(ShardSource):
@@ -252,12 +245,35 @@ class TokenSource(ShardSource):
     def __init__(self, reads: ProcessReads, fields: tuple[str, ...]) -> None:
         self.reads, self.fields = reads, fields
 
-    def read(self, window: Window, reads: Executor) -> WindowRead:
-        futs = [reads.submit(self.reads.read_tokens, self.fields, p) for p in window.pieces]
-        return WindowRead(futs, lambda: {f: RaggedWindow([x.result()[f] for x in futs]) for f in self.fields})
+    def read(self, span: Span, reads: Executor) -> SpanRead:
+        futs = [reads.submit(self.reads.read_tokens, self.fields, p) for p in span.pieces]
+        return SpanRead(futs, lambda: {f: RaggedWindow([x.result()[f] for x in futs]) for f in self.fields})
 
-    def near(self, windows: Sequence[Window]) -> bool:
+    def near(self, spans: Sequence[Span]) -> bool:
         return self.reads.objects.local
+
+
+class Labelled(ShardSource):
+    """One teacher's source in a stream of several (aligned versions read on the same rows): its
+    arrays are ``<label>/<array>`` in the stream's windows."""
+
+    def __init__(self, label: str, inner: ShardSource) -> None:
+        self.label, self.inner = label, inner
+        self.fields = tuple(f"{label}/{f}" for f in inner.fields)
+
+    def read(self, span: Span, reads: Executor) -> SpanRead:
+        got = self.inner.read(span, reads)
+        return SpanRead(got.futures, lambda: {f"{self.label}/{k}": v for k, v in got.result().items()},
+                        lambda _: got.close())
+
+    def near(self, spans: Sequence[Span]) -> bool:
+        return self.inner.near(spans)
+
+    def begin(self, epoch: Epoch) -> None:
+        self.inner.begin(epoch)
+
+    def end(self, finished: bool) -> None:
+        self.inner.end(finished)
 
 
 # -- one process's reads of one version -----------------------------------------------------------
@@ -271,15 +287,61 @@ class Caches:
     disk: DiskCacheOptions | None = None  # resolved; None: no disk tier
 
 
+class Viewed(Protocol):
+    """Which view of a version with views a process reads now (None: the version has none); a
+    reader's stream changes it at each epoch."""
+
+    @property
+    def view(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class FixedView:
+    """One view for good (a random access of ``version.view(v)[rows]``)."""
+
+    view: int | None = None
+
+
+class DecodedChunks:
+    """Decoded inner chunks kept in one process, least recently used out past ``budget`` bytes:
+    random access (a map-style dataset's batches are random samples) would otherwise decode a
+    chunk for every sample it reads, and zstd is the cost."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.held = budget, 0
+        self._chunks: OrderedDict[tuple[str, int | None, int, int], np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, key: tuple[str, int | None, int, int], decode: Callable[[], np.ndarray]) -> np.ndarray:
+        got = self._chunks.get(key)
+        if got is not None:
+            self._chunks.move_to_end(key)
+            return got
+        got = self._chunks[key] = decode()
+        self.held += got.nbytes
+        while len(self._chunks) > 1 and self.held > self.budget:
+            self.held -= self._chunks.popitem(last=False)[1].nbytes
+        return got
+
+
 class ProcessReads:
     """What one process reads a version with: its own storage (an fsspec filesystem is neither
     fork- nor loop-safe), its :class:`~featstore.read.shards._objects.ShardObjects`, its handles on
-    the node's caches, the arrays' shard formats and the sources chosen for them."""
+    the node's caches, the arrays' shard formats and the sources chosen for them.
 
-    def __init__(self, version: StoredVersion, fields: tuple[str, ...], viewing: ViewReading, caches: Caches,
-                 options: ReaderOptions) -> None:
+    ``viewing``: the view read now; ``reuse_buffers``: a consumed window's decoded buffer is
+    reused for a later one (shuffled batches are gathered copies; unshuffled ones are views of
+    it); ``chunk_bytes``: decoded inner chunks kept in this process (:class:`DecodedChunks`; 0:
+    none, what a streaming reader reads once an epoch)."""
+
+    def __init__(self, version: StoredVersion, fields: tuple[str, ...], viewing: Viewed = FixedView(),
+                 caches: Caches = Caches(), reuse_buffers: bool = False, chunk_bytes: int = 0) -> None:
         self.pid = os.getpid()
-        self.version, self.fields, self.viewing, self.options = version, fields, viewing, options
+        self.version, self.fields, self.viewing, self.reuse_buffers = version, fields, viewing, reuse_buffers
+        self.chunks = DecodedChunks(chunk_bytes) if chunk_bytes else None
+        self._token_rows: dict[tuple[int | None, int], int] = {}
         self.storage = version.storage.reopen()
         maps = process_maps()
         self.memory = NodeCache.open(Space.for_memory(caches.identity), caches.identity, caches.memory_bytes) \
@@ -294,51 +356,87 @@ class ProcessReads:
             else RemoteObjects(version, self.storage))
         self._formats: dict[str, ShardFormat | None] = {}
 
+    @property
+    def reading(self) -> StoredVersion:
+        """The version bound to the view read now."""
+        view = self.viewing.view
+        return self.version if view is None else self.version.view(view)
+
     def shard_format(self, field: str) -> ShardFormat | None:
         """The array's shard format when featstore's own decoder reads it (else zarr does)."""
         if field not in self._formats:  # every view has the same layout: one format per array
-            self._formats[field] = shard_format(self.viewing.reading.array(field))
+            self._formats[field] = shard_format(self.reading.array(field))
         return self._formats[field]
 
     def obj(self, field: str, shard: int) -> ShardObject:
         """Shard ``shard`` of ``field`` as this epoch reads it (its view's object)."""
         fmt = self.shard_format(field)
         assert fmt is not None
-        return ShardObject(self.viewing.reading, field, shard, fmt, self.viewing.view)
+        return ShardObject(self.reading, field, shard, fmt, self.viewing.view)
 
     def read_rows(self, field: str, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
         """Rows ``[lo, hi)`` of shard ``shard`` of ``field`` (its token rows for a per-token
         array), stored dtype, decoded into ``out`` in the calling thread."""
-        if self.shard_format(field) is None:
+        fmt = self.shard_format(field)
+        if fmt is None:
             spec = self.version.manifest.arrays[field]
             first = shard * (spec.tokens[0] if spec.ragged else self.version.manifest.layout.samples_per_shard)
-            out[...] = self.viewing.reading.read_rows(field, first + lo, first + hi)
-        else:
+            out[...] = self.reading.read_rows(field, first + lo, first + hi)
+        elif self.chunks is None:
             self.objects.decode(self.obj(field, shard), lo, hi, out)
+        else:
+            self._chunked(field, fmt, shard, lo, hi, out)
+
+    def _chunked(self, field: str, fmt: ShardFormat, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
+        """:meth:`read_rows` through the decoded chunks kept (each inner chunk decoded whole, once)."""
+        rows, view, chunks = fmt.chunk_rows, self.viewing.view, self.chunks
+        assert chunks is not None  # read_rows' caller
+        for c in range(lo // rows, -(-hi // rows)):
+            a, b = c * rows, (c + 1) * rows
+
+            def decode(a: int = a, b: int = b) -> np.ndarray:
+                b = min(b, self._stored(field, shard))
+                got = np.empty((b - a, *out.shape[1:]), dtype=out.dtype)
+                self.objects.decode(self.obj(field, shard), a, b, got)
+                return got
+            chunk = chunks.get((field, view, shard, c), decode)
+            out[max(lo, a) - lo:min(hi, b) - lo] = chunk[max(lo, a) - a:min(hi, b) - a]
+
+    def _stored(self, field: str, shard: int) -> int:
+        """Rows shard ``shard`` of ``field`` stores: its samples, or for a per-token array their tokens."""
+        start, stop = self.version.manifest.layout.shard_range(shard)
+        if not self.version.manifest.arrays[field].ragged:
+            return stop - start
+        key = (self.viewing.view, shard)
+        if key not in self._token_rows:
+            self._token_rows[key] = int(self.stored_rows(TOKEN_LENGTH, shard, 0, stop - start).sum(dtype=np.int64))
+        return self._token_rows[key]
+
+    def stored_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of shard ``shard`` of ``field``, as a new array (see :meth:`read_rows`)."""
+        spec = self.version.manifest.arrays[field]
+        out = np.empty((hi - lo, *spec.shape), dtype=spec.dtype)
+        if hi > lo:
+            self.read_rows(field, shard, lo, hi, out)
+        return out
 
     def read_tokens(self, fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
         """The token rows of ``piece``'s samples in each per-token array of ``fields``, found
         from their ``token_start``/``token_length`` (one run of rows in the shard), decoded in
         the calling thread: what :class:`TokenSource` reads, and the fill's stored shards."""
         spec = self.version.manifest.arrays
-        lengths = np.empty(piece.size, dtype=spec[TOKEN_LENGTH].dtype)
-        starts = np.empty(piece.size, dtype=spec[TOKEN_START].dtype)
-        self.read_rows(TOKEN_LENGTH, piece.shard, piece.lo, piece.hi, lengths)
-        self.read_rows(TOKEN_START, piece.shard, piece.lo, piece.hi, starts)
-        out = {}
-        for field in fields:
-            lo = int(starts[0]) - piece.shard * spec[field].tokens[0] if piece.size else 0
-            rows = np.empty((int(lengths.sum(dtype=np.int64)), *spec[field].shape), dtype=spec[field].dtype)
-            if len(rows):
-                self.read_rows(field, piece.shard, lo, lo + len(rows), rows)
-            out[field] = RaggedRows(rows, lengths)
-        return out
+        lengths = self.stored_rows(TOKEN_LENGTH, piece.shard, piece.lo, piece.hi)
+        first = 0
+        if piece.size and fields:
+            start = self.stored_rows(TOKEN_START, piece.shard, piece.lo, piece.lo + 1)
+            first = int(start[0]) - piece.shard * spec[fields[0]].tokens[0]
+        return piece_tokens(fields, lengths, first, lambda f, lo, hi: self.stored_rows(f, piece.shard, lo, hi))
 
-    def near(self, field: str, windows: Sequence[Window]) -> bool:
-        """Whether reading these windows of ``field`` needs no remote storage."""
+    def near(self, field: str, spans: Sequence[Span]) -> bool:
+        """Whether reading these spans of ``field`` needs no remote storage."""
         if self.objects.local or self.shard_format(field) is None:
             return self.objects.local
-        return self.objects.near(self.obj(field, p.shard) for w in windows for p in w.pieces)
+        return self.objects.near(self.obj(field, p.shard) for w in spans for p in w.pieces)
 
     @cached_property
     def sources(self) -> list[ShardSource]:
@@ -376,66 +474,100 @@ def default_cache_bytes() -> int:
     return max(1, st.f_bavail * st.f_frsize // 2)
 
 
-# -- windows in flight -----------------------------------------------------------------------------
-def windows_in_flight(sources: Sequence[ShardSource], reads: Executor, windows: Iterable[Window], prefetch: int,
-                      samples_per_shard: int) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
-    """Keeps shuffle windows in flight over ``sources`` and yields each once all its reads are
-    done (a window is permuted as a whole, so it is only usable once complete).
+# -- spans in flight -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamSources:
+    """One stream's sources in this process (a version's arrays, or several teachers' under
+    their labels), and what the rows' sample index is computed with."""
+
+    sources: Sequence[ShardSource]
+    samples_per_shard: int
+
+    def index(self, span: Span) -> np.ndarray:
+        """The sample index of each of ``span``'s rows, in read order."""
+        spp = self.samples_per_shard
+        return np.concatenate([np.zeros(0, dtype=np.int64)] + [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi,
+                                                                         dtype=np.int64) for p in span.pieces])
+
+
+#: Per stream, the span of one window to read (None: the window reads nothing of that stream).
+Unit = tuple[Span | None, ...]
+#: Per stream, the rows read of one unit (None where it read nothing), ``"index"`` among them.
+UnitRows = list[dict[str, SpanRows] | None]
+
+
+def spans_in_flight(streams: Sequence[StreamSources], reads: Executor, units: Iterable[Unit],
+                    prefetch: int) -> Iterator[UnitRows]:
+    """Keeps units (one window's spans of every stream) in flight over the streams' sources and
+    yields each once all its reads are done (a window is permuted as a whole, so it is only
+    usable once complete).
 
     Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
-    ``reads`` (``prefetch`` pool threads) issues them. The next window's reads are always in
+    ``reads`` (``prefetch`` pool threads) issues them. The next unit's reads are always in
     flight while the current one is consumed, so S3 latency hides behind Model B instead of
     adding up window by window. Every read decodes straight into its rows: no concatenation.
     """
-    todo, queue = iter(windows), deque[tuple[Window, np.ndarray, list[WindowRead]]]()
+    todo = iter(units)
+    queue = deque[tuple[int, list[tuple[np.ndarray, list[SpanRead]] | None]]]()
 
     def fill() -> None:
-        """Keep ``prefetch`` pieces in flight (the queued windows'), and the next two windows at least."""
-        while sum(len(w.pieces) for w, _, _ in queue) < prefetch or len(queue) < 2:
-            window = next(todo, None)
-            if window is None:
+        """Keep ``prefetch`` pieces in flight (the queued units'), and the next two units at least."""
+        while sum(n for n, _ in queue) < prefetch or len(queue) < 2:
+            unit = next(todo, None)
+            if unit is None:
                 return
-            index = np.concatenate([np.arange(p.shard * samples_per_shard + p.lo, p.shard * samples_per_shard + p.hi,
-                                              dtype=np.int64) for p in window.pieces])
-            queue.append((window, index, [s.read(window, reads) for s in sources]))
+            started = [None if span is None else (stream.index(span), [s.read(span, reads) for s in stream.sources])
+                       for stream, span in zip(streams, unit, strict=True)]
+            queue.append((sum(len(span.pieces) for span in unit if span is not None), started))
 
-    current: list[WindowRead] = []
+    current: list[SpanRead] = []
     try:
         fill()
         while queue:
-            window, index, current = queue.popleft()
-            arrays: dict[str, WindowRows] = {"index": index}
-            for r in current:
-                arrays.update(r.result())
+            _, started = queue.popleft()
+            rows: UnitRows = []
+            current = [r for got in started if got is not None for r in got[1]]
+            for got in started:
+                arrays: dict[str, SpanRows] | None = None
+                if got is not None:
+                    arrays = {"index": got[0]}
+                    for r in got[1]:
+                        arrays.update(r.result())
+                rows.append(arrays)
             fill()
-            yield window, arrays
-            for r in current:  # the consumer has cut every batch of this window
+            yield rows
+            for r in current:  # the consumer has cut every batch of this unit
                 r.close()
             current = []
     finally:
         for r in current:
             r.close()
-        for _, _, queued in queue:  # an abandoned epoch: do not read what nobody will use
-            for r in queued:
-                r.close()
+        for _, queued in queue:  # an abandoned epoch: do not read what nobody will use
+            for got in queued:
+                for r in () if got is None else got[1]:
+                    r.close()
 
 
-def read_windows(sources: Sequence[ShardSource], epoch: Epoch, prefetch: int,
-                 samples_per_shard: int) -> Iterator[tuple[Window, dict[str, WindowRows]]]:
-    """The epoch's windows from ``sources``, read ahead on a pool of ``prefetch`` threads, or
-    in the calling thread when no core is spare and nothing is remote: pool threads would only
-    take turns with Model B's torch threads (measured slower)."""
-    for s in sources:
-        s.begin(epoch)
+def read_spans(streams: Sequence[StreamSources], epochs: Sequence[Epoch], units: Iterable[Unit],
+               prefetch: int) -> Iterator[UnitRows]:
+    """The epoch's units from the streams' sources (``epochs``: what each stream's sources learn
+    when the iteration starts), read ahead on a pool of ``prefetch`` threads, or in the calling
+    thread when no core is spare and nothing is remote: pool threads would only take turns with
+    Model B's torch threads (measured slower)."""
+    begun: list[ShardSource] = []
     finished = False
     try:
-        todo = epoch.todo
-        here = spare_cores() < 1 and all(s.near(todo) for s in sources)
+        for stream, epoch in zip(streams, epochs, strict=True):
+            for s in stream.sources:
+                s.begin(epoch)
+                begun.append(s)
+        here = spare_cores() < 1 and all(s.near(epoch.todo) for stream, epoch in zip(streams, epochs, strict=True)
+                                         for s in stream.sources)
         with InThread() if here else ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read") as reads:
-            yield from windows_in_flight(sources, reads, todo, prefetch, samples_per_shard)
+            yield from spans_in_flight(streams, reads, units, prefetch)
         finished = True
     finally:
-        for s in sources:
+        for s in begun:
             s.end(finished)
 
 

@@ -1,20 +1,21 @@
-"""A reader's epochs and resume points: what a :class:`~featstore.FeatureDataset` (or a
-:class:`~featstore.read.MixtureDataset`) keeps about where it is, for itself and its DataLoader workers.
+"""A reader's epochs and resume points: what a :class:`~featstore.FeatureDataset` keeps about
+where it is, for itself and its DataLoader workers.
 
 One collaborator per dataset, :class:`EpochState`, owns:
 
 - the placement (rank, world size) and the epoch counter shared with DataLoader workers
   (:class:`~featstore.read.state._worker_share.SharedProgress`);
-- the resume point loaded by ``load_state_dict``: the rank-level count of
-  :mod:`featstore.read.state._resume` and, beside it, the epoch's global progress
+- the resume point loaded by ``load_state_dict`` (a :class:`~featstore.read.state.ReaderState`):
+  the rank-level count and, beside it, the epoch's global progress
   (:class:`~featstore.read.plans._elastic.ResumeState`: the plan and the batches each split consumed),
   kept in a small shared buffer of its own (:class:`LoadedProgress`) so that workers started
   before the load see it too;
 - what each iteration reads (:meth:`EpochState.start`): the consumer's whole share of a fresh
   epoch, or under a resume its share of the epoch's rest under the *current* split
   (:func:`~featstore.read.plans._elastic.resume`);
-- the states it saves: per rank (``state_dict(batches_seen=k)``) and per DataLoader worker
-  (torchdata's), both with a ``"progress"`` entry, and the rank-level state made of a loader's
+- the states it saves (:class:`~featstore.read.state.ReaderState`): per rank
+  (``state_dict(batches_seen=k)``) and per DataLoader worker (torchdata's), both with the
+  epoch's progress, and the rank-level state made of a loader's
   worker states (:meth:`EpochState.from_workers`, what :class:`featstore.StatefulLoader` loads
   under another number of workers).
 
@@ -30,34 +31,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import DistributedSetupError, InvalidInput
-from featstore.read.plans._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch, check_same_order,
-                                     epoch_share, progress, remaining_samples, resume)
-from featstore.read._options import ReaderOptions
+from featstore.read.plans import (EpochOrder, Partition, ResumeState, Segment, Share, Split, check_global_batch,
+                                  check_same_order, epoch_share, progress, remaining_samples, resume, rotated)
 from featstore.read.state._ranks import Placement, resolve
-from featstore.read.state._resume import (check_same_run, check_worker_state, check_workers, is_worker_state, rank_state,
-                                    rotated, worker_state)
-from featstore.read.plans._slices import Share
+from featstore.read.state._state import OrderOptions, ReaderState, StreamIdentity, WorkerPosition, check_workers
 from featstore.read.state._worker_share import SharedProgress, Start, check_epoch, in_worker, iteration_key, on_fork
-
-PROGRESS = "progress"
-
-
-class RunIdentity(Protocol):
-    """What a state names its data by: a version (or a mixture's versions) id and name."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +77,16 @@ class Iteration:
         return self.placement.rank * self.split.per_rank + self.role
 
 
+@dataclass(frozen=True)
+class WorkerResume:
+    """A DataLoader worker's own saved place (torchdata's), loaded for its next iteration: the
+    epoch, its position, and the epoch's progress before its iteration (None: an older featstore's)."""
+
+    epoch: int
+    position: WorkerPosition
+    base: ResumeState | None
+
+
 @dataclass
 class _Local:
     """What one process (the training process, or one DataLoader worker) keeps of its own."""
@@ -100,7 +96,7 @@ class _Local:
     current: Iteration | None = None
     yielded: int = 0  # batches yielded by the current iteration
     planned: Placement | None = None  # a persistent worker's placement of its last iteration
-    worker_resume: tuple[Any, ResumeState | None] | None = None  # a torchdata worker state loaded here
+    worker_resume: WorkerResume | None = None  # a torchdata worker state loaded here
 
 
 class LoadedProgress:
@@ -138,9 +134,9 @@ class LoadedProgress:
 class EpochState:
     """A dataset's epochs, placement and resume points (see the module docstring)."""
 
-    def __init__(self, ident: RunIdentity, options: ReaderOptions, order: EpochOrder, rank: int | None,
-                 world_size: int | None) -> None:
-        self.ident, self.options, self.order = ident, options, order
+    def __init__(self, streams: tuple[StreamIdentity, ...], options: OrderOptions, order: EpochOrder,
+                 rank: int | None, world_size: int | None) -> None:
+        self.streams, self.options, self.order = streams, options, order
         self._explicit = (rank, world_size)
         self._progress = SharedProgress()
         self._loaded = LoadedProgress()
@@ -171,13 +167,17 @@ class EpochState:
         self._progress.publish(resolve(*self._explicit))
         self._started = self._progress.stamp()
 
-    def partition(self, world: int) -> str:
-        return self.options.partition or ("even" if world == 1 else "pad")
+    def partition(self, world: int) -> Partition:
+        return cast("Partition", self.options.partition or ("even" if world == 1 else "pad"))  # checked by the options
 
     def split(self, world: int, workers: int) -> Split:
         """The split of ``world`` ranks with ``workers`` DataLoader workers each."""
         o = self.options
-        return Split(world, workers, o.batch_size, self.partition(world), o.drop_last)  # type: ignore[arg-type]
+        return Split(world, workers, o.batch_size, self.partition(world), o.drop_last)
+
+    def last_workers(self) -> int | None:
+        """The DataLoader workers the last iteration ran with (None before one)."""
+        return self._progress.last_workers()
 
     # -- epochs ---------------------------------------------------------------------------
     @property
@@ -212,12 +212,13 @@ class EpochState:
 
         key = None if info is None else iteration_key(info.seed - info.id, local.count)
         start = self._progress.begin(0 if info is None else 1 + worker, key, local.count == 0,
-                                     None if saved is None else saved[0].epoch, self._started if info else None,
+                                     None if saved is None else saved.epoch, self._started if info else None,
                                      refuse_other_workers)
         local.count += 1
         split = self.split(placement.world, workers)
         if saved is not None:  # torchdata's own worker state, under the same split
-            it = self._continued(start.epoch, placement, worker, split, saved[0].role, saved[0].batches, saved[1])
+            it = self._continued(start.epoch, placement, worker, split, saved.position.role, saved.position.batches,
+                                 saved.base)
         elif start.resume_seen is not None:
             state = loaded if loaded is not None and loaded.epoch == start.epoch else None
             it = self._resumed(start.epoch, placement, worker, split, start.resume_seen, state)
@@ -248,23 +249,28 @@ class EpochState:
         return Iteration(epoch, placement, worker, r.role, r.skipped, r.share, 0, False, state, split)
 
     # -- states ---------------------------------------------------------------------------
+    def _state(self, epoch: int | None, placement: Placement, workers: int | None, batches_seen: int = 0,
+               base: ResumeState | None = None, worker: WorkerPosition | None = None) -> ReaderState:
+        return ReaderState(epoch, self.streams, self.options, placement.world, placement.rank, workers, batches_seen,
+                           base, worker)
+
     def state_dict(self, batches_seen: int | None, num_workers: int | None) -> dict[str, Any]:
         """This rank's state (see :meth:`FeatureDataset.state_dict`); in a worker, the worker's."""
         if in_worker():
-            return self._worker_state()
+            return self._worker_state().to_dict()
         placement = self.placement().check()
         it = self.local.current
         workers = num_workers if num_workers is not None else self._progress.last_workers()
         base = self._base()
         prior = base.steps
         seen = prior + self.local.yielded if batches_seen is None else int(batches_seen)
-        state = rank_state(self.ident, self.options, self.epoch, seen, placement.world, placement.rank, workers)
+        done = None
         if workers is not None and (it is None or it.base is not None):
             if seen < prior:
                 raise InvalidInput(f"batches_seen={seen}, but this epoch had {prior} steps before the resume: "
                                    "pass the batches (steps) of the whole epoch so far.")
-            state[PROGRESS] = base.advanced(self.split(placement.world, workers), seen - prior).to_dict()
-        return state
+            done = base.advanced(self.split(placement.world, workers), seen - prior)
+        return self._state(self.epoch, placement, workers, seen, done).to_dict()
 
     def _base(self) -> ResumeState:
         """The epoch's progress before this process's iteration (or the loaded one for the
@@ -277,77 +283,76 @@ class EpochState:
             return loaded
         return ResumeState(self.epoch, self.order)
 
-    def _worker_state(self) -> dict[str, Any]:
+    def _worker_state(self) -> ReaderState:
         info, local = get_worker_info(), self.local
         assert info is not None  # called in a worker
         it = local.current
         if it is None:
-            p = self._progress.placement()
-            return worker_state(self.ident, self.options, None, info.id, 0, info.id, info.num_workers,
-                                p.world, p.rank)
-        state = worker_state(self.ident, self.options, it.epoch, it.role, it.skip + local.yielded, it.worker,
-                             it.split.workers, it.placement.world, it.placement.rank)
-        if it.base is not None:
-            state[PROGRESS] = {"base": it.base.to_dict(), "split": asdict(it.split), "since": local.yielded}
-        return state
+            return self._state(None, self._progress.placement(), info.num_workers,
+                               worker=WorkerPosition(info.id, info.num_workers, info.id))
+        position = WorkerPosition(it.worker, it.split.workers, it.role, it.skip + local.yielded,
+                                  it.split if it.base is not None else None, local.yielded)
+        return self._state(it.epoch, it.placement, it.split.workers, base=it.base, worker=position)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, data: dict[str, Any]) -> None:
         """Resume mid-epoch (see :meth:`FeatureDataset.load_state_dict`)."""
-        if is_worker_state(state):
+        state = ReaderState.from_dict(data)
+        state.check_streams(self.streams)
+        if state.worker is not None:
             if not in_worker():
                 raise InvalidInput("this is one DataLoader worker's state (torchdata's StatefulDataLoader saves "
                                    "one per worker): restore it with featstore.StatefulLoader.load_state_dict().")
-            check_same_run(state, self.ident, self.options, self._progress.placement().world)
+            state.check_options(self.options, self._progress.placement().world)
             info = get_worker_info()
             assert info is not None  # in_worker()
             # checked here, where torchdata reports a worker's error before it restores anything
-            resumed = check_worker_state(state, info.id, info.num_workers)
-            base = state.get(PROGRESS, {}).get("base")
-            self.local.worker_resume = None if resumed is None else (
-                resumed, None if base is None else ResumeState.from_dict(base))
+            resumed = state.for_worker(info.id, info.num_workers)
+            self.local.worker_resume = None if resumed is None or state.epoch is None else WorkerResume(
+                state.epoch, resumed, state.progress)
             return
-        saved = state.get(PROGRESS)
-        if saved is None:  # an old state: the same split only
-            check_same_run(state, self.ident, self.options, self.world)
+        if state.progress is None:  # an older featstore's state, or one saved before any iteration: the same split
+            state.check_options(self.options, self.world)
             self._loaded.write(None)
-            self._progress.set_resume(check_epoch(state["epoch"]), int(state["batches_seen"]),
-                                      state.get("num_workers"))
+            self._progress.set_resume(check_epoch(state.epoch), state.batches_seen, state.workers)
             return
-        check_same_run(state, self.ident, self.options, None)
-        progress_state = ResumeState.from_dict(saved)
-        check_same_order(progress_state.order, self.order)
-        epoch = check_epoch(progress_state.epoch)
-        if progress_state.segments:  # refused here, not in the first batch of every worker
-            check_global_batch(progress_state.segments[0].split, self.split(self.world, 0))
-        if not remaining_samples(progress_state):  # the epoch was read to its end: the next is whole
+        state.check_options(self.options, None)
+        saved = state.progress
+        check_same_order(saved.order, self.order)
+        epoch = check_epoch(saved.epoch)
+        if saved.segments:  # refused here, not in the first batch of every worker
+            check_global_batch(saved.segments[0].split, self.split(self.world, 0))
+        if not remaining_samples(saved):  # the epoch was read to its end: the next is whole
             self._loaded.write(None)
             self._progress.set_epoch(epoch + 1)
             return
-        self._loaded.write(progress_state)
-        self._progress.set_resume(epoch, progress_state.steps, None)
+        self._loaded.write(saved)
+        self._progress.set_resume(epoch, saved.steps, None)
 
     @property
     def world(self) -> int:
         return self.placement().check().world
 
     def from_workers(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The rank-level state made of one loader's worker states (torchdata's, all of one
-        rank at one step): the steps are the batches its workers produced, summed (DDP ranks
-        step together, so any rank's states describe the job). None: no worker had started.
-        :class:`InvalidInput` for old worker states (without progress)."""
-        started = [s for s in states if s.get("epoch") is not None]
-        if not started:
+        """The rank-level state made of one loader's saved dataset states (torchdata's: one per
+        worker, all of one rank at one step; or, without workers, the rank's own): the steps are
+        the batches its workers produced, summed (DDP ranks step together, so any rank's states
+        describe the job). None where it cannot be made with the epoch's progress (no worker had
+        started; an older featstore's states): then torchdata restores them as saved."""
+        parsed = [ReaderState.from_dict(s) for s in states if s]
+        for p in parsed:
+            p.check_streams(self.streams)
+        ranks = [p for p in parsed if p.worker is None]
+        if ranks:
+            return ranks[0].to_dict() if len(parsed) == 1 and ranks[0].progress is not None else None
+        started = [p for p in parsed if p.epoch is not None]
+        if not started or any(p.progress is None or p.worker is None or p.worker.split is None for p in started):
             return None
-        if any(PROGRESS not in s for s in started):
-            raise InvalidInput("these worker states were saved by an older featstore (no progress): resume with "
-                               "the same num_workers and world size, or start the epoch over.")
         first = started[0]
-        base, split = ResumeState.from_dict(first[PROGRESS]["base"]), Split(**first[PROGRESS]["split"])
-        since = sum(int(s[PROGRESS]["since"]) for s in started)
-        state = rank_state(self.ident, self.options, base.epoch, base.steps + since,
-                           first["world_size"], first["rank"], first["num_workers"])
-        state[PROGRESS] = base.advanced(split, since).to_dict()
-        return state
+        assert first.progress is not None and first.worker is not None and first.worker.split is not None
+        since = sum(p.worker.since for p in started if p.worker is not None)
+        done = first.progress.advanced(first.worker.split, since)
+        return ReaderState(first.progress.epoch, self.streams, first.options, first.world, first.rank, first.workers,
+                           first.progress.steps + since, done).to_dict()
 
     def __getstate__(self) -> dict[str, Any]:
         if not in_worker():  # pickled to start a worker (spawn): it shares the blocks, plans with this

@@ -61,7 +61,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featstore.errors import InvalidInput
-from featstore.read.shards._cache import held_open, process_local, shm_root
+from featstore.read.shards import held_open, process_local, shm_root
 from featstore.read.state._ranks import Placement
 
 # header words
