@@ -26,6 +26,8 @@ from featstore.versions._views import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     import torch
+
+    from featstore.compute._content import ComputeReport
     from zarr.abc.store import Store as ZarrStore
 
     from featstore.online._teacher import Teacher
@@ -46,10 +48,11 @@ class Version:
     torch.Size([10, 512])
     """
 
-    __slots__ = ("_stored",)
+    __slots__ = ("_stored", "_report")
 
-    def __init__(self, stored: StoredVersion) -> None:
+    def __init__(self, stored: StoredVersion, report: ComputeReport | None = None) -> None:
         self._stored = stored
+        self._report = report
 
     def __featstore_version__(self) -> StoredVersion:
         """The stored version behind this one (:func:`featstore.versions.stored`)."""
@@ -75,6 +78,17 @@ class Version:
         array) plus ``index``; ``v[view, rows]`` reads view ``view`` of a version with views
         (and adds ``view``)."""
         return self._stored[index]
+
+    @property
+    def report(self) -> ComputeReport | None:
+        """What the ``store.compute`` call that returned this object did: whether A ran, how the
+        dataset was compared with what was stored, how many items changed, shards computed and
+        reused (None on a version opened any other way).
+
+        >>> store.compute("cnn-a/train", model=a, dataset=edited).report.items_changed
+        1
+        """
+        return self._report
 
     @property
     def id(self) -> str:
@@ -267,7 +281,8 @@ class FeatureStore:
         """
         from featstore.compute._driver import run_compute
 
-        return Version(run_compute(self.catalog, name, ComputeCall(*args, **keywords)))
+        done = run_compute(self.catalog, name, ComputeCall(*args, **keywords))
+        return Version(done.version, done.report)
 
     @overload
     def dataset(self, ref: VersionRef, *, teacher: Teacher | None = None, **options: Any) -> FeatureDataset: ...

@@ -78,7 +78,7 @@ class ComputedSource(ShardSource):
         self.planned, self.reads, self.fields = planned, reads, reads.fields  # fields: ShardSource's
         self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
         self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
-        self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch()
+        self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch(planned.spec.digests)
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
         self.dropped: list[int] = []

@@ -207,7 +207,10 @@ class ViewDataset:
 
     def __getitems__(self, indices: Sequence[int]) -> list[Item]:
         getitems = getattr(self.dataset, "__getitems__", None)
-        items = list(getitems(list(indices))) if getitems else [self.dataset[i] for i in indices]
+        return self.seen(list(getitems(list(indices))) if getitems else [self.dataset[i] for i in indices], indices)
+
+    def seen(self, items: list[Item], indices: Sequence[int]) -> list[Item]:
+        """``items`` (the dataset's items ``indices``) as this view sees them."""
         return replay_rows(self.augment, items, view_seeds(self.seed, self.view, indices))
 
 
