@@ -92,7 +92,7 @@ def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store
     assert torch.equal(torch.cat([b["features"] for b in batches]), want["features"])
     group = zarr.open_group(v.zarr_store(), mode="r")  # plain Zarr, through the mapping store
     np.testing.assert_array_equal(group["logits"][:], stored(plain).read_rows("logits", 0, N))
-    assert sorted(group.array_keys()) == ["features", "logits", "target"]
+    assert sorted(group.array_keys()) == ["features", "item_digest", "logits", "target"]
     # Zarr opening the version's folder itself never reads the shards as fill values (zeros):
     # the arrays declare a chunk key encoding only featstore's mapping store understands
     folder = zarr.open_group(stored(v).storage.zarr_store(stored(v).key, read_only=True), mode="r")
