@@ -27,7 +27,8 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from featstore.errors import InvalidInput
+from featstore.errors import InvalidInput, SourceMismatch
+from featstore.format._manifests import Manifest
 from featstore._user_types import Item
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
@@ -120,3 +121,81 @@ def first_mismatch(indices: np.ndarray, got: np.ndarray, stored: np.ndarray) -> 
     ``stored`` (rows aligned with ``indices``), or None when all agree."""
     differ = np.flatnonzero((np.asarray(got) != np.asarray(stored)).any(axis=1))
     return int(np.asarray(indices)[differ[0]]) if len(differ) else None
+
+
+class InputCheck:
+    """The items a reader holds, checked against the input digests a version stored for their
+    rows: what joins the user's own items to stored outputs (``store.dataset(source=...)``,
+    ``hf.SoftLabels``, the teacher in the loop reading what a fill stored) calls it as it reads,
+    so a row is never served beside an item other than the one it was computed from.
+
+    The stored digests are read a shard at a time and the last few kept (16 bytes a sample); a
+    copy sent to a DataLoader worker starts empty. :meth:`of` is None for a version stored
+    without digests (written before they existed, or with items that cannot be digested): its
+    readers check the sampled identity only.
+    """
+
+    KEPT_SHARDS = 8
+
+    def __init__(self, version: DigestSource) -> None:
+        self.version = version
+        self._shards: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, version: DigestSource) -> InputCheck | None:
+        """The check of ``version``'s items (every view holds the same digests), or None."""
+        if version.views is not None:
+            version = version.view(0)
+        return cls(version) if DIGEST_FIELD in version.manifest.arrays else None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_shards": {}}
+
+    def stored(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The stored digests of rows ``indices`` (``uint8 [len, DIGEST_BYTES]``)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        layout = self.version.manifest.layout
+        out = np.empty((len(idx), DIGEST_BYTES), dtype=np.uint8)
+        shard = idx // layout.samples_per_shard
+        for s in np.unique(shard):
+            at = shard == s
+            out[at] = self._shard(int(s))[idx[at] - int(s) * layout.samples_per_shard]
+        return out
+
+    def _shard(self, s: int) -> np.ndarray:
+        if s not in self._shards:
+            if len(self._shards) >= self.KEPT_SHARDS:
+                self._shards.pop(next(iter(self._shards)))
+            start, stop = self.version.manifest.layout.shard_range(s)
+            self._shards[s] = self.version.read_rows(DIGEST_FIELD, start, stop)
+        return self._shards[s]
+
+    def check(self, indices: Sequence[int] | np.ndarray, items: Sequence[Item], what: str) -> None:
+        """Raise :class:`SourceMismatch` naming the first of ``indices`` whose item (``items``,
+        in the same order, as the dataset gives them) is not the one the version was computed
+        from; ``what`` names the dataset in the message (``"source"``, ``"the dataset"``)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = first_mismatch(idx, item_digests(items), self.stored(idx))
+        if bad is not None:
+            raise SourceMismatch(
+                f"item {bad} of {what} is not the item {self.version.ref} was computed from (its input digest "
+                f"differs): its stored outputs belong to another input. Compute the version again on this "
+                f"dataset (store.compute reuses every unchanged shard and computes only the changed ones), or "
+                f"pass the dataset it was computed on.", index=bad)
+
+
+class DigestSource(Protocol):
+    """What :class:`InputCheck` reads of a version (a :class:`~featstore.versions.StoredVersion`)."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def views(self) -> int | None: ...
+
+    @property
+    def ref(self) -> str: ...
+
+    def view(self, view: int) -> DigestSource: ...
+
+    def read_rows(self, field: str, start: int, stop: int) -> np.ndarray: ...
