@@ -53,13 +53,25 @@ class Hasher(Protocol):
     def update(self, data: bytes, /) -> None: ...
 
 
+def _buffer(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The bytes of a tensor (on any device) or array in C order, as a flat uint8 array (a view
+    where the data already is contiguous on the CPU)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
+        return t.reshape(-1).view(torch.uint8).numpy()
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
 def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) -> None:
     """Feed one dataset item into ``h`` (tensors, arrays, numbers, strings, and dicts, lists and
     tuples of them); ``path`` names the field being fed (for the message of an item that cannot
     be digested: :class:`InvalidInput`). ``compact``: a list or tuple of plain ints is fed as one
     int64 array (the per-sample digests; the sampled fingerprint digest keeps ``False``)."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
-        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + array_bytes(item))
+        # the bytes of b"T"/b"N" + array_bytes(item), fed without copying the data
+        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + f"{item.dtype}{tuple(item.shape)}".encode())
+        h.update(_buffer(item))
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):

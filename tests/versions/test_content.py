@@ -228,3 +228,21 @@ def test_a_store_from_before_digests_reads_and_its_reruns_keep_the_sampled_ident
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(torch.cat([b["index"] for b in ds])) == 100
+
+
+def test_the_command_line_says_how_many_items_changed(tmp_path, capsys):
+    from featstore.cli import main
+
+    argv = ["compute", str(tmp_path / "store"), "c/cli", "--model", "tests.cli_factories:small_model", "--dataset",
+            "tests.cli_factories:small_dataset", "--outputs", "features=float16", "--scheduler", "in-process",
+            "--no-progress"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("committed c/cli@") and "nothing to compare with;" in first and ", 0 reused" in first
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert report["computed"] is False and report["check"] == "digests"
+    assert (report["items_checked"], report["items_changed"], report["shards_computed"]) == (1200, 0, 0)
+    assert main(argv) == 0
+    again = capsys.readouterr().out
+    assert again.startswith("found c/cli@") and "0 of 1200 items changed; 0 shards computed" in again
