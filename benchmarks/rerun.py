@@ -63,7 +63,8 @@ def measure(n: int) -> dict[str, object]:
         again, t_again = _compute(store, SyntheticImages(n))
         edited, t_edited = _compute(store, OneEdited(n, n // 2 + 7))
     return {"n": n, "load_start": round(load, 2), "load_end": round(os.getloadavg()[0], 2),
-            "cores": os.cpu_count(), "first_s": round(t_first, 2), "first_compute_s": first.manifest.timings["compute_s"],
+            "cores": os.cpu_count(), "first_s": round(t_first, 2),
+            "first_compute_s": first.manifest.timings["compute_s"],
             "unchanged_s": round(t_again, 2), "unchanged_report": again.report.to_json(),
             "edited_s": round(t_edited, 2), "edited_report": edited.report.to_json(),
             "shards": first.manifest.layout.n_shards, "same_id": again.id == first.id, "new_id": edited.id != first.id}
@@ -80,10 +81,12 @@ def section(r: dict) -> str:
         f"LocalCluster ({r['shards']} shards), then the same call again, then again with one item edited. A rerun "
         "reads and digests every item (no Model A) and compares each with the digest stored for its row "
         "(`version.report` says what it found).", "",
-        "| call | wall time | Model A ran | items checked / changed | shards computed / reused | check |",
+        "| call | wall time | Model A ran | items checked / changed | shards computed / reused | check |",  # noqa: E501
         "|---|---|---|---|---|---|",
-        f"| first compute | {r['first_s']:.1f} s (compute {r['first_compute_s']:.1f} s) | yes | - | {r['shards']} / 0 | - |",
-        f"| unchanged rerun | {r['unchanged_s']:.2f} s | no | {un['items_checked']:,} / {un['items_changed']} | 0 / 0 | "
+        f"| first compute | {r['first_s']:.1f} s (compute {r['first_compute_s']:.1f} s) | yes | - | "
+        f"{r['shards']} / 0 | - |",
+        f"| unchanged rerun | {r['unchanged_s']:.2f} s | no | {un['items_checked']:,} / {un['items_changed']} | "
+        "0 / 0 | "
         f"{un['check_s']:.2f} s |",
         f"| one item edited | {r['edited_s']:.1f} s | yes | {ed['items_checked']:,} / {ed['items_changed']} | "
         f"{ed['shards_computed']} / {ed['shards_reused']} | {ed['check_s']:.2f} s |",
