@@ -102,6 +102,10 @@ def test_a_changed_item_recomputes_only_its_shard(kind, tmp_path):
     fresh = _compute(featstore.open_store(tmp_path / "fresh"), edited(), **kw)
     _same_rows(new.load(), fresh.load())
     assert new.manifest.content == fresh.manifest.content  # the same items, the same content digest
+    # the reader's own path through the referenced shards (per-token rows too) gives the same rows
+    read = list(store.dataset(new.ref, batch_size=16, shuffle=False))
+    assert torch.cat([b["index"] for b in read]).tolist() == list(range(N))
+    assert torch.equal(torch.cat([b["logits"] for b in read]), new.load()["logits"])
     assert not torch.equal(new[EDITED:EDITED + 1]["logits"], v[EDITED:EDITED + 1]["logits"])
 
     rerun = _compute(store, edited(), **kw)  # those very items again: found, nothing computed
