@@ -37,7 +37,7 @@ from featstore.codecs import RaggedRows, assemble
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.read import FeatureDataset, ProcessReads, check_source, rows_of
-from featstore.versions import HasStoredVersion, StoredVersion, stored
+from featstore.versions import HasStoredVersion, InputCheck, StoredVersion, stored
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,9 @@ class SoftLabels(torch.utils.data.Dataset):
             the module docstring).
         dataset: the dataset the version was computed on (:class:`TokenizedTexts` or any
             map-style dataset whose items hold ``input_key``), checked against the version's
-            length and content digest; a mixture: one per stream, in order.
+            length and sampled content digest at once, and every item as it is read against the
+            input digest stored for its row (:class:`~featstore.SourceMismatch` naming the item);
+            a mixture: one per stream, in order.
         tokenizer: the student's tokenizer; every version must have been computed with the same
             vocabulary and special tokens, else :class:`~featstore.SourceMismatch` names what differs.
         temperature: the temperature the student distils at; must be every version's stored one.
@@ -165,8 +167,9 @@ class SoftLabels(torch.utils.data.Dataset):
             raise InvalidInput(f"give one dataset per stream: {len(versions)} versions, {len(datasets)} datasets.")
         self.teachers = [StoredRows(v, output, tokenizer, temperature, cache_bytes) for v in versions]
         for t, d in zip(self.teachers, datasets, strict=True):
-            check_source(t.version, d)
+            check_source(t.version, d, what="the dataset")
         self.datasets = datasets
+        self.inputs = [InputCheck.of(t.version) for t in self.teachers]  # each item read is checked against its row
         # sample i of the dataset: stream stream[i], that stream's sample index[i]
         self.stream = np.concatenate([np.full(len(x), k, dtype=np.int64) for k, x in enumerate(samples)])
         self.index = np.concatenate(samples).astype(np.int64)
@@ -198,15 +201,19 @@ class SoftLabels(torch.utils.data.Dataset):
         for k in np.unique(self.stream[idx]).tolist():
             at = np.flatnonzero(self.stream[idx] == k)
             samples = self.index[idx[at]]
+            items = [self.datasets[k][s] for s in samples.tolist()]
+            check = self.inputs[k]
+            if check is not None:
+                check.check(samples, items, "the dataset")
             rows = self.teachers[k].rows(samples)
             starts = np.concatenate([[0], np.cumsum(rows.lengths)])
             for pos, (i, sample) in enumerate(zip(at.tolist(), samples.tolist(), strict=True)):
                 a, b = int(starts[pos]), int(starts[pos + 1])
-                out[i] = self._sample(k, int(idx[i]), sample, rows.ids[a:b], rows.logprobs[a:b])
+                out[i] = self._sample(k, int(idx[i]), sample, items[pos], rows.ids[a:b], rows.logprobs[a:b])
         return out  # type: ignore[return-value]  # every position was filled above
 
-    def _sample(self, k: int, index: int, sample: int, ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
-        item = self.datasets[k][sample]
+    def _sample(self, k: int, index: int, sample: int, item: Any, ids: torch.Tensor, logprobs: torch.Tensor
+                ) -> Sample:
         input_ids = torch.as_tensor(item[self.input_key], dtype=torch.long).reshape(-1)
         if len(input_ids) != len(ids):
             raise SourceMismatch(f"sample {sample} has {len(input_ids)} token ids in the dataset but {len(ids)} "

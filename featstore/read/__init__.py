@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: import
                                          ReadKeywords as ReadKeywords, read_call as read_call)
     from featstore.read._reader import Batch as Batch, FeatureDataset as FeatureDataset, SOURCE as SOURCE
     from featstore.read._rows import rows_of as rows_of, version_rows as version_rows
-    from featstore.read._streams import (Join as Join, RowsFrom as RowsFrom, Stream as Stream,
-                                         Versionish as Versionish)
+    from featstore.read._options import Join as Join
+    from featstore.read._streams import RowsFrom as RowsFrom, Stream as Stream, Versionish as Versionish
     from featstore.read._views import check_source as check_source
     from featstore.read.plans import (ConsumerPlan as ConsumerPlan, dropped_pieces as dropped_pieces,
                                       PARTITIONS as PARTITIONS, Piece as Piece, ShardPermutation as ShardPermutation,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: import
 
 _NAMES = {
     "FeatureDataset": "_reader", "Batch": "_reader", "SOURCE": "_reader", "mix": "_mix",
-    "Stream": "_streams", "Join": "_streams", "RowsFrom": "_streams", "Versionish": "_streams",
+    "Stream": "_streams", "Join": "_options", "RowsFrom": "_streams", "Versionish": "_streams",
     "ReaderOptions": "_options", "ReadKeywords": "_options", "ReadCall": "_options", "read_call": "_options",
     "CACHES": "_options", "rows_of": "_rows", "version_rows": "_rows", "check_source": "_views",
     # the plan (pure)

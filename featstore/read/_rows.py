@@ -74,9 +74,10 @@ class _Kept:
             self.pid, self.reads = os.getpid(), OrderedDict()
         key = (version, version.read_view)
         if key not in self.reads:
+            # every array but the per-token bookkeeping and the input digests (featstore's own, not a user's row)
             arrays = version.manifest.arrays
-            self.reads[key] = ProcessReads(version, tuple(f for f, a in arrays.items() if f not in TOKEN_FIELDS),
-                                           FixedView(version.read_view))
+            fields = tuple(f for f, a in arrays.items() if f not in TOKEN_FIELDS and a.source != "digest")
+            self.reads[key] = ProcessReads(version, fields, FixedView(version.read_view))
             while len(self.reads) > KEPT:
                 self.reads.popitem(last=False)
         self.reads.move_to_end(key)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from featstore._allowed_names import check_field
 from featstore.codecs import expand_fields
 from featstore.errors import InvalidInput
-from featstore.format import ArraySpec
+from featstore.format import SERVED_SOURCES, ArraySpec
 from featstore.read._options import Join
 from featstore.read.shards import ProcessReads, ShardSource
 from featstore.read.state import Member as MemberIdentity
@@ -163,8 +163,9 @@ def resolve(given: Sequence[Stream], fields: Fields) -> tuple[ReadStream, ...]:
 
 
 def _fields(version: StoredVersion, label: str | None, fields: Fields, mixed: bool) -> tuple[str, ...]:
-    """The arrays read of ``version``: the given ones (a per-label mapping's entry), or all but
-    the views' replay seeds and the per-token bookkeeping; an output stored in parts is read whole."""
+    """The arrays read of ``version``: the given ones (a per-label mapping's entry), or all it
+    serves (A's outputs and the kept fields: not featstore's own, the input digests, the views'
+    replay seeds and the per-token bookkeeping); an output stored in parts is read whole."""
     arrays = version.manifest.arrays
     wanted: Sequence[str] | None
     if isinstance(fields, Mapping):
@@ -177,7 +178,7 @@ def _fields(version: StoredVersion, label: str | None, fields: Fields, mixed: bo
     if isinstance(wanted, str):
         wanted = (wanted,)
     chosen = expand_fields(arrays, tuple(wanted) if wanted is not None else tuple(
-        f for f, a in arrays.items() if a.source not in ("seed", "tokens")))
+        f for f, a in arrays.items() if a.source in SERVED_SOURCES))
     missing = sorted(set(chosen) - set(arrays))
     if missing:
         raise InvalidInput(f"version {version.ref} has no arrays {missing}; it has {sorted(arrays)}.")

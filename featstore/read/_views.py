@@ -15,8 +15,8 @@ from featstore._json import JSONObject
 from featstore._user_types import MapDataset
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.read._options import Join
-from featstore.versions import (SourceJoin, StoredVersion, check_view_mode, dataset_digest, describe_key,
-                                epoch_seeds, epoch_view, normalize_fields, view_seeds)
+from featstore.versions import (InputCheck, SourceJoin, StoredVersion, check_view_mode, dataset_digest, describe_key,
+                                epoch_seeds, epoch_view, normalize_fields, sample_positions, view_seeds)
 
 
 class StreamViews:
@@ -28,7 +28,9 @@ class StreamViews:
     pixels A saw), else a fresh seed per (reader seed, epoch, index). Before any batch, the
     join's ``source`` must match the dataset the version was computed on (its length and sampled
     content digest, or ``source_id`` where the version was computed with ``dataset_id``), and with
-    views ``augment`` must be the one the version was computed with: :class:`SourceMismatch` if not.
+    views ``augment`` must be the one the version was computed with; then each item joined must be
+    the one its row was computed from (the version's input digests, where it stores them):
+    :class:`SourceMismatch` if not, naming the item.
     """
 
     def __init__(self, version: StoredVersion, mode: str | int | None, seed: int, join: Join | None) -> None:
@@ -50,7 +52,7 @@ class StreamViews:
             if describe_key(join.augment) != views.augment:
                 raise SourceMismatch(f"augment is not the function {version.ref} was computed with (its "
                                      "source differs); pass that same function, or recompute the views.")
-        self.join = SourceJoin(join.source, join.augment, normalize_fields(join.fields))
+        self.join = SourceJoin(join.source, join.augment, normalize_fields(join.fields), InputCheck.of(version))
 
     def start_epoch(self, epoch: int) -> None:
         """Pick this epoch's view."""
@@ -76,7 +78,8 @@ class StreamViews:
         return self.join is not None and self.join.fields is not None
 
 
-def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None) -> None:
+def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None,
+                 what: str = "source") -> None:
     """Raise :class:`SourceMismatch` unless ``source`` is the dataset ``version`` was computed on.
 
     >>> check_source(store.open("cnn-a/train"), train_set)   # silent when they match
@@ -95,6 +98,10 @@ def check_source(version: StoredVersion, source: MapDataset, source_id: str | No
             raise SourceMismatch(f"source_id {source_id!r} is not the dataset_id {want['id']!r} that "
                                  f"{version.ref} was computed with.")
         return  # computed with a dataset_id: only its length can be checked without source_id
+    check = InputCheck.of(version)
+    if check is not None:  # the sampled items one by one: a mismatch names its index
+        at = sample_positions(n)
+        check.check(at, [source[i] for i in at], what)
     if dataset_digest(source)["digest"] != want.get("digest"):
         raise SourceMismatch(f"source is not the dataset {version.ref} was computed on (its sampled "
                              "content digest differs): rows would silently misalign. Pass that dataset "

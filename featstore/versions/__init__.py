@@ -19,6 +19,7 @@ from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim, Commits
 from featstore.versions._alignment import check_aligned, views_of
 from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored, verify_version
+from featstore.versions._digests import DIGEST_FIELD, InputCheck, content_digest, item_digest, item_digests
 from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, receipt_key, tag_key,
                                       version_key, view_key)
 from featstore.versions._receipts import (compact_receipts, finished_shards, forget_receipts, read_receipts, run_key,
@@ -29,12 +30,13 @@ from featstore.versions._views import (SEED_POLICY, VIEW_FIELD, Augment, SourceJ
 if TYPE_CHECKING:
     from featstore.versions._committed import Index as Index
     from featstore.versions._export import Exported, export_version, verify_export
-    from featstore.versions._fingerprints import dataset_digest, describe_key
+    from featstore.versions._fingerprints import dataset_digest, describe_key, sample_positions
 
 # The export imports zarr, the fingerprints numpy: imported when first asked for.
 _lazy, __dir__ = lazy_exports(__name__, {"Exported": "_export", "export_version": "_export",
                                          "verify_export": "_export", "dataset_digest": "_fingerprints",
-                                         "describe_key": "_fingerprints"})
+                                         "describe_key": "_fingerprints",
+                                         "sample_positions": "_fingerprints"})
 
 
 def __getattr__(name: str) -> object:
@@ -45,10 +47,10 @@ def __getattr__(name: str) -> object:
     return _lazy(name)
 
 
-__all__ = ["GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "VIEW_FIELD", "Augment",
-           "Catalog", "Claim", "Commits", "Exported", "HasStoredVersion", "SourceJoin", "StoredVersion", "Views",
-           "check_aligned", "check_view_mode", "compact_receipts", "dataset_digest", "describe_key", "epoch_seeds",
-           "epoch_view", "export_version", "finished_shards", "forget_receipts", "missing_data_error",
-           "normalize_fields", "read_receipts", "receipt_key", "replay", "run_key", "stored", "tag_key",
-           "verify_export", "verify_version", "version_key", "view_key", "view_seed", "view_seeds", "views_of",
-           "write_receipt"]
+__all__ = ["DIGEST_FIELD", "GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "VIEW_FIELD",
+           "Augment", "Catalog", "Claim", "Commits", "Exported", "HasStoredVersion", "InputCheck", "SourceJoin",
+           "StoredVersion", "Views", "check_aligned", "check_view_mode", "compact_receipts", "content_digest",
+           "dataset_digest", "describe_key", "epoch_seeds", "epoch_view", "export_version", "finished_shards",
+           "forget_receipts", "item_digest", "item_digests", "missing_data_error", "normalize_fields", "read_receipts",
+           "receipt_key", "replay", "run_key", "sample_positions", "stored", "tag_key", "verify_export",
+           "verify_version", "version_key", "view_key", "view_seed", "view_seeds", "views_of", "write_receipt"]
