@@ -154,11 +154,14 @@ class InputCheck:
         self._shards: dict[int, np.ndarray] = {}
 
     @classmethod
-    def of(cls, version: DigestSource) -> InputCheck | None:
-        """The check of ``version``'s items (every view holds the same digests), or None."""
+    def of(cls, version: DigestSource, filling: bool = False) -> InputCheck | None:
+        """The check of ``version``'s items (every view holds the same digests), or None; None
+        too for the plan of a version not committed (the teacher in the loop computes from the
+        items), unless ``filling``: a fill checks the shards it finds stored."""
         if version.views is not None:
             version = version.view(0)
-        return cls(version) if DIGEST_FIELD in version.manifest.arrays else None
+        known = version.manifest.committed or filling
+        return cls(version) if known and DIGEST_FIELD in version.manifest.arrays else None
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_shards": {}}
