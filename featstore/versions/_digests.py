@@ -50,7 +50,7 @@ def array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
 class Hasher(Protocol):
     """What :func:`update_item` feeds: a hashlib object (sha256, blake2b)."""
 
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: bytes | np.ndarray, /) -> None: ...
 
 
 def _buffer(x: torch.Tensor | np.ndarray) -> np.ndarray:
