@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.format._manifests import Manifest
 from featstore._user_types import Item
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 #: The array of every new version holding each sample's input digest (never served in batches).
 DIGEST_FIELD = "item_digest"
@@ -50,17 +53,17 @@ def array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
 class Hasher(Protocol):
     """What :func:`update_item` feeds: a hashlib object (sha256, blake2b)."""
 
-    def update(self, data: bytes | np.ndarray, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
 
 
-def _buffer(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The bytes of a tensor (on any device) or array in C order, as a flat uint8 array (a view
-    where the data already is contiguous on the CPU)."""
+def _buffer(x: torch.Tensor | np.ndarray) -> memoryview:
+    """The bytes of a tensor (on any device) or array in C order (a view where the data already
+    is contiguous on the CPU)."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
         t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
-        return t.reshape(-1).view(torch.uint8).numpy()
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        return t.reshape(-1).view(torch.uint8).numpy().data
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).data
 
 
 def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) -> None:
