@@ -38,7 +38,7 @@ from featstore.hf._loss import Distillation, distill_loss, lm_loss, topk_kd_loss
 from featstore.hf._smollm2 import smollm2, stdlib_docstrings
 from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
 
-__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation", "Sample",
-           "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
+__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation",
+           "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
            "distill_loss", "lm_loss", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
            "topk_kd_loss", "vocabulary"]
