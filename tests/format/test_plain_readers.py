@@ -102,7 +102,7 @@ def _as_batch(version, plain: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     spec = version.manifest.arrays
     out = {}
     for field, values in plain.items():
-        if spec[field].source in ("seed", "tokens"):
+        if spec[field].source in ("seed", "tokens", "digest"):  # not batch columns
             continue
         if spec[field].ragged:  # each sample's real tokens, sample after sample
             values = values[gather_rows(plain[TOKEN_START], plain[TOKEN_LENGTH])]
