@@ -6,8 +6,8 @@ that featstore stored a real teacher's ``logits.tail``: unwritten chunk rows inc
 on that commit (a copy of it: ``git archive cbb9962 | tar -x -C /tmp/old``):
     PYTHONPATH=/tmp/old python tests/data/make_store_lm_pow2.py tests/data/store-lm-pow2
 It writes the store, ``<out>-ids.json`` (the versions' ids) and ``<out>-expected.npz`` (every
-sample's ids and log-probs as that featstore read them back; both versions hold the same). Kept to show how the fixture was
-made; the tests only read it (tests/hf/test_sizes.py)."""
+sample's ids and log-probs as that featstore read them back; both versions hold the same). Kept
+to show how the fixture was made; the tests only read it (tests/hf/test_sizes.py)."""
 import json
 import os
 import shutil
