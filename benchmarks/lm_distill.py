@@ -492,7 +492,8 @@ def sizes_section(res: dict[str, Any]) -> str:
              f"{res['python']}'s standard library (truncated to {DOC_MAX_TOKENS} tokens) that hold each number of "
              "tokens, on a local store. Bytes a token: every file under the soft-label arrays' folders "
              "(`logits.ids`, `logits.values`, `logits.tail`: shard objects and `zarr.json`) over the real tokens, "
-             "as the section above counts them; and the whole version folder. One run, load average "
+             "as the SmolLM2 section above counts its soft-label row; and the whole version folder. One run, load "
+             "average "
              f"{load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end (2 shared cores).", "",
              "| tokens | texts | shards | token rows a chunk (ids / values / tail) | soft labels, B/token | ids "
              "| values | tail | whole version, B/token | KL(exact top-50 ‖ stored), nats | compute s |",
@@ -519,6 +520,19 @@ SFT_CONFIGS = (("SFTConfig's defaults (bf16, gradient checkpointing)", {}),
                ("bf16=False, gradient_checkpointing=False", {"bf16": False, "gradient_checkpointing": False}))
 
 
+def cpu_bf16() -> str:
+    """This machine's CPU model and whether it has native bf16 instructions (what bf16 autocast costs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    native = sorted({flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info})
+    return f"{model}, {'native bf16: ' + ', '.join(native) if native else 'no native bf16 instructions'}"
+
+
 def measure_sft_cpu(steps: int = 2) -> dict[str, Any]:
     """``steps`` steps of TRL's ``SFTTrainer`` as docs/distilling-lms.md shows it (the 2-layer
     student, batches of 8 texts read from the store), with ``SFTConfig``'s defaults and with bf16
@@ -527,7 +541,7 @@ def measure_sft_cpu(steps: int = 2) -> dict[str, Any]:
     teacher, tok = hf.smollm2()
     data = hf.TokenizedTexts(hf.stdlib_docstrings()[:8 * steps], tok, max_tokens=DOC_MAX_TOKENS)
     where = tempfile.mkdtemp(prefix="lm-sft-")
-    res: dict[str, Any] = {"steps": steps, "tokens": data.tokens, "runs": []}
+    res: dict[str, Any] = {"steps": steps, "tokens": data.tokens, "cpu": cpu_bf16(), "runs": []}
     try:
         v = documented_compute(featstore.open_store(os.path.join(where, "store")), teacher, tok, data)
         hf.student_from(teacher, num_hidden_layers=2).save_pretrained(os.path.join(where, "student"))
@@ -584,7 +598,8 @@ def sft_section(res: dict[str, Any]) -> str:
              f"`python -m benchmarks.lm_distill --sft-cpu`: {res['steps']} steps of the `SFTTrainer` snippet of "
              "[docs/distilling-lms.md](distilling-lms.md) (the 2-layer student of SmolLM2's configuration, batches of "
              f"8 docstrings, {res['tokens']:,} tokens, read from the store), the trainer's construction and `train()` "
-             "timed, each configuration run once in a fresh process, on this 2-core CPU, both with `use_cpu=True` "
+             f"timed, each configuration run once in a fresh process, on 2 shared cores ({res.get('cpu', 'CPU')}), "
+             "both with `use_cpu=True` "
              "(without it, `SFTConfig`'s default bf16 refuses to "
              "start on a machine without a GPU: \"Your setup doesn't support bf16/gpu\").", "",
              "| SFTConfig | bf16 | gradient checkpointing | trainer built, s | train() s | loss | load average "
