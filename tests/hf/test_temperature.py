@@ -16,8 +16,6 @@ from tests.hf.conftest import compute_teacher
 from tests.hf.lm import llama, tokenizer
 
 T = 2.0
-#: seconds each (a compute, Trainer steps): the slow lane (tests/conftest.py)
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
