@@ -40,6 +40,11 @@ def versions(tmp_path_factory):
                                 outputs={"logits": "topk:4"}, batch_size=8, samples_per_shard=16,
                                 tokens=Tokens(mask=attention_mask, max_tokens=12),
                                 options=ComputeOptions(progress=False, collate=pad_tokens)),
+        # compact soft labels in compute's own token layout: chunks sized by bytes, the range rounded up
+        "softlabels": write_version(store, "plain/softlabels", model=TinyLM(), dataset=TokenSeqs(40),
+                                    outputs={"logits": "topkq:4"}, batch_size=8,
+                                    tokens=Tokens(mask=attention_mask, max_tokens=12),
+                                    options=ComputeOptions(progress=False, collate=pad_tokens)),
         "spread": write_version(store, "plain/spread", n=90, outputs={"features": "bfloat16", "logits": "sample:3"},
                                 samples_per_shard=16, batch_size=256,
                                 options=ComputeOptions(progress=False, spread_prefixes=4)),
@@ -120,7 +125,7 @@ def _check_reads_bit_for_bit(version, root: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["codecs", "views", "tokens"])
+@pytest.mark.parametrize("kind", ["codecs", "views", "tokens", "softlabels"])
 def test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently(versions, kind):
     v = versions[kind]
     _check_reads_bit_for_bit(v, v.url)
