@@ -31,14 +31,14 @@ Train (the student, as often as you like)::
   :class:`DistillCollator` (axolotl's columns), :func:`distill_loss` / :class:`Distillation`.
 """
 
-from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, DistillCollator
+from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, TEMPERATURE, DistillCollator
 from featstore.hf._datasets import Sample, SoftLabels, StoredRows, TokenRows
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.hf._loss import Distillation, distill_loss, lm_loss, topk_kd_loss
 from featstore.hf._smollm2 import smollm2, stdlib_docstrings
 from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
 
-__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "CausalLMLogits", "DistillCollator", "Distillation", "Sample",
-           "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
+__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation",
+           "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
            "distill_loss", "lm_loss", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
            "topk_kd_loss", "vocabulary"]
