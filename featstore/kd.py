@@ -29,11 +29,11 @@ from collections.abc import Mapping
 
 import torch
 
-from featstore.distill._ensemble import Ensemble, Member, ensemble, most_confident
+from featstore.distill import Ensemble, Member, ensemble, most_confident
 from featstore.errors import InvalidInput
-from featstore.codecs._sparse import sparse_weights
-from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
-                                         real_rows, reverse_kl_rows, row_mean, sparse_parts)
+from featstore.codecs import sparse_weights
+from featstore.distill import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows, real_rows,
+                               reverse_kl_rows, row_mean, sparse_parts)
 
 __all__ = ["DIRECTIONS", "Ensemble", "Member", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident",
            "sparse_kl"]

@@ -30,7 +30,7 @@ Two differences from the plain ``StatefulDataLoader``:
 from __future__ import annotations
 
 from collections.abc import Callable, Sized
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -58,7 +58,8 @@ class StatefulLoader(StatefulDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         held = getattr(self, "_before_last", None)
-        return held if held is not None else super().state_dict()
+        # torchdata's state_dict is untyped (torchdata ships no type information)
+        return held if held is not None else cast("dict[str, Any]", super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict``; a featstore dataset's state with its epoch's progress resumes

@@ -17,20 +17,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from featstore._keywords import keywords_of, own_keywords_of
-from featstore.compute._request import ComputeCall
+from featstore.compute import ComputeCall
 from featstore.errors import InvalidInput
-from featstore.format._manifests import Manifest
+from featstore.format import Manifest
 from featstore.storage import Storage, backend_for
-from featstore.storage._base import StorageOptions
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion, verify_version
+from featstore.storage import StorageOptions
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion, verify_version
 from featstore.read import ReadKeywords
-from featstore.versions._views import view_seed
+from featstore.versions import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     import torch
 
-    from featstore.compute._content import ComputeReport
+    from featstore.compute import ComputeReport
     from zarr.abc.store import Store as ZarrStore
 
     from featstore.online import Teacher
@@ -156,7 +156,7 @@ class Version:
     @property
     def views_of(self) -> str | None:
         """``"name@id"`` of the version whose views this one was computed on (``views_of=``), or None."""
-        from featstore.versions._alignment import views_of
+        from featstore.versions import views_of
 
         return views_of(self._stored)
 
@@ -198,7 +198,7 @@ class Version:
         >>> group["features"][:10].shape
         (10, 512)
         """
-        from featstore.versions._keys import group_store
+        from featstore.versions import group_store
 
         v = self._stored
         if v.manifest.bases:
@@ -218,7 +218,7 @@ class Version:
         >>> store.open("cnn-a/train-grown").export("/data/grown.zarr")
         Exported(url='/data/grown.zarr', objects=48, bytes=50331648, shards_checked=48)
         """
-        from featstore.versions._export import export_version
+        from featstore.versions import export_version
 
         options = dict(storage_options or {}) or None
         if not progress:
@@ -300,7 +300,7 @@ class FeatureStore:
         ``views_of=`` takes K and the seed from that version; ``augment=`` (a function cannot be
         read back from a store) must be the same function, and is given alone, without a warning.
         """
-        from featstore.compute._driver import run_compute
+        from featstore.compute import run_compute
 
         done = run_compute(self.catalog, name, ComputeCall(*args, **keywords))
         return Version(done.version, done.report)

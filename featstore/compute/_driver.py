@@ -34,13 +34,13 @@ from featstore.compute._request import ComputeCall
 from featstore.compute._runners import Group, ShardRunner, Unit, runner_for
 from featstore.compute._shard_task import REUSED, release_models
 from featstore.compute._task_spec import TaskSpec
-from featstore.format._manifests import ShardReceipt
-from featstore.monitor._events import Event, is_event, run_started
-from featstore.monitor._run_state import RunState
-from featstore.versions._catalog import Catalog
-from featstore.versions._commits import Claim
-from featstore.versions._committed import StoredVersion
-from featstore.versions._digests import DIGEST_FIELD, content_digest
+from featstore.format import ShardReceipt
+from featstore.monitor import Event, is_event, run_started
+from featstore.monitor import RunState
+from featstore.versions import Catalog
+from featstore.versions import Claim
+from featstore.versions import StoredVersion
+from featstore.versions import DIGEST_FIELD, content_digest
 
 __all__ = ["choose_layout", "commit_run", "compute", "run_compute"]  # choose_layout: imported from here by tests
 

@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, ClassVar
 
 from featstore._allowed_names import check_field
 from featstore._keywords import inherit_attributes
-from featstore.codecs._parts import check_output_codec
-from featstore.codecs._ragged import Tokens
+from featstore.codecs import check_output_codec
+from featstore.codecs import Tokens
 from featstore.compute._options import ComputeOptions
 from featstore.errors import InvalidInput
 from featstore._user_types import FieldKey, MapDataset, ModelSpec
-from featstore.versions._views import Augment, Views, views_arguments
+from featstore.versions import Augment, Views, views_arguments
 
 if TYPE_CHECKING:  # torch and Dask only where a compute runs
     from distributed import Client
     from distributed.deploy import Cluster as DaskCluster
 
-    from featstore.versions._catalog import Ref
+    from featstore.versions import Ref
 
 #: ``client="in-process"``: the shard tasks run in the calling process, one after the other,
 #: without Dask (see :class:`ComputeCall`).

@@ -24,28 +24,28 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import zarr
 
 from featstore._json import JSONObject
 from featstore._user_types import MapDataset, ModelSpec
-from featstore.monitor._events import DeviceInfo, Event, batch_done, shard_started, shard_written
+from featstore.monitor import DeviceInfo, Event, batch_done, shard_started, shard_written
 from featstore.compute._malloc import tuned as tuned_allocator
-from featstore.codecs._dense import (keep_codec, output_codec)
+from featstore.codecs import keep_codec, output_codec
 from featstore.compute._devices import task_device
 from featstore.errors import InvalidInput
-from featstore.format._arrays import zstd_saving
-from featstore.format._keys import chunk_key
-from featstore.format._manifests import ShardReceipt
-from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_START, pack
+from featstore.format import zstd_saving
+from featstore.format import chunk_key
+from featstore.format import ShardReceipt
+from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs import TOKEN_START, pack
 from featstore.compute._transfer import Offloader
 from featstore._user_code import build_model
-from featstore.versions._keys import object_key
-from featstore.versions._receipts import read_receipts
-from featstore.versions._views import ViewDataset
+from featstore.versions import object_key
+from featstore.versions import read_receipts
+from featstore.versions import ViewDataset
 
 from featstore.compute._batches import TOKEN_MASK
 from featstore.compute._shard_rows import ShardRows, collate_inputs, forward, read_inputs
@@ -188,7 +188,7 @@ def _fetch_batch(spec: TaskSpec, dataset: MapDataset, b0: int, b1: int,
     return collate_inputs(spec, read_inputs(dataset, b0, b1, spec.digests), b0, pinned)
 
 
-def _write_checked_shard(batch_jobs: list[Future], arrays: dict[str, zarr.Array], rows: ShardRows,
+def _write_checked_shard(batch_jobs: list[Future[Any]], arrays: dict[str, zarr.Array[Any]], rows: ShardRows,
                          report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
     keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
@@ -312,8 +312,8 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shard
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
-        waiting: deque[Future] = deque()  # batch and shard jobs on the write thread, in order
-        writes: deque[Future] = deque()
+        waiting: deque[Future[Any]] = deque()  # batch and shard jobs on the write thread, in order
+        writes: deque[Future[Any]] = deque()
         rows: ShardRows  # the shard being computed, started at its first batch
         nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda)
         try:
@@ -324,7 +324,7 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shard
                                            plan[k + 1][2], cuda)
                 if b0 == spec.layout.shard_range(index)[0]:
                     rows = ShardRows.start(spec, index)
-                    batch_jobs: list[Future] = []
+                    batch_jobs: list[Future[Any]] = []
                     report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
                 with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
                     values, span = rows.forward(net, x, kept, b0, b1, device, on_device)

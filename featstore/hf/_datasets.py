@@ -42,7 +42,7 @@ from featstore.versions import HasStoredVersion, InputCheck, StoredVersion, stor
 
 
 @dataclass(frozen=True)
-class Sample(Mapping):
+class Sample(Mapping[str, Any]):
     """One sample as :class:`DistillCollator` reads it (a mapping, not a dict: see the module)."""
 
     input_ids: torch.Tensor  # [T] int64
@@ -123,7 +123,7 @@ class StoredRows:
         return TokenRows(batch[f"{name}.ids"], batch[f"{name}.values"].float(), lengths.lengths.astype(np.int64))
 
 
-class SoftLabels(torch.utils.data.Dataset):
+class SoftLabels(torch.utils.data.Dataset[Sample]):
     """A version's per-token soft labels joined with the token ids they were computed on: a
     map-style dataset for ``transformers.Trainer`` (its sampler shards the indices over DDP
     ranks, so each rank reads only its own samples, and a checkpoint resumes mid-epoch exactly).
@@ -202,6 +202,7 @@ class SoftLabels(torch.utils.data.Dataset):
         out: list[Sample | None] = [None] * len(idx)
         for k in np.unique(self.stream[idx]).tolist():
             at = np.flatnonzero(self.stream[idx] == k)
+            at = at[np.argsort(self.index[idx[at]], kind="stable")]  # in store order: each chunk read once
             samples = self.index[idx[at]]
             items = [self.datasets[k][s] for s in samples.tolist()]
             check = self.inputs[k]
@@ -222,7 +223,7 @@ class SoftLabels(torch.utils.data.Dataset):
                                  f"rows of soft labels in {self.teachers[k].version.ref}: they do not align. Read "
                                  "the version with the dataset (and tokenization) it was computed on.")
         labels = input_ids if self.labels_key is None else torch.as_tensor(item[self.labels_key], dtype=torch.long)
-        return Sample(input_ids, labels, ids, logprobs, index, self.teacher.spec.temperature)
+        return Sample(input_ids, labels, ids, logprobs, index, self.teachers[k].spec.temperature)
 
     @property
     def spec(self) -> SoftLabelSpec:

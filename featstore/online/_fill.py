@@ -29,10 +29,10 @@ from featstore.errors import ComputeFailed
 from featstore.online._teacher import Planned
 from featstore.read import Piece
 from featstore.storage import Storage
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion
-from featstore.versions._keys import view_key
-from featstore.versions._receipts import finished_shards
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion
+from featstore.versions import view_key
+from featstore.versions import finished_shards
 
 log = logging.getLogger("featstore")
 

@@ -34,13 +34,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
 import zarr
 
-from featstore.codecs import TOKEN_LENGTH, RaggedRows, RaggedWindow
 from featstore._user_code import read_items
+from featstore.codecs import TOKEN_LENGTH, RaggedRows, RaggedWindow
 from featstore.compute import compute_shard, open_arrays, shard_batches, worker_model, write_shard
 from featstore.errors import InvalidInput
 from featstore.online._fill import FillState, ShardUnit, ShardWrites, owned, try_commit
@@ -49,7 +50,7 @@ from featstore.online._teacher import Planned, Teacher, plan_teacher
 from featstore.read import (Epoch, FeatureDataset, Join, ProcessReads, ReadCall, RowsFrom, ShardSource, Span,
                             SpanRead, SpanRows, Stream)
 from featstore.read.plans import Piece, UniformShards, dropped_pieces
-from featstore.read.shards import piece_tokens
+from featstore.read.shards import sample_tokens
 from featstore.versions import Catalog, HasStoredVersion, InputCheck, StoredVersion, receipt_key, view_key
 
 #: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
@@ -60,12 +61,12 @@ def computed_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: P
     """The token rows of ``piece``'s samples in each per-token array of ``fields``, from the
     rows of its shard as :func:`~featstore.compute.compute_shard` gives them (each per-token
     array the shard's token rows, sample after sample): cut by the one per-token slicing,
-    :func:`featstore.read.shards.piece_tokens`."""
+    :func:`featstore.read.shards.sample_tokens`."""
     if not fields:
         return {}
-    counts = rows[TOKEN_LENGTH]
-    return piece_tokens(fields, counts[piece.lo:piece.hi], int(counts[:piece.lo].sum(dtype=np.int64)),
-                        lambda f, lo, hi: rows[f][lo:hi])
+    counts = rows[TOKEN_LENGTH].astype(np.int64)
+    starts = np.cumsum(counts) - counts  # in the shard's token rows, as compute stores them
+    return sample_tokens(fields, starts[piece.lo:piece.hi], counts[piece.lo:piece.hi], lambda f, at: rows[f][at])
 
 
 class ComputedSource(ShardSource):
@@ -79,7 +80,7 @@ class ComputedSource(ShardSource):
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
         self.planned, self.reads, self.fields = planned, reads, reads.fields  # fields: ShardSource's
         self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
-        self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
+        self.writers: dict[int | None, dict[str, zarr.Array[Any]]] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch(planned.spec.digests)
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
@@ -191,7 +192,7 @@ class ComputedSource(ShardSource):
                 self._check_stored(piece)
                 for f in dense:
                     self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
-                got = self.reads.read_tokens(self.ragged, piece) if self.ragged else {}
+                got = self.reads.read_tokens(self.ragged, [piece]) if self.ragged else {}
             else:
                 rows = self._computed(piece.shard, write=write)
                 for f in dense:

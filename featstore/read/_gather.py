@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featstore.codecs import RaggedRows, RaggedWindow, concat_rows
+from featstore.codecs import RaggedRows, RaggedWindow
 from featstore.read.plans import run_starts
 from featstore.read.shards import ArenaRows, BatchRows, SpanRows, window_rows
 
@@ -119,7 +119,7 @@ class SliceRows:
         if not runs:  # no rows: the array's empty rows, of its dtype and shape
             first = next(a[field] for a in self.arrays if a is not None)
             return window_rows({field: first}, local, 0, 0, 0)[field]
-        parts: list[BatchRows] = []
+        parts: list[RaggedRows] = []
         out: np.ndarray | None = None
         for k, lo, hi in runs:
             window = self.arrays[k]
@@ -140,7 +140,7 @@ class SliceRows:
                 out = np.empty((len(local), *got.shape[1:]), dtype=got.dtype)
             out[lo:hi] = got
         if parts:
-            return concat_rows(parts)
+            return RaggedRows.concat(parts)
         assert out is not None
         return out
 
@@ -169,18 +169,27 @@ def joined(parts: list[Rows], streams: int) -> Rows:
     if len(parts) == 1:
         return parts[0]
     labels = np.concatenate([p.labels for p in parts])
-    arrays = {f: concat_rows([p.arrays[f] for p in parts]) for f in parts[0].arrays}
+    arrays = {f: _concat([p.arrays[f] for p in parts]) for f in parts[0].arrays}
     if streams == 1:
         return Rows(arrays, labels)
     order = np.argsort(labels, kind="stable")
     return Rows({f: _taken(v, order) for f, v in arrays.items()}, labels[order])
 
 
+def _concat(parts: list[BatchRows]) -> BatchRows:
+    """Rows of consecutive parts, one after another."""
+    ragged = [p for p in parts if isinstance(p, RaggedRows)]
+    if ragged:
+        return RaggedRows.concat(ragged)
+    return np.concatenate([p for p in parts if isinstance(p, np.ndarray)])
+
+
 def _taken(rows: BatchRows, order: np.ndarray) -> BatchRows:
     """``rows`` in ``order``."""
     if isinstance(rows, RaggedRows):
         return RaggedWindow([rows]).take(order)
-    return rows[order]
+    taken: np.ndarray = rows[order]
+    return taken
 
 
 def _joint(rows: list[SpanRows | None], labels: np.ndarray, local: np.ndarray) -> _Joint | None:
@@ -202,4 +211,5 @@ def _gathered(parts: list[np.ndarray | None], labels: np.ndarray, local: np.ndar
     """Row ``local[i]`` of ``parts[labels[i]]`` for every ``i`` (a stream whose part is None
     has no rows in the slice)."""
     starts = run_starts([0 if p is None else len(p) for p in parts])
-    return np.concatenate([p for p in parts if p is not None])[starts[labels] + local]
+    rows: np.ndarray = np.concatenate([p for p in parts if p is not None])[starts[labels] + local]
+    return rows

@@ -51,12 +51,23 @@ def rows_of(reads: ProcessReads, indices: np.ndarray,
             sources: Sequence[ShardSource] | None = None) -> dict[str, BatchRows]:
     """The stored rows of samples ``indices`` (in that order; repeats allowed) of ``reads``'
     arrays, stored dtypes, through ``sources`` (None: the stored ones, ``reads.sources``)."""
-    pieces, pos = pieces_of(indices, reads.version.manifest.layout.samples_per_shard)
+    samples = np.asarray(indices, dtype=np.int64).reshape(-1)
+    out: dict[str, BatchRows] = {}
+    spanned = []
+    for s in reads.sources if sources is None else sources:
+        direct = s.take(samples)  # a source that reads given samples itself (per-token rows)
+        if direct is None:
+            spanned.append(s)
+            continue
+        out.update(direct)
+    if not spanned:
+        return out
+    pieces, pos = pieces_of(samples, reads.version.manifest.layout.samples_per_shard)
     span = Span(0, tuple(pieces))
-    got = [s.read(span, InThread()) for s in (reads.sources if sources is None else sources)]
+    got = [s.read(span, InThread()) for s in spanned]
     try:
-        arrays = {k: v for g in got for k, v in g.result().items()}
-        return window_rows(arrays, pos, 0, 0, len(pos))
+        out.update(window_rows({k: v for g in got for k, v in g.result().items()}, pos, 0, 0, len(pos)))
+        return out
     finally:
         for g in got:
             g.close()

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from featstore._allowed_names import check_field
+from featstore._json import JSON
 from featstore.codecs import expand_fields
 from featstore.errors import InvalidInput
 from featstore.format import SERVED_SOURCES, ArraySpec
@@ -249,7 +250,7 @@ def _tokenizers_differ(streams: tuple[ReadStream, ...]) -> list[str]:
     return differ
 
 
-def _vocabulary(version: StoredVersion) -> dict[str, object]:
+def _vocabulary(version: StoredVersion) -> dict[str, JSON]:
     """The tokenizer's identity a per-token version recorded (flattened: special tokens by role)."""
     tokens = version.manifest.fingerprint_parts.get("tokens")
     vocabulary = tokens.get("vocabulary") if isinstance(tokens, dict) else None

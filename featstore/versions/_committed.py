@@ -15,16 +15,16 @@ import os
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeAlias
 
-from featstore.codecs._dense import codec_by_name
-from featstore.codecs._parts import parts_codec
-from featstore.codecs._ragged import TOKEN_LENGTH
+from featstore.codecs import codec_by_name
+from featstore.codecs import parts_codec
+from featstore.codecs import TOKEN_LENGTH
 from featstore.errors import (CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreUnavailable,
                               VersionNotFound)
-from featstore.format._keys import chunk_key, shard_digest, view_path
-from featstore.format._manifests import Manifest, ShardReceipt
-from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
+from featstore.format import chunk_key, shard_digest, view_path
+from featstore.format import Manifest, ShardReceipt
+from featstore.format import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.storage import Storage
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 from featstore.versions._keys import MANIFEST, RECORDS, group_store, object_key, version_key, view_key
@@ -118,7 +118,7 @@ class StoredVersion:
     def __init__(self, storage: Storage, manifest: Manifest, view: int | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
-        self._arrays: dict[tuple[str, str], zarr.Array] = {}
+        self._arrays: dict[tuple[str, str], zarr.Array[Any]] = {}
         self._pid = -1
         self._view = view  # the view this object reads (see view())
         self._views: dict[int, StoredVersion] = {}
@@ -269,7 +269,7 @@ class StoredVersion:
         data = storage.read_range(key, start, stop) if stop > start else b""
         decode_shard_rows(data or b"", fmt, lo, hi, out, ref, index=index, base=start)
 
-    def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array:
+    def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array[Any]:
         """The Zarr array of one field, opened lazily once per process (fork/spawn safe).
 
         ``home``/``n_samples``: a base's folder and length, for an incremental version's
@@ -285,7 +285,7 @@ class StoredVersion:
             if self.views is not None and self._view is None:
                 raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
                                    "version.view(v) or version[v, rows].")
-            from featstore.format._arrays import open_array
+            from featstore.format import open_array
 
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             try:

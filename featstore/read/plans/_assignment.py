@@ -76,7 +76,7 @@ class UniformShards:
 def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """The epoch's whole shard order (identity when not shuffling); O(shards), for tests and
     tools: a plan evaluates only its own positions."""
-    return ShardPermutation(n_shards, seed, epoch, shuffle).shards(np.arange(n_shards)).tolist()
+    return [int(s) for s in ShardPermutation(n_shards, seed, epoch, shuffle).shards(np.arange(n_shards))]
 
 
 def consumer_span(n: int, consumers: int, cid: int, partition: Partition) -> tuple[int, int]:
@@ -227,7 +227,7 @@ def round_robin_consumed(batches_seen: int, per_worker: Sequence[int]) -> list[i
         lo, hi = (mid, hi) if int(np.minimum(counts, mid).sum()) <= batches_seen else (lo, mid - 1)
     done = np.minimum(counts, lo)
     done[np.flatnonzero(counts > lo)[:batches_seen - int(done.sum())]] += 1
-    return done.tolist()
+    return [int(d) for d in done]
 
 
 def rotated(worker: int, workers: int, seen: int, counts: Sequence[int]) -> tuple[int, int]:

@@ -139,7 +139,7 @@ def _flat_positions(sizes: tuple[int, ...]) -> np.ndarray:
     """``starts[stream] + rank`` of :func:`balanced_positions`, cached like it: per slice, a
     mixture's window order is then one gather."""
     stream, rank = _balanced_positions(sizes)
-    flat = run_starts(sizes)[stream] + rank
+    flat: np.ndarray = run_starts(sizes)[stream] + rank
     flat.flags.writeable = False
     return flat
 
@@ -168,7 +168,8 @@ def window_order(window: Window, seed: int, epoch: int, shuffle: bool) -> np.nda
     # position x takes row rank[x] of stream[x]'s permutation: with the permutations (shifted to
     # the stream's start) laid end to end, that is one gather at starts[stream] + rank
     laid = np.concatenate([start + perm for start, perm in zip(run_starts(sizes), perms, strict=True)])
-    return laid[_flat_positions(sizes)]
+    out: np.ndarray = laid[_flat_positions(sizes)]
+    return out
 
 
 @dataclass(frozen=True)

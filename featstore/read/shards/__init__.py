@@ -12,28 +12,24 @@ from typing import TYPE_CHECKING
 from featstore._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: imported on first use)
-    from featstore.read.shards._cache import (DiskCacheOptions as DiskCacheOptions,
-                                              clear_disk_cache as clear_disk_cache, held_open as held_open,
-                                              list_disk_cache as list_disk_cache, process_local as process_local,
-                                              shm_root as shm_root)
-    from featstore.read.shards._gather import (ArenaRows as ArenaRows, BatchRows as BatchRows, InPlace as InPlace,
-                                               SpanRows as SpanRows, piece_tokens as piece_tokens,
-                                               window_rows as window_rows)
-    from featstore.read.shards._objects import (scope_identity as scope_identity)
-    from featstore.read.shards._sources import (Caches as Caches, Epoch as Epoch, FixedView as FixedView,
-                                                InThread as InThread, Labelled as Labelled,
-                                                ProcessReads as ProcessReads, ShardSource as ShardSource, Span as Span,
-                                                SpanRead as SpanRead, StreamSources as StreamSources, Unit as Unit,
-                                                UnitRows as UnitRows, Viewed as Viewed,
-                                                default_cache_bytes as default_cache_bytes, read_spans as read_spans)
+    from featstore.read.shards._cache import (DiskCacheOptions, clear_disk_cache, held_open, list_disk_cache,
+                                              process_local, shm_root)
+    from featstore.read.shards._flight import StreamSources, Unit, UnitRows, read_spans
+    from featstore.read.shards._gather import ArenaRows, BatchRows, InPlace, SpanRows, sample_tokens, window_rows
+    from featstore.read.shards._objects import scope_identity
+    from featstore.read.shards._sources import (Caches, Epoch, FixedView, InThread, Labelled, ProcessReads,
+                                                ShardSource, Span, SpanRead, Viewed, default_cache_bytes)
 
-_NAMES = {"DiskCacheOptions": "_cache", "clear_disk_cache": "_cache", "held_open": "_cache",
-    "list_disk_cache": "_cache", "process_local": "_cache", "shm_root": "_cache", "ArenaRows": "_gather",
-    "BatchRows": "_gather", "InPlace": "_gather", "SpanRows": "_gather", "piece_tokens": "_gather",
-    "window_rows": "_gather", "scope_identity": "_objects", "Caches": "_sources", "Epoch": "_sources",
-    "FixedView": "_sources", "InThread": "_sources", "Labelled": "_sources", "ProcessReads": "_sources",
-    "ShardSource": "_sources", "Span": "_sources", "SpanRead": "_sources", "StreamSources": "_sources",
-    "Unit": "_sources", "UnitRows": "_sources", "Viewed": "_sources", "default_cache_bytes": "_sources",
-    "read_spans": "_sources"}
-__all__ = sorted(_NAMES)
+_NAMES = {name: module for module, names in {
+    "_cache": ("DiskCacheOptions", "clear_disk_cache", "held_open", "list_disk_cache", "process_local", "shm_root"),
+    "_flight": ("StreamSources", "Unit", "UnitRows", "read_spans"),
+    "_gather": ("ArenaRows", "BatchRows", "InPlace", "SpanRows", "sample_tokens", "window_rows"),
+    "_objects": ("scope_identity",),
+    "_sources": ("Caches", "Epoch", "FixedView", "InThread", "Labelled", "ProcessReads", "ShardSource", "Span",
+                 "SpanRead", "Viewed", "default_cache_bytes"),
+}.items() for name in names}
+__all__ = ["ArenaRows", "BatchRows", "Caches", "DiskCacheOptions", "Epoch", "FixedView", "InPlace", "InThread",
+           "Labelled", "ProcessReads", "ShardSource", "Span", "SpanRead", "SpanRows", "StreamSources", "Unit",
+           "UnitRows", "Viewed", "clear_disk_cache", "default_cache_bytes", "held_open", "list_disk_cache",
+           "sample_tokens", "process_local", "read_spans", "scope_identity", "shm_root", "window_rows"]
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

@@ -437,10 +437,10 @@ def _entry_ok(view: memoryview, crc: bool) -> bool:
     magic, size, want = _TRAILER.unpack(view[len(view) - _TRAILER.size:])
     whole = magic == _MAGIC and size == len(view) - _TRAILER.size
     if not (whole and crc):
-        return whole
+        return bool(whole)
     import crc32c
 
-    return crc32c.crc32c(view[:size]) == want
+    return bool(crc32c.crc32c(view[:size]) == want)
 
 
 # -- the disk location's options, listing and clearing ----------------------------------------

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from featstore.codecs._ragged import RaggedRows, RaggedWindow
-from featstore.format._shard_decoder import ShardFormat
+from featstore.codecs import RaggedRows, RaggedWindow, gather_rows
+from featstore.format import ShardFormat
 from featstore.read.plans import Piece
 from featstore.read.shards._arena import Arena, Slot
 
@@ -110,7 +110,8 @@ class InPlace(_Pieces):
         """The ``n`` rows of a batch, from :meth:`groups` of its window positions."""
         if len(groups) == 1 and groups[0].slots is None:
             g = groups[0]
-            return self.sources[g.piece][g.chunk, g.row]
+            rows: np.ndarray = self.sources[g.piece][g.chunk, g.row]
+            return rows
         first = self.sources[groups[0].piece]
         out = np.empty((n, *first.shape[2:]), dtype=first.dtype)
         for g in groups:
@@ -171,12 +172,20 @@ SpanRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
 BatchRows = np.ndarray | RaggedRows
 
 
-def piece_tokens(fields: Sequence[str], lengths: np.ndarray, first: int,
-                 read: Callable[[str, int, int], np.ndarray]) -> dict[str, RaggedRows]:
-    """The token rows of a piece's samples in each per-token array of ``fields``: the samples'
-    token rows are one run of their shard's, from row ``first`` (the tokens of the shard's
-    samples before the piece) for ``lengths.sum()`` rows; ``read(field, lo, hi)`` gives rows
-    ``[lo, hi)`` of the shard's token rows (stored, or as Model A computed them). The one place
-    per-token rows are cut by sample: the stored sources, the online source and random access."""
-    n = int(lengths.sum(dtype=np.int64))
-    return {f: RaggedRows(read(f, first, first + n), lengths) for f in fields}
+def sample_tokens(fields: Sequence[str], starts: np.ndarray, lengths: np.ndarray,
+                  take: Callable[[str, np.ndarray | slice], np.ndarray]) -> dict[str, RaggedRows]:
+    """The token rows of some samples in each per-token array of ``fields``: sample ``i``'s
+    tokens are token rows ``[starts[i], starts[i] + lengths[i])``, and ``take(field, rows)``
+    gives those rows (a ``slice`` where the samples' runs follow each other: a piece read in
+    order; else row numbers) of the stored array, or of a shard as Model A computed it. The one
+    place per-token rows are cut by sample: the stored sources, the online source and random access."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    rows: np.ndarray | slice
+    if not len(lengths):
+        rows = slice(0, 0)
+    elif bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
+        rows = slice(int(starts[0]), int(starts[-1] + lengths[-1]))
+    else:
+        rows = gather_rows(starts, lengths)
+    return {f: RaggedRows(take(f, rows), lengths) for f in fields}

@@ -23,13 +23,12 @@ import numpy as np
 
 from featstore._json import canonical_json
 from featstore.errors import CorruptChunk
-from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_index_bytes,
-                                             shard_intact)
+from featstore.format import ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_index_bytes, shard_intact
 from featstore.read.shards._arena import Arena, Slot
 from featstore.read.plans._assignment import Piece
 from featstore.read.shards._cache import ENTRY_TRAILER, MappedFiles, NodeCache, digest, process_local
 from featstore.storage import Storage
-from featstore.versions._committed import StoredVersion, missing_data_error
+from featstore.versions import StoredVersion, missing_data_error
 
 T = TypeVar("T")
 Buffer = bytes | memoryview

@@ -1,5 +1,6 @@
 """Where a window's rows come from, decided once per (version, array): :class:`ShardSource`
-(one required method, :meth:`~ShardSource.read`), the stored sources, and the spans in flight.
+(one required method, :meth:`~ShardSource.read`) and the stored sources (the spans in flight:
+:mod:`featstore.read.shards._flight`).
 :meth:`ProcessReads.sources` picks each array's source once per process:
 
 - uncompressed, and its objects files of this node (a local store's, or the disk cache's under
@@ -18,9 +19,9 @@ from __future__ import annotations
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol, TypeVar
@@ -28,17 +29,17 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, RaggedRows, RaggedWindow
-from featstore.format._shard_decoder import ShardFormat, shard_format
+from featstore.codecs import TOKEN_LENGTH, TOKEN_START, RaggedRows, RaggedWindow
+from featstore.format import ShardFormat, shard_format
 from featstore.read.plans import Piece
 from featstore.read.shards import _objects
 from featstore.read.shards._arena import Slot, process_arena
 from featstore.read.shards._arena import supported as arena_supported
 from featstore.read.shards._cache import DiskCacheOptions, NodeCache, Space, shm_root
-from featstore.read.shards._gather import ArenaRows, InPlace, SpanRows, piece_tokens
+from featstore.read.shards._gather import ArenaRows, BatchRows, InPlace, SpanRows, sample_tokens
 from featstore.read.shards._objects import (DiskObjects, LocalObjects, MemoryShards, PlacedShards, RemoteObjects,
                                             ShardObject, ShardObjects, StoredShards, process_maps)
-from featstore.versions._committed import StoredVersion
+from featstore.versions import StoredVersion
 
 T = TypeVar("T")
 
@@ -82,7 +83,7 @@ class SpanRead:
     :meth:`result`), then ``finish()`` gives the window's rows of the source's arrays.
     ``give_back(rows)`` takes back what a consumed window held (buffers to reuse)."""
 
-    def __init__(self, futures: list[Future], finish: Callable[[], dict[str, SpanRows]],
+    def __init__(self, futures: list[Future[Any]], finish: Callable[[], dict[str, SpanRows]],
                  give_back: Callable[[dict[str, SpanRows]], None] | None = None) -> None:
         self.futures, self._finish, self._give_back = futures, finish, give_back
         self.rows: dict[str, SpanRows] | None = None
@@ -137,6 +138,11 @@ class ShardSource(ABC):
         """Whether these spans' reads need no remote storage (then, with no core to spare,
         they run in the consuming thread: there is no latency to hide)."""
         return False
+
+    def take(self, samples: np.ndarray) -> dict[str, BatchRows] | None:
+        """Random access: the rows of ``samples`` (in that order) of :attr:`fields`, read
+        directly; None (the default): read them as a span of shard pieces."""
+        return None
 
     def begin(self, epoch: Epoch) -> None:  # noqa: B027 - most sources keep nothing per epoch
         """A consumer's iteration starts (before any :meth:`read`)."""
@@ -239,15 +245,27 @@ class ArenaSource(InPlaceSource):
 
 
 class TokenSource(ShardSource):
-    """The per-token arrays: a piece's samples' tokens are one run of rows in their shard,
-    found once per piece from its ``token_start``/``token_length``."""
+    """The per-token arrays: the samples' tokens are runs of rows in their shard, found from its
+    ``token_start``/``token_length``; consecutive pieces of one shard are read together."""
 
     def __init__(self, reads: ProcessReads, fields: tuple[str, ...]) -> None:
         self.reads, self.fields = reads, fields
 
     def read(self, span: Span, reads: Executor) -> SpanRead:
-        futs = [reads.submit(self.reads.read_tokens, self.fields, p) for p in span.pieces]
+        if self.reads.chunks is not None:  # random access: every sample in one pass over the chunks kept
+            runs = [list(span.pieces)]
+        else:  # a window: consecutive pieces of one shard together, the shards concurrently
+            runs = []
+            for p in span.pieces:
+                if runs and runs[-1][0].shard == p.shard:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+        futs = [reads.submit(self.reads.read_tokens, self.fields, run) for run in runs]
         return SpanRead(futs, lambda: {f: RaggedWindow([x.result()[f] for x in futs]) for f in self.fields})
+
+    def take(self, samples: np.ndarray) -> dict[str, BatchRows] | None:
+        return dict(self.reads.sample_tokens(self.fields, samples))
 
     def near(self, spans: Sequence[Span]) -> bool:
         return self.reads.objects.local
@@ -342,6 +360,7 @@ class ProcessReads:
         self.version, self.fields, self.viewing, self.reuse_buffers = version, fields, viewing, reuse_buffers
         self.chunks = DecodedChunks(chunk_bytes) if chunk_bytes else None
         self._token_rows: dict[tuple[int | None, int], int] = {}
+        self._grouped: tuple[np.ndarray, int, list[tuple[int, int, np.ndarray, np.ndarray]]] | None = None
         self.storage = version.storage.reopen()
         maps = process_maps()
         self.memory = NodeCache.open(Space.for_memory(caches.identity), caches.identity, caches.memory_bytes) \
@@ -376,31 +395,52 @@ class ProcessReads:
 
     def read_rows(self, field: str, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
         """Rows ``[lo, hi)`` of shard ``shard`` of ``field`` (its token rows for a per-token
-        array), stored dtype, decoded into ``out`` in the calling thread."""
-        fmt = self.shard_format(field)
-        if fmt is None:
+        array), stored dtype, decoded into ``out`` in the calling thread (through the decoded
+        chunks kept, with ``chunk_bytes``)."""
+        if self.chunks is not None:
+            self._chunked(field, shard, lo, hi, out)
+        else:
+            self._decode(field, shard, lo, hi, out)
+
+    def _decode(self, field: str, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
+        if self.shard_format(field) is None:  # not in featstore's layout: zarr reads it
             spec = self.version.manifest.arrays[field]
             first = shard * (spec.tokens[0] if spec.ragged else self.version.manifest.layout.samples_per_shard)
             out[...] = self.reading.read_rows(field, first + lo, first + hi)
-        elif self.chunks is None:
-            self.objects.decode(self.obj(field, shard), lo, hi, out)
         else:
-            self._chunked(field, fmt, shard, lo, hi, out)
+            self.objects.decode(self.obj(field, shard), lo, hi, out)
 
-    def _chunked(self, field: str, fmt: ShardFormat, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
+    def _chunk_rows(self, field: str) -> int:
+        """Rows of one inner chunk of ``field``."""
+        spec, fmt = self.version.manifest.arrays[field], self.shard_format(field)
+        return fmt.chunk_rows if fmt is not None else spec.tokens[1] if spec.ragged \
+            else self.version.manifest.layout.chunk_rows
+
+    def _chunk(self, field: str, shard: int, c: int) -> np.ndarray:
+        """Inner chunk ``c`` of shard ``shard`` of ``field``, decoded whole once (then kept)."""
+        chunks, rows = self.chunks, self._chunk_rows(field)
+        assert chunks is not None  # the callers'
+
+        def decode() -> np.ndarray:
+            spec = self.version.manifest.arrays[field]
+            a, b = c * rows, min((c + 1) * rows, self._stored(field, shard))
+            got = np.empty((b - a, *spec.shape), dtype=spec.dtype)
+            self._decode(field, shard, a, b, got)
+            got.flags.writeable = False  # handed out as views: nobody writes into what is kept
+            return got
+        return chunks.get((field, self.viewing.view, shard, c), decode)
+
+    def _in_one_chunk(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray | None:
+        rows = self._chunk_rows(field)
+        c = lo // rows
+        return None if (hi - 1) // rows != c else self._chunk(field, shard, c)[lo - c * rows:hi - c * rows]
+
+    def _chunked(self, field: str, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
         """:meth:`read_rows` through the decoded chunks kept (each inner chunk decoded whole, once)."""
-        rows, view, chunks = fmt.chunk_rows, self.viewing.view, self.chunks
-        assert chunks is not None  # read_rows' caller
+        rows = self._chunk_rows(field)
         for c in range(lo // rows, -(-hi // rows)):
             a, b = c * rows, (c + 1) * rows
-
-            def decode(a: int = a, b: int = b) -> np.ndarray:
-                b = min(b, self._stored(field, shard))
-                got = np.empty((b - a, *out.shape[1:]), dtype=out.dtype)
-                self.objects.decode(self.obj(field, shard), a, b, got)
-                return got
-            chunk = chunks.get((field, view, shard, c), decode)
-            out[max(lo, a) - lo:min(hi, b) - lo] = chunk[max(lo, a) - a:min(hi, b) - a]
+            out[max(lo, a) - lo:min(hi, b) - lo] = self._chunk(field, shard, c)[max(lo, a) - a:min(hi, b) - a]
 
     def _stored(self, field: str, shard: int) -> int:
         """Rows shard ``shard`` of ``field`` stores: its samples, or for a per-token array their tokens."""
@@ -409,28 +449,93 @@ class ProcessReads:
             return stop - start
         key = (self.viewing.view, shard)
         if key not in self._token_rows:
-            self._token_rows[key] = int(self.stored_rows(TOKEN_LENGTH, shard, 0, stop - start).sum(dtype=np.int64))
+            self._token_rows[key] = int(self._token_index(shard)[1].sum())
         return self._token_rows[key]
 
     def stored_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of shard ``shard`` of ``field``, as a new array (see :meth:`read_rows`)."""
+        """Rows ``[lo, hi)`` of shard ``shard`` of ``field`` (see :meth:`read_rows`): a new array,
+        or with decoded chunks kept, rows of one chunk as a read-only view of it."""
+        if self.chunks is not None and hi > lo:
+            view = self._in_one_chunk(field, shard, lo, hi)
+            if view is not None:
+                return view
         spec = self.version.manifest.arrays[field]
         out = np.empty((hi - lo, *spec.shape), dtype=spec.dtype)
         if hi > lo:
             self.read_rows(field, shard, lo, hi, out)
         return out
 
-    def read_tokens(self, fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
-        """The token rows of ``piece``'s samples in each per-token array of ``fields``, found
-        from their ``token_start``/``token_length`` (one run of rows in the shard), decoded in
-        the calling thread: what :class:`TokenSource` reads, and the fill's stored shards."""
-        spec = self.version.manifest.arrays
-        lengths = self.stored_rows(TOKEN_LENGTH, piece.shard, piece.lo, piece.hi)
-        first = 0
-        if piece.size and fields:
-            start = self.stored_rows(TOKEN_START, piece.shard, piece.lo, piece.lo + 1)
-            first = int(start[0]) - piece.shard * spec[fields[0]].tokens[0]
-        return piece_tokens(fields, lengths, first, lambda f, lo, hi: self.stored_rows(f, piece.shard, lo, hi))
+    def read_tokens(self, fields: Sequence[str], pieces: Sequence[Piece]) -> dict[str, RaggedRows]:
+        """The token rows of the pieces' samples, in order, in each per-token array of ``fields``
+        (:func:`~featstore.read.shards._gather.sample_tokens`), decoded in the calling thread:
+        what :class:`TokenSource` reads, random access, and the fill's stored shards."""
+        if len(pieces) == 1:
+            starts, lengths = self._token_index(pieces[0].shard)
+            p = pieces[0]
+            return sample_tokens(fields, starts[p.lo:p.hi], lengths[p.lo:p.hi], self.token_rows)
+        index = {s: self._token_index(s) for s in {p.shard for p in pieces}}
+        starts = np.concatenate([index[p.shard][0][p.lo:p.hi] for p in pieces])
+        lengths = np.concatenate([index[p.shard][1][p.lo:p.hi] for p in pieces])
+        return sample_tokens(fields, starts, lengths, self.token_rows)
+
+    def sample_tokens(self, fields: Sequence[str], samples: np.ndarray) -> dict[str, RaggedRows]:
+        """The token rows of ``samples`` (in that order; repeats allowed) in each per-token array
+        of ``fields``: random access, every sample in one pass over the chunks it touches."""
+        spp = self.version.manifest.layout.samples_per_shard
+        shard = samples // spp
+        starts, lengths = np.empty(len(samples), dtype=np.int64), np.empty(len(samples), dtype=np.int64)
+        for s in np.unique(shard).tolist():
+            at = np.flatnonzero(shard == s)
+            st, ln = self._token_index(s)
+            starts[at], lengths[at] = st[samples[at] - s * spp], ln[samples[at] - s * spp]
+        return sample_tokens(fields, starts, lengths, self.token_rows)
+
+    def token_rows(self, field: str, rows: np.ndarray | slice) -> np.ndarray:
+        """Token rows ``rows`` of a per-token array (the version's own numbering: shard ``s``'s
+        rows from ``s`` times its tokens per shard): a run of one shard's, or any rows, read
+        shard by shard (with decoded chunks kept: chunk by chunk)."""
+        per_shard = self.version.manifest.arrays[field].tokens[0]
+        if isinstance(rows, slice):
+            shard = rows.start // per_shard if rows.stop > rows.start else 0
+            return self.stored_rows(field, shard, rows.start - shard * per_shard, rows.stop - shard * per_shard)
+        spec = self.version.manifest.arrays[field]
+        out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
+        if self.chunks is not None:  # each chunk touched: its rows copied out of the decoded chunk kept
+            for s, k, at, local in self._by_chunk(rows, per_shard, self._chunk_rows(field)):
+                out[at] = self._chunk(field, s, k)[local]
+            return out
+        shard = rows // per_shard
+        for s in np.unique(shard).tolist():  # one read of each shard's rows the samples span
+            at = np.flatnonzero(shard == s)
+            lo, hi = int(rows[at].min()) - s * per_shard, int(rows[at].max()) + 1 - s * per_shard
+            out[at] = self.stored_rows(field, s, lo, hi)[rows[at] - s * per_shard - lo]
+        return out
+
+    def _by_chunk(self, rows: np.ndarray, per_shard: int, unit: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``rows`` by the inner chunk holding them: ``(shard, chunk, positions, rows in the
+        chunk)`` each; kept for the next array of the same rows and chunk size (the parts of an
+        output are read one after another with the same rows)."""
+        if self._grouped is not None and self._grouped[0] is rows and self._grouped[1] == unit:
+            return self._grouped[2]
+        per = -(-per_shard // unit)
+        chunk = rows // per_shard * per + rows % per_shard // unit  # the version's chunk numbering
+        out = []
+        for c in np.unique(chunk).tolist():
+            at = np.flatnonzero(chunk == c)
+            s, k = divmod(c, per)
+            out.append((s, k, at, rows[at] - s * per_shard - k * unit))
+        self._grouped = (rows, unit, out)
+        return out
+
+    def _token_index(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where each sample of shard ``shard`` starts among the version's token rows, and its
+        tokens (kept with the decoded chunks, for random access)."""
+        def index() -> np.ndarray:
+            start, stop = self.version.manifest.layout.shard_range(shard)
+            return np.stack([self.stored_rows(TOKEN_START, shard, 0, stop - start).astype(np.int64),
+                             self.stored_rows(TOKEN_LENGTH, shard, 0, stop - start).astype(np.int64)])
+        got = index() if self.chunks is None else self.chunks.get((TOKEN_START, self.viewing.view, shard, -1), index)
+        return got[0], got[1]
 
     def near(self, field: str, spans: Sequence[Span]) -> bool:
         """Whether reading these spans of ``field`` needs no remote storage."""
@@ -472,103 +577,6 @@ def default_cache_bytes() -> int:
     """Half the free space where the memory cache lives."""
     st = os.statvfs(shm_root())
     return max(1, st.f_bavail * st.f_frsize // 2)
-
-
-# -- spans in flight -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamSources:
-    """One stream's sources in this process (a version's arrays, or several teachers' under
-    their labels), and what the rows' sample index is computed with."""
-
-    sources: Sequence[ShardSource]
-    samples_per_shard: int
-
-    def index(self, span: Span) -> np.ndarray:
-        """The sample index of each of ``span``'s rows, in read order."""
-        spp = self.samples_per_shard
-        return np.concatenate([np.zeros(0, dtype=np.int64)] + [np.arange(p.shard * spp + p.lo, p.shard * spp + p.hi,
-                                                                         dtype=np.int64) for p in span.pieces])
-
-
-#: Per stream, the span of one window to read (None: the window reads nothing of that stream).
-Unit = tuple[Span | None, ...]
-#: Per stream, the rows read of one unit (None where it read nothing), ``"index"`` among them.
-UnitRows = list[dict[str, SpanRows] | None]
-
-
-def spans_in_flight(streams: Sequence[StreamSources], reads: Executor, units: Iterable[Unit],
-                    prefetch: int) -> Iterator[UnitRows]:
-    """Keeps units (one window's spans of every stream) in flight over the streams' sources and
-    yields each once all its reads are done (a window is permuted as a whole, so it is only
-    usable once complete).
-
-    Every (piece, array) is its own read, so one shard's arrays are fetched concurrently;
-    ``reads`` (``prefetch`` pool threads) issues them. The next unit's reads are always in
-    flight while the current one is consumed, so S3 latency hides behind Model B instead of
-    adding up window by window. Every read decodes straight into its rows: no concatenation.
-    """
-    todo = iter(units)
-    queue = deque[tuple[int, list[tuple[np.ndarray, list[SpanRead]] | None]]]()
-
-    def fill() -> None:
-        """Keep ``prefetch`` pieces in flight (the queued units'), and the next two units at least."""
-        while sum(n for n, _ in queue) < prefetch or len(queue) < 2:
-            unit = next(todo, None)
-            if unit is None:
-                return
-            started = [None if span is None else (stream.index(span), [s.read(span, reads) for s in stream.sources])
-                       for stream, span in zip(streams, unit, strict=True)]
-            queue.append((sum(len(span.pieces) for span in unit if span is not None), started))
-
-    current: list[SpanRead] = []
-    try:
-        fill()
-        while queue:
-            _, started = queue.popleft()
-            rows: UnitRows = []
-            current = [r for got in started if got is not None for r in got[1]]
-            for got in started:
-                arrays: dict[str, SpanRows] | None = None
-                if got is not None:
-                    arrays = {"index": got[0]}
-                    for r in got[1]:
-                        arrays.update(r.result())
-                rows.append(arrays)
-            fill()
-            yield rows
-            for r in current:  # the consumer has cut every batch of this unit
-                r.close()
-            current = []
-    finally:
-        for r in current:
-            r.close()
-        for _, queued in queue:  # an abandoned epoch: do not read what nobody will use
-            for got in queued:
-                for r in () if got is None else got[1]:
-                    r.close()
-
-
-def read_spans(streams: Sequence[StreamSources], epochs: Sequence[Epoch], units: Iterable[Unit],
-               prefetch: int) -> Iterator[UnitRows]:
-    """The epoch's units from the streams' sources (``epochs``: what each stream's sources learn
-    when the iteration starts), read ahead on a pool of ``prefetch`` threads, or in the calling
-    thread when no core is spare and nothing is remote: pool threads would only take turns with
-    Model B's torch threads (measured slower)."""
-    begun: list[ShardSource] = []
-    finished = False
-    try:
-        for stream, epoch in zip(streams, epochs, strict=True):
-            for s in stream.sources:
-                s.begin(epoch)
-                begun.append(s)
-        here = spare_cores() < 1 and all(s.near(epoch.todo) for stream, epoch in zip(streams, epochs, strict=True)
-                                         for s in stream.sources)
-        with InThread() if here else ThreadPoolExecutor(prefetch, thread_name_prefix="featstore-read") as reads:
-            yield from spans_in_flight(streams, reads, units, prefetch)
-        finished = True
-    finally:
-        for s in begun:
-            s.end(finished)
 
 
 class InThread(Executor):

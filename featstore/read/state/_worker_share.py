@@ -102,7 +102,7 @@ def iteration_key(base_seed: int, count: int) -> int:
     z = (base_seed * 0x9E3779B97F4A7C15 + count * 0xBF58476D1CE4E5B9 + 1) & (2**64 - 1)
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (z ^ (z >> 31)) % (2**_KEY_BITS - 1) + 1
+    return int((z ^ (z >> 31)) % (2**_KEY_BITS - 1) + 1)
 
 
 def in_worker() -> bool:
@@ -352,17 +352,17 @@ def _remove_lock(path: str, owner: int) -> None:
 def _own_key() -> int:
     """A key for a process's own iteration (never joined): random, without touching the global
     ``random`` state a training script may rely on."""
-    return int.from_bytes(os.urandom(3), "little") % (2**_KEY_BITS - 1) + 1
+    return int(int.from_bytes(os.urandom(3), "little") % (2**_KEY_BITS - 1) + 1)
 
 
 def check_epoch(epoch: Any) -> int:
     """``epoch`` as an int in [0, 2**31), or :class:`InvalidInput`."""
     if isinstance(epoch, bool) or not isinstance(epoch, int) and not hasattr(epoch, "__index__"):
         raise InvalidInput(f"epoch must be an int, got {epoch!r}.")
-    epoch = int(epoch)
-    if not 0 <= epoch <= MAX_EPOCH:
-        raise InvalidInput(f"epoch must be in [0, {MAX_EPOCH}], got {epoch}.")
-    return epoch
+    value = int(epoch)
+    if not 0 <= value <= MAX_EPOCH:
+        raise InvalidInput(f"epoch must be in [0, {MAX_EPOCH}], got {value}.")
+    return value
 
 
 #: Objects to prepare before this process forks (datasets: see :func:`on_fork`).
