@@ -162,13 +162,13 @@ def timed_compute(store: Any, name: str, model: Any, data: Any, tok: Any, p: Pro
     return time.perf_counter() - t, v
 
 
-def measure(p: Profile) -> dict[str, Any]:
+def measure(p: Profile, folder: str | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
     load = [os.getloadavg()[0]]
     root = tempfile.mkdtemp(prefix="featstore-vllm-bench-")
-    folder = hf.save_smollm2(os.path.join(root, "smollm2"))
+    folder = hf.save_smollm2(folder or os.path.join(root, "smollm2"))
     tok = AutoTokenizer.from_pretrained(folder)
     tok.name_or_path = "SmolLM2-135M-Instruct"
     data = hf.TokenizedTexts(hf.stdlib_docstrings()[:p.texts], tok, max_tokens=p.max_tokens)
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 texts of 32 tokens, one round, k=20")
     ap.add_argument("--render", action="store_true", help="only rewrite the section from the saved JSON")
+    ap.add_argument("--folder", help="SmolLM2's safetensors folder (converted there if missing; default: a temp one)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
     saved = os.path.join(args.out, "benchmarks-vllm.json")
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(saved) as f:
             res = json.load(f)
     else:
-        res = measure(QUICK if args.quick else Profile())
+        res = measure(QUICK if args.quick else Profile(), args.folder)
         with open(saved, "w") as f:
             json.dump(res, f, indent=1)
     write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, section(res))

@@ -64,6 +64,7 @@ class TopKTeacher(torch.nn.Module, metaclass=ABCMeta):
         self.k = k
         self.temperature = float(temperature)
         self.classes = int(classes)
+        self._last: tuple[bytes, list[PromptTopK]] | None = None  # the last batch and its rows
 
     @abstractmethod
     def top_logprobs(self, prompts: list[list[int]]) -> list[PromptTopK]:
@@ -76,7 +77,14 @@ class TopKTeacher(torch.nn.Module, metaclass=ABCMeta):
     def forward(self, x: dict[str, torch.Tensor]) -> TopK:
         ids, mask = x["ids"], x["attention_mask"].bool()
         prompts = [row[m].tolist() for row, m in zip(ids.cpu(), mask.cpu(), strict=True)]
-        got = self.top_logprobs(prompts)
+        key = hashlib.sha256(repr(prompts).encode()).digest()
+        if self._last is not None and self._last[0] == key:
+            got = self._last[1]
+        else:
+            got = self.top_logprobs(prompts)
+            # compute's probe runs A on the first samples, the first batch of its first task when
+            # it runs in the same process: an engine's batch is costly, so its answer is kept
+            self._last = (key, got)
         out_ids = np.zeros((*ids.shape, self.k), dtype=np.int64)
         out_lp = np.zeros((*ids.shape, self.k), dtype=np.float32)
         for b, (prompt, rows, m) in enumerate(zip(prompts, got, mask.cpu().numpy(), strict=True)):
