@@ -27,7 +27,6 @@ What one run measures:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -51,7 +50,7 @@ from featstore.ragged import pad_sequences  # noqa: E402
 from featstore.testing import VLLMServer  # noqa: E402
 
 from .procfs import dir_bytes  # noqa: E402
-from .sections import write_marked  # noqa: E402
+from .sections import measured, write_marked  # noqa: E402
 
 BEGIN, END = "<!-- vllm-teacher:begin -->", "<!-- vllm-teacher:end -->"
 K = 50
@@ -163,7 +162,7 @@ def timed_compute(store: Any, name: str, model: Any, data: Any, tok: Any, p: Pro
 
 
 def measure(p: Profile, folder: str | None = None) -> dict[str, Any]:
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
     load = [os.getloadavg()[0]]
@@ -176,10 +175,11 @@ def measure(p: Profile, folder: str | None = None) -> dict[str, Any]:
     servers = [VLLMServer(folder, root, name="smollm2", max_model_len=p.max_tokens + 1, max_logprobs=K).launch()
                for _ in range(2)]
     try:
-        lm, _ = hf.smollm2()
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # the same weights
         t = time.perf_counter()
         teacher = hf.VLLMTeacher(folder, k=K, max_model_len=p.max_tokens + 1,
-                                 engine_args={"enforce_eager": True, "max_logprobs": max(p.ks)})
+                                 engine_args={"enforce_eager": True, "max_logprobs": max(K, *p.ks),
+                                              "kv_cache_memory_bytes": 2**28})
         llm = teacher.engine()
         engine_load = time.perf_counter() - t
         for s in servers:
@@ -267,14 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--folder", help="SmolLM2's safetensors folder (converted there if missing; default: a temp one)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
-    saved = os.path.join(args.out, "benchmarks-vllm.json")
-    if args.render:
-        with open(saved) as f:
-            res = json.load(f)
-    else:
-        res = measure(QUICK if args.quick else Profile(), args.folder)
-        with open(saved, "w") as f:
-            json.dump(res, f, indent=1)
+    res = measured(args.out, "benchmarks-vllm.json", args.render,
+                   lambda: measure(QUICK if args.quick else Profile(), args.folder))
     write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, section(res))
     print(section(res))
     return 0

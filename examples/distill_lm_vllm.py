@@ -43,7 +43,8 @@ def main() -> None:
                for _ in range(2)]  # they load while the engine below computes
     try:
         t = time.perf_counter()
-        teacher = hf.VLLMTeacher(folder, k=K, max_model_len=MAX_TOKENS + 1)
+        teacher = hf.VLLMTeacher(folder, k=K, max_model_len=MAX_TOKENS + 1,
+                                 engine_args={"kv_cache_memory_bytes": 2**28})  # on a CPU: 256 MiB of cache
         v = store.compute("smollm2/vllm", model=teacher, dataset=data, input_key="input_ids",
                           outputs={"logits": f"topkq:{K}"}, batch_size=TEXTS, options=options,
                           tokens=hf.teacher_tokens(tok, max_tokens=MAX_TOKENS))

@@ -24,6 +24,7 @@ skip every sampling processor), so the pool stores ``@1`` only; compute another 
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -102,7 +103,8 @@ def _pool(urls: tuple[str, ...]) -> _Pool:
 
 class VLLMServers(TopKTeacher):
     """A pool of OpenAI-compatible servers (``vllm serve`` or ``python -m
-    vllm.entrypoints.openai.api_server``; SGLang speaks the same API) as Model A: each text's
+    vllm.entrypoints.openai.api_server``; any server answering vLLM's ``prompt_logprobs`` extension of
+    ``/v1/completions`` for token-id prompts; tested with vLLM) as Model A: each text's
     per-token top-``k`` log-probabilities, stored like :class:`~featstore.hf.VLLMTeacher`'s.
 
     ``urls``: the servers' base URLs (``http://host:port``); ``model``: the model they serve, as
@@ -215,7 +217,7 @@ def _call(request: urllib.request.Request, timeout: float) -> Any:
             raise ServerDown(f"HTTP {exc.code}: {text}") from None
         raise InvalidInput(f"{request.full_url} refused the request (HTTP {exc.code}): {text}; a server must allow "
                            "--max-logprobs >= k and --max-model-len > the longest text.") from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as exc:
+    except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:  # refused, reset, timed out, torn
         raise ServerDown(f"{type(exc).__name__}: {exc}") from None
 
 
@@ -245,4 +247,4 @@ def _choices(answer: Any, prompts: list[list[int]], k: int, url: str) -> list[Pr
         return out
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ServerDown(f"{url} answered without the prompt's log-probabilities ({type(exc).__name__}: {exc}); is "
-                         "it an OpenAI-compatible server with prompt_logprobs (vLLM, SGLang)?") from None
+                         "it a vLLM server (prompt_logprobs with token-id prompts)?") from None

@@ -66,7 +66,8 @@ class VLLMTeacher(TopKTeacher):
     float32 forward to ~1e-4 nats; ``"bfloat16"`` on a GPU); ``max_model_len``: the longest text
     plus one; ``engine_args``: more ``vllm.LLM`` arguments (``gpu_memory_utilization``,
     ``max_num_batched_tokens``, ``kv_cache_memory_bytes``: 1 GiB by default on a CPU worker), which do
-    not change what is computed.
+    not change what is computed. Building the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in
+    the process (and leaves it: the engine reads it while it lives).
 
     >>> teacher = featstore.hf.VLLMTeacher("/models/smollm2", k=50)
     >>> v = store.compute("smollm2/docs", model=teacher, dataset=data, input_key="input_ids",

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from featstore.testing._servers import ServerFailed, free_ports
+from featstore.testing._servers import ServerFailed, free_ports, log_tail
 
 TERM_GRACE = 10.0
 
@@ -31,15 +31,17 @@ TERM_GRACE = 10.0
 class VLLMServer:
     """One vLLM server process on loopback serving the model folder ``model`` as ``name``;
     ``url`` is its base URL. ``args``: more command-line arguments; ``threads``: its torch
-    threads (``OMP_NUM_THREADS``); ``kv_cache_gib``: its KV cache on a CPU."""
+    threads (``OMP_NUM_THREADS``); ``kv_cache_bytes``: its KV cache (on a CPU, vLLM would
+    otherwise reserve most of the RAM; 256 MiB holds ~6,000 tokens of SmolLM2)."""
 
     def __init__(self, model: str | os.PathLike[str], root: str | os.PathLike[str], name: str = "model", *,
                  max_model_len: int = 256, max_logprobs: int = 50, dtype: str = "float32", threads: int = 1,
-                 kv_cache_gib: int = 1, args: tuple[str, ...] = (), ready_timeout: float = 600.0) -> None:
+                 kv_cache_bytes: int = 2**28, args: tuple[str, ...] = (), ready_timeout: float = 600.0) -> None:
         self.model, self.root, self.name = os.fspath(model), Path(root), name
         self.options = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--max-logprobs",
-                        str(max_logprobs), "--enforce-eager", "--served-model-name", name, *args]
-        self.env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+                        str(max_logprobs), "--enforce-eager", "--served-model-name", name,
+                        "--kv-cache-memory-bytes", str(kv_cache_bytes), *args]
+        self.env = {"OMP_NUM_THREADS": str(threads)}
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
@@ -88,12 +90,8 @@ class VLLMServer:
             time.sleep(1.0)
         raise ServerFailed(f"the vLLM server did not answer within {self.ready_timeout:.0f} s.{self._tail()}")
 
-    def _tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\nThe end of {self.log_path}:\n" + "\n".join(text)
+    def _tail(self) -> str:
+        return log_tail(self.log_path)
 
     def kill(self) -> None:
         """SIGKILL the server's process group (the server and any child it started)."""

