@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -210,6 +211,7 @@ def measure(p: Profile, folder: str | None = None) -> dict[str, Any]:
     finally:
         for s in servers:
             s.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the stores, the logs (and the model folder, unless --folder)
     load.append(os.getloadavg()[0])
     return {"profile": asdict(p), "tokens": data.tokens, "texts": len(data), "engine_load_s": engine_load,
             "rounds": rounds, "breakdown": breakdown, "agreement": agree, "load": load,

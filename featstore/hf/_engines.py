@@ -64,7 +64,7 @@ class TopKTeacher(torch.nn.Module, metaclass=ABCMeta):
         self.k = k
         self.temperature = float(temperature)
         self.classes = int(classes)
-        self._last: tuple[bytes, list[PromptTopK]] | None = None  # the last batch and its rows
+        self._last: dict[tuple[int, ...], PromptTopK] = {}  # the rows of the last engine call, by text
 
     @abstractmethod
     def top_logprobs(self, prompts: list[list[int]]) -> list[PromptTopK]:
@@ -77,14 +77,15 @@ class TopKTeacher(torch.nn.Module, metaclass=ABCMeta):
     def forward(self, x: dict[str, torch.Tensor]) -> TopK:
         ids, mask = x["ids"], x["attention_mask"].bool()
         prompts = [row[m].tolist() for row, m in zip(ids.cpu(), mask.cpu(), strict=True)]
-        key = hashlib.sha256(repr(prompts).encode()).digest()
-        if self._last is not None and self._last[0] == key:
-            got = self._last[1]
-        else:
-            got = self.top_logprobs(prompts)
-            # compute's probe runs A on the first samples, the first batch of its first task when
-            # it runs in the same process: an engine's batch is costly, so its answer is kept
-            self._last = (key, got)
+        keys = [tuple(p) for p in prompts]
+        missing = [p for p, key in zip(prompts, keys, strict=True) if key not in self._last]
+        if missing:
+            # compute's probe runs A on up to 64 first samples, which the first task's batches
+            # (of any size) then ask for again when they run in the same process: an engine's
+            # answer is costly, so the last call's rows are kept (one call's, never more)
+            fresh = dict(zip([tuple(p) for p in missing], self.top_logprobs(missing), strict=True))
+            self._last = {**{k: self._last[k] for k in keys if k in self._last}, **fresh}
+        got = [self._last[key] for key in keys]
         out_ids = np.zeros((*ids.shape, self.k), dtype=np.int64)
         out_lp = np.zeros((*ids.shape, self.k), dtype=np.float32)
         for b, (prompt, rows, m) in enumerate(zip(prompts, got, mask.cpu().numpy(), strict=True)):
