@@ -26,6 +26,8 @@ from featstore.versions._views import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     import torch
+
+    from featstore.compute._content import ComputeReport
     from zarr.abc.store import Store as ZarrStore
 
     from featstore.online._teacher import Teacher
@@ -46,10 +48,11 @@ class Version:
     torch.Size([10, 512])
     """
 
-    __slots__ = ("_stored",)
+    __slots__ = ("_stored", "_report")
 
-    def __init__(self, stored: StoredVersion) -> None:
+    def __init__(self, stored: StoredVersion, report: ComputeReport | None = None) -> None:
         self._stored = stored
+        self._report = report
 
     def __featstore_version__(self) -> StoredVersion:
         """The stored version behind this one (:func:`featstore.versions.stored`)."""
@@ -75,6 +78,17 @@ class Version:
         array) plus ``index``; ``v[view, rows]`` reads view ``view`` of a version with views
         (and adds ``view``)."""
         return self._stored[index]
+
+    @property
+    def report(self) -> ComputeReport | None:
+        """What the ``store.compute`` call that returned this object did: whether A ran, how the
+        dataset was compared with what was stored, how many items changed, shards computed and
+        reused (None on a version opened any other way).
+
+        >>> store.compute("cnn-a/train", model=a, dataset=edited).report.items_changed
+        1
+        """
+        return self._report
 
     @property
     def id(self) -> str:
@@ -171,8 +185,9 @@ class Version:
         """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
         which finds spread shard objects under their prefixes: plain Zarr reads a version
         through it. Not for an incremental version (``extends=``), whose inherited shards lie in
-        its parents' folders: that raises :class:`InvalidInput` (read it with featstore, or
-        ``load()`` it), rather than give a store in which they would read as zeros.
+        its parents' folders, nor for one a rerun made referencing the unchanged shards of
+        another: that raises :class:`InvalidInput` (read it with featstore, ``load()`` or
+        :meth:`export` it), rather than give a store in which they would read as zeros.
 
         >>> group = zarr.open_group(version.zarr_store(), mode="r")
         >>> group["features"][:10].shape
@@ -182,9 +197,11 @@ class Version:
 
         v = self._stored
         if v.manifest.bases:
-            raise InvalidInput(f"{v.ref} extends {v.manifest.bases[0].name}@{v.manifest.bases[0].id}: "
-                               "its first shards lie in that version's folder, so no single Zarr group holds it. "
-                               "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
+            raise InvalidInput(f"{v.ref} references shards of {v.manifest.bases[0].name}@{v.manifest.bases[0].id} "
+                               "(extends=, or a rerun that kept the shards whose items did not change): they lie in "
+                               "that version's folder, so no single Zarr group holds it. Read it with featstore "
+                               "(store.open(ref)[a:b], .load(), store.dataset(ref)), or export it (version.export, "
+                               "featstore export) for plain Zarr readers.")
         return group_store(v.storage, v.data_key, v.spread, read_only=True)
 
     def export(self, url: str | os.PathLike[str], storage_options: StorageOptions | None = None, *,
@@ -267,7 +284,8 @@ class FeatureStore:
         """
         from featstore.compute._driver import run_compute
 
-        return Version(run_compute(self.catalog, name, ComputeCall(*args, **keywords)))
+        done = run_compute(self.catalog, name, ComputeCall(*args, **keywords))
+        return Version(done.version, done.report)
 
     @overload
     def dataset(self, ref: VersionRef, *, teacher: Teacher | None = None, **options: Any) -> FeatureDataset: ...

@@ -228,9 +228,12 @@ def cmd_compute(args: argparse.Namespace) -> Result:
                           input_key=_key(args.input_key), keep=[_key(k) for k in args.keep],
                           outputs=parse_outputs(args.outputs), batch_size=args.batch_size,
                           samples_per_shard=args.samples_per_shard, client=args.scheduler, options=options)
-    m = v.manifest
-    out = {**_version_json(v), "shards": m.layout.n_shards, "arrays": sorted(m.arrays), "timings": m.timings}
-    return Result(Exit.OK, out, f"committed {v.name}@{v.id}: {len(v)} samples, {m.layout.n_shards} shards")
+    m, report = v.manifest, v.report
+    out = {**_version_json(v), "shards": m.layout.n_shards, "arrays": sorted(m.arrays), "timings": m.timings,
+           "report": None if report is None else report.to_json()}
+    done = "committed" if report is None or report.computed else "found"
+    return Result(Exit.OK, out, f"{done} {v.name}@{v.id}: {len(v)} samples, {m.layout.n_shards} shards"
+                  + ("" if report is None else f"; {report.describe()}"))
 
 
 def _key(text: str | None) -> Any:

@@ -28,8 +28,9 @@ if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: import
                                             IN_PROCESS as IN_PROCESS)
     from featstore.compute._runners import (DaskRunner as DaskRunner, InProcessRunner as InProcessRunner,
                                             ShardRunner as ShardRunner)
+    from featstore.compute._content import ComputeReport as ComputeReport
     from featstore.compute._shard_rows import (compute_shard as compute_shard, shard_batches as shard_batches,
-                                               ShardRows as ShardRows)
+                                               ShardRows as ShardRows, Inputs as Inputs, read_inputs as read_inputs)
     from featstore.compute._shard_task import probe as probe, run_shards as run_shards, worker_model as worker_model
     from featstore.compute._shard_writing import open_arrays as open_arrays, write_shard as write_shard
     from featstore.compute._task_spec import ArrayProbe as ArrayProbe, Probe as Probe, TaskSpec as TaskSpec
@@ -43,6 +44,7 @@ _NAMES = {
     "TaskSpec": "_task_spec", "Probe": "_task_spec", "ArrayProbe": "_task_spec",
     "probe": "_shard_task", "run_shards": "_shard_task", "worker_model": "_shard_task",
     "ShardRows": "_shard_rows", "compute_shard": "_shard_rows", "shard_batches": "_shard_rows",
+    "Inputs": "_shard_rows", "read_inputs": "_shard_rows", "ComputeReport": "_content",
     "open_arrays": "_shard_writing", "write_shard": "_shard_writing",
     "Cluster": "_cluster", "connect": "_cluster", "worker_devices": "_devices", "tuned": "_malloc",
     "collate_batch": "_batches", "DatasetPrefix": "_extends",

@@ -16,13 +16,15 @@ from featstore._user_types import FieldKey, Item, MapDataset
 
 from featstore.errors import EmptyDataset, InvalidInput, VersionsMisaligned
 from featstore.versions._alignment import LINK, Alignment, adopt_views, check_views_of, link
-from featstore.versions._fingerprints import dataset_digest, describe_key, fingerprint, model_digest, sampled_digest
+from featstore.versions._fingerprints import (dataset_digest, dataset_fingerprint, describe_key, fingerprint,
+                                              model_digest, sampled_digest)
 from featstore.format._arrays import chunk_label
 from featstore.format._keys import RESERVED_FIELDS
 from featstore.format._manifests import (ArraySpec, ArrayStats, Base, Layout, Manifest, ShardReceipt, ViewsSpec,
                                         check_spread)
 from featstore._allowed_names import check_name
 from featstore.codecs._ragged import TOKEN_FIELDS
+from featstore.versions._digests import DIGEST_FIELD
 from featstore.compute._batches import collate_batch
 from featstore._user_code import dataset_length, read_item
 from featstore.codecs._statistics import summarize
@@ -44,7 +46,8 @@ def _arrays_asked(request: ComputeRequest,
     (the views' arrays are reserved only with views: known once ``views_of`` gave them)."""
     outputs, keep = outputs_asked(request.outputs), normalize_keep(request.keep)
     ragged = ragged_outputs(request.tokens, outputs)
-    reserved = set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
+    reserved = (set(RESERVED_FIELDS) | ({VIEW_FIELD, SEED_FIELD} if views is not None else set()) | set(TOKEN_FIELDS)
+                | {DIGEST_FIELD})
     clash = (set(outputs) & set(keep)) | ((set(outputs) | set(keep)) & reserved)
     if clash:
         raise InvalidInput(f"array names {sorted(clash)} are used twice or reserved; rename them.")
@@ -189,6 +192,14 @@ class ComputePlan:
     dataset_sample: str | None
 
     @property
+    def digests(self) -> bool:
+        """Whether the version stores each sample's input digest: wherever the items can be
+        digested (the sampled ones could), unless it grows a parent stored without them."""
+        if self.growth is not None:
+            return DIGEST_FIELD in self.growth.parent.manifest.arrays
+        return self.dataset_sample is not None
+
+    @property
     def vid(self) -> str:
         return self.fingerprint[:16]
 
@@ -237,13 +248,15 @@ class ComputePlan:
         online reader reads; the commit adds statistics, records, times and libraries)."""
         return Manifest(id=self.vid, name=self.name, fingerprint=self.fingerprint, fingerprint_parts=dict(self.parts),
                         layout=layout, arrays=arrays, stats={}, created_at="", timings={}, libraries={},
-                        bases=self.bases, dataset_sample=self.dataset_sample, views=self.views_spec)
+                        bases=self.bases, dataset_sample=self.dataset_sample, views=self.views_spec,
+                        source_fingerprint=dataset_fingerprint(self.request.dataset))
 
     def stats(self, receipts: list[ShardReceipt], arrays: dict[str, ArraySpec]) -> dict[str, ArrayStats]:
         """The manifest's statistics over every shard, the inherited ones included."""
         if self.growth is None:
             return summarize((r.stats for r in receipts), arrays)
-        return self.growth.summarize(self.inherited, receipts[self.growth.first_own:], arrays)
+        reused = self.growth.reused
+        return self.growth.summarize(self.inherited, [r for r in receipts if r.index not in reused], arrays)
 
 
 def decide(catalog: Catalog, name: str, request: ComputeRequest, *, fresh: bool = False) -> ComputePlan:

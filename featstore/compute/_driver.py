@@ -25,6 +25,8 @@ import torch
 import zarr
 
 from featstore._version import __version__
+from featstore.compute._content import (ComputeReport, cheap_here, check_content, donor_for, in_process, reusing,
+                                        trusted)
 from featstore.compute._decision import ComputePlan, decide
 from featstore.compute._layout import choose_layout
 from featstore.compute._request import ComputeCall, keywords_of
@@ -37,6 +39,7 @@ from featstore.monitor._run_state import RunState
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim
 from featstore.versions._committed import StoredVersion
+from featstore.versions._digests import DIGEST_FIELD, content_digest
 
 __all__ = ["choose_layout", "commit_run", "compute", "run_compute"]  # choose_layout: imported from here by tests
 
@@ -98,22 +101,67 @@ def compute(catalog: Catalog, name: str, *args: Any, **keywords: Any) -> StoredV
     >>> v = compute(store, "cnn-a/train", model=model_a, dataset=train_set, keep=["target"],
     ...             outputs={"features": "float16", "logits": "float32"})
     """
-    return run_compute(catalog, name, ComputeCall(*args, **keywords))
+    return run_compute(catalog, name, ComputeCall(*args, **keywords)).version
 
 
-def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> StoredVersion:
-    """:func:`compute` of one :class:`~featstore.compute.ComputeCall`: decide, then (unless
-    that version is committed already) run and commit it."""
+def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> Computed:
+    """:func:`compute` of one :class:`~featstore.compute.ComputeCall`: decide, check the items
+    against what is stored (:mod:`featstore.compute._content`), then (unless that version is
+    committed already) run and commit it, referencing every shard the check found unchanged."""
     t0 = time.perf_counter()
     plan = decide(catalog, name, call)
     existing = catalog.committed(name, plan.vid)
-    if existing is not None:
-        log.info("version %s@%s already committed; nothing to compute", name, plan.vid)
-        return existing
-    run = _run(catalog, plan, runner_for(call))
-    return commit_run(catalog, plan, run.claim, run.receipts,
-                      {**run.timings, "total_s": round(time.perf_counter() - t0, 3),
-                       "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused})
+    if existing is not None and (how := trusted(existing, plan)) is not None:
+        log.info("version %s@%s already committed (%s); nothing to compute", name, plan.vid, how)
+        return _reported(existing, ComputeReport(computed=False, check=how))
+    runner: ShardRunner | None = None
+    try:
+        check = None
+        stored = existing if existing is not None else donor_for(catalog, plan)
+        if stored is not None:
+            runner = None if cheap_here(call.dataset, plan.n) else runner_for(call)
+            run_check = runner.check if runner is not None else in_process(
+                call.dataset, plan.n, plan.options.progress, name)
+            check = check_content(stored, plan.n, run_check, 1)
+            log.info("%s: %d of %d items differ from %s", name, check.changed, plan.n, stored.ref)
+            if existing is not None and check.changed == 0:
+                return _reported(existing, ComputeReport(False, "digests", plan.n, 0, check_s=check.seconds))
+            plan = reusing(plan, check, changed_content=existing is not None)
+            again = catalog.committed(name, plan.vid)
+            if again is not None:  # these very items were computed before
+                return _reported(again, ComputeReport(False, "digests", plan.n, check.changed, check.first_changed,
+                                                      check_s=check.seconds))
+        if runner is None:
+            runner = runner_for(call)
+        run, runner = _run(catalog, plan, runner), None  # _run closes the runner
+    finally:
+        if runner is not None:
+            runner.close()
+    referenced = len(plan.inherited)
+    timings = {**run.timings, "total_s": round(time.perf_counter() - t0, 3),
+               "shards_computed": len(run.receipts) - run.reused, "shards_reused": run.reused,
+               **({"shards_referenced": referenced} if referenced else {})}
+    if check is not None:
+        timings.update(check_s=check.seconds, items_changed=check.changed)
+    version = commit_run(catalog, plan, run.claim, run.receipts, timings)
+    report = ComputeReport(True, "none" if check is None else "digests", 0 if check is None else plan.n,
+                           None if check is None else check.changed, () if check is None else check.first_changed,
+                           len(run.receipts) - run.reused, run.reused + referenced,
+                           None if plan.growth is None else plan.growth.parent.ref,
+                           0.0 if check is None else check.seconds)
+    return _reported(version, report)
+
+
+@dataclass(frozen=True)
+class Computed:
+    """What :func:`run_compute` returns: the version, and what the call did to get it."""
+
+    version: StoredVersion
+    report: ComputeReport
+
+
+def _reported(version: StoredVersion, report: ComputeReport) -> Computed:
+    return Computed(version, report)
 
 
 def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequence[ShardReceipt],
@@ -123,10 +171,13 @@ def commit_run(catalog: Catalog, plan: ComputePlan, claim: Claim, fresh: Sequenc
     and a filling :mod:`featstore.online` reader both end with, so both commit the same version."""
     commits = catalog.commits
     receipts = commits.collect_receipts(plan.name, plan.vid, claim.layout, fresh, plan.inherited, plan.view_count)
+    content = None
+    if DIGEST_FIELD in claim.arrays:  # every view holds the same digests: the first view's (or the only) shards
+        content = content_digest(r.digests[DIGEST_FIELD] for r in receipts if r.view in (None, 0))
     manifest = replace(plan.manifest(claim.layout, claim.arrays), stats=plan.stats(receipts, claim.arrays),
                        records=commits.write_records(plan.name, plan.vid, receipts, list(claim.arrays)),
                        created_at=_dt.datetime.now(_dt.UTC).isoformat(), timings=dict(timings),
-                       libraries=_libraries())
+                       libraries=_libraries(), content=content)
     return commits.commit(manifest)
 
 

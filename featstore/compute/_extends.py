@@ -45,23 +45,34 @@ class DatasetPrefix:
 
 @dataclass(frozen=True)
 class Growth:
-    """How a child grows its parent: which shards it references and which it computes."""
+    """How a version reuses another's shards: which it references in place (``bases``, where
+    they are stored) and, by elimination, which it computes. The other version is an
+    ``extends=`` parent (the child references its full shards), or the version a rerun found
+    with some changed items (the new version references every shard whose inputs are unchanged).
+    """
 
-    parent: StoredVersion
-    layout: Layout  # the parent's: the child's rows per shard and chunk rows
+    parent: StoredVersion  # the version whose shards are reused
+    layout: Layout  # the parent's: the new version's rows per shard and chunk rows
     bases: tuple[Base, ...]
-    first_own: int  # the first shard the child computes and stores itself
+
+    @property
+    def reused(self) -> frozenset[int]:
+        """The shards referenced in place."""
+        return frozenset(i for b in self.bases for i in range(b.first, b.stop))
 
     def inherited_receipts(self) -> list[ShardReceipt]:
         """Digests and statistics of the referenced shards, from the parent's records."""
-        return self.parent.shard_receipts()[:self.first_own]
+        reused = self.reused
+        return [r for r in self.parent.shard_receipts() if r.index in reused]
 
     def adopt_arrays(self, arrays: Mapping[str, ArraySpec]) -> dict[str, ArraySpec]:
         """The parent's array specs (its compression too), if the child's match them."""
         # the token layout of per-token arrays follows from the shared layout and the shared
-        # ``tokens`` fingerprint part (checked in plan_growth); it is not known yet here
-        mine = {n: replace(a, compression="", tokens=()) for n, a in arrays.items()}
-        theirs = {n: replace(a, compression="", tokens=()) for n, a in self.parent.manifest.arrays.items()}
+        # ``tokens`` fingerprint part (checked in plan_growth); it is not known yet here. A
+        # parent stored without input digests makes a version without them (decide() knows).
+        mine = {n: replace(a, compression="", tokens=()) for n, a in arrays.items() if a.source != "digest"}
+        theirs = {n: replace(a, compression="", tokens=()) for n, a in self.parent.manifest.arrays.items()
+                  if a.source != "digest"}
         if mine != theirs:
             raise DatasetMismatch(
                 f"the outputs differ from those of {self.parent.ref} ({_describe(mine)} vs "
@@ -72,9 +83,10 @@ class Growth:
                   arrays: Iterable[str]) -> dict[str, ArrayStats]:
         """The child's statistics: the referenced shards' (from the records) and its own."""
         out = summarize((r.stats for r in [*inherited, *own]), list(arrays))
-        cut = self.first_own * self.layout.samples_per_shard
+        reused, spp = self.reused, self.layout.samples_per_shard
         for name, s in out.items():
-            before = [i for i in self.parent.manifest.stats.get(name, {}).get("nonfinite_samples", []) if i < cut]
+            before = [i for i in self.parent.manifest.stats.get(name, {}).get("nonfinite_samples", [])
+                      if i // spp in reused]
             if before or "nonfinite_samples" in s:
                 s["nonfinite_samples"] = sorted({*before, *s.get("nonfinite_samples", [])})[:NONFINITE_KEPT]
         return out
@@ -119,10 +131,22 @@ def plan_growth(parent: StoredVersion, dataset: MapDataset, parts: JSONObject, n
 
 
 def _growth(parent: StoredVersion) -> Growth:
-    m = parent.manifest
-    full = len(parent) // m.layout.samples_per_shard  # the parent's last shard may be partial
-    own = m.own_shards
-    bases = tuple(b for b in m.bases if b.stop <= full)
-    if full > own.start:
-        bases += (Base(parent.name, parent.id, own.start, full, len(parent)),)
-    return Growth(parent, m.layout, bases, bases[-1].stop if bases else 0)
+    """A child of ``parent`` references its full shards (its last one may be partial)."""
+    return reuse(parent, range(len(parent) // parent.manifest.layout.samples_per_shard))
+
+
+def reuse(parent: StoredVersion, shards: Iterable[int]) -> Growth:
+    """A version that references ``shards`` of ``parent`` where they are stored: in the
+    parent's folder, or in the folder of the parent's own base that holds them."""
+    homes: dict[int, tuple[str, str, int]] = {}
+    for b in parent.manifest.bases:
+        homes.update((i, (b.name, b.id, b.n_samples)) for i in range(b.first, b.stop))
+    bases: list[Base] = []
+    for i in sorted(set(shards)):
+        name, vid, n = homes.get(i, (parent.name, parent.id, len(parent)))
+        last = bases[-1] if bases else None
+        if last is not None and last.stop == i and (last.name, last.id) == (name, vid):
+            bases[-1] = replace(last, stop=i + 1)
+        else:
+            bases.append(Base(name, vid, i, i + 1, n))
+    return Growth(parent, parent.manifest.layout, tuple(bases))

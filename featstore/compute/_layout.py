@@ -23,6 +23,7 @@ from featstore.errors import InvalidInput, OutputMismatch
 from featstore._user_types import FieldKey
 from featstore.format._arrays import choose_compression
 from featstore.format._manifests import ArraySpec, Layout
+from featstore.versions._digests import DIGEST_BYTES, DIGEST_FIELD
 from featstore.versions._views import SEED_FIELD
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ def planned_layout(plan: ComputePlan, probed: Probe, local: bool) -> tuple[Layou
         for f, dtype in ((TOKEN_START, torch.int64), (TOKEN_LENGTH, torch.int32)):
             arrays[f] = ArraySpec(keep_codec(dtype).name, keep_codec(dtype).stored, (), "tokens",
                                   choose_compression(options.compression, probed[f].saving, local))
+    if DIGEST_FIELD in probed:  # each sample's input digest: random bytes, which zstd cannot shrink
+        arrays[DIGEST_FIELD] = ArraySpec(keep_codec(torch.uint8).name, keep_codec(torch.uint8).stored,
+                                         (DIGEST_BYTES,), "digest", choose_compression(options.compression, 0.0, local))
     if plan.views is not None:  # replay seeds: random 63-bit integers, which zstd cannot shrink
         arrays[SEED_FIELD] = ArraySpec(keep_codec(torch.int64).name, keep_codec(torch.int64).stored, (), "seed",
                                        choose_compression(options.compression, 0.0, local))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from featstore._json import JSONObject
 from featstore._user_types import MapDataset, ModelSpec
 from featstore.compute._cluster import Cluster, ClusterSpec, connect, task_resources, workers
+from featstore.compute._content import ShardCheck, check_bar as _check_bar, check_shards, checked_rows, in_process
 from featstore.compute._options import ComputeOptions
 from featstore.compute._request import IN_PROCESS, ComputeCall
 from featstore.compute._shard_task import REUSED, probe, run_shards
@@ -33,6 +35,7 @@ from featstore.errors import ComputeFailed, FeatstoreError
 from featstore.format._manifests import ShardReceipt
 from featstore.monitor._events import TOPIC, Event, run_ended
 from featstore.versions._keys import version_key, view_key
+from featstore.versions._committed import StoredVersion
 from featstore.versions._receipts import ReceiptRuns
 
 if TYPE_CHECKING:
@@ -67,6 +70,11 @@ class ShardRunner(Protocol):
     def run(self, spec: TaskSpec, groups: list[Group], start: Event, progress: Progress) -> list[JSONObject]:
         """Run every group's shard task (``start``: the run's start event, sent first; the end
         event is sent last, whatever happens); the receipts (JSON), as the tasks return them."""
+        ...
+
+    def check(self, stored: StoredVersion, groups: list[list[int]]) -> list[ShardCheck]:
+        """Digest the dataset's items of every group of shards and compare them with ``stored``'s
+        (:func:`~featstore.compute._content.check_shards`, without Model A), with progress."""
         ...
 
     def close(self) -> None:
@@ -135,6 +143,10 @@ class InProcessRunner:
     def workers(self) -> int:
         return 1
 
+    def check(self, stored: StoredVersion, groups: list[list[int]]) -> list[ShardCheck]:
+        n = len(self.dataset)
+        return in_process(self.dataset, n, self.options.progress, f"{stored.name}")(stored, groups)
+
     def probe(self, spec: TaskSpec, n: int) -> Probe:
         return probe(spec, self.model, self.dataset, n)
 
@@ -183,7 +195,7 @@ class DaskRunner:
             print(f"featstore: progress page at {page}" if page else "featstore: for featstore's dashboard page, "
                   "start the scheduler with `dask scheduler --preload featstore.dashboard`", file=sys.stderr)
             self.client = self.cluster.client
-            self.inputs = self._scatter()
+            self._inputs: dict[str, Future] = {}  # "model", "dataset": scattered on first use
             self.resources = task_resources(self.client)
         except BaseException:
             self.cluster.close()
@@ -191,9 +203,18 @@ class DaskRunner:
         self.threads = self.cluster.torch_threads()
         self.serial_forward = self.cluster.serial_forward
 
-    def _scatter(self) -> list[Future]:
+    @property
+    def inputs(self) -> list[Future]:
         """Model A and the dataset on every worker (futures), sent once for every task."""
-        return [self.client.scatter(x, broadcast=True, hash=False) for x in (self.model, self.dataset)]
+        return [self._scattered("model"), self._scattered("dataset")]
+
+    def _scattered(self, what: str) -> Future:
+        """``what`` (``"model"`` or ``"dataset"``) on every worker, scattered on first use (a
+        content check that finds nothing changed never sends Model A)."""
+        if what not in self._inputs:
+            x = self.model if what == "model" else self.dataset
+            self._inputs[what] = self.client.scatter(x, broadcast=True, hash=False)
+        return self._inputs[what]
 
     def workers(self) -> int:
         return len(workers(self.client))
@@ -225,7 +246,7 @@ class DaskRunner:
                 if round_:
                     log.warning("%s: a Dask worker died with Model A or the dataset; resubmitting %d "
                                 "shard tasks (finished shards are kept)", spec.name, len(groups))
-                    self.inputs = self._scatter()
+                    self._inputs.clear()  # scattered again on use
                 done, groups = self._round(spec, groups, round_)
                 got += done
             status = "written"
@@ -264,6 +285,33 @@ class DaskRunner:
             for f in futures:
                 f.cancel()
             raise
+
+    def check(self, stored: StoredVersion, groups: list[list[int]]) -> list[ShardCheck]:
+        """One task per group, the dataset scattered once; a progress bar over the items as the
+        tasks finish (they show on the dashboard as ``featstore-check-...``)."""
+        from distributed import as_completed
+
+        n = len(self.dataset)
+        bar = _check_bar(n, stored.name) if self.options.progress else None
+        dataset = self._scattered("dataset")
+        futures = [self.client.submit(check_shards, stored, dataset, g, n, pure=False,
+                                      key=f"featstore-check-{stored.id}-{uuid.uuid4().hex[:8]}-{g[0]:06d}")
+                   for g in groups]
+        out: list[ShardCheck] = []
+        try:
+            for fut in as_completed(futures):
+                got = _result(fut)
+                out += got
+                if bar is not None:
+                    bar.update(sum(checked_rows(stored, c.index, n) for c in got))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
 
     def close(self) -> None:
         self.cluster.close()

@@ -28,17 +28,45 @@ from featstore.compute._task_spec import TaskSpec
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore.errors import FeatstoreError
 from featstore.format._manifests import ArrayStats
-from featstore.versions._views import SEED_FIELD, view_seeds
-
-#: ``items(dataset, b0, b1)``: the dataset's items ``b0 .. b1 - 1`` (default: read them now).
-ItemReader = Callable[[MapDataset, int, int], list[Item]]
+from featstore.versions._digests import DIGEST_FIELD, item_digests
+from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
 
 
-def collate_inputs(spec: TaskSpec, items: list[Item], start: int,
+@dataclass(frozen=True)
+class Inputs:
+    """Samples ``[b0, b1)`` as Model A runs on them (augmented, with views), and the input
+    digest of each item as the dataset gave it (None where the version stores no digests)."""
+
+    items: list[Item]
+    digests: np.ndarray | None
+
+
+def read_inputs(dataset: MapDataset, b0: int, b1: int, digests: bool) -> Inputs:
+    """Read samples ``[b0, b1)`` of ``dataset`` (as A sees it: a view's items are augmented),
+    digesting each item as the dataset gave it, before any augmentation, when ``digests``: so
+    every view of a sample, the rerun's content check and a reader joining the items all digest
+    the same bytes. Runs where the items are read (the task's fetch thread), never on A's."""
+    raw = dataset.dataset if isinstance(dataset, ViewDataset) else dataset
+    items = read_items(raw, range(b0, b1))
+    found = item_digests(items) if digests else None
+    if isinstance(dataset, ViewDataset):
+        items = dataset.seen(items, range(b0, b1))
+    return Inputs(items, found)
+
+
+#: ``inputs(dataset, b0, b1)``: samples ``b0 .. b1 - 1`` (default: :func:`read_inputs` now).
+ItemReader = Callable[[MapDataset, int, int], Inputs]
+
+
+def collate_inputs(spec: TaskSpec, inputs: Inputs, start: int,
                    pinned: bool) -> tuple[object, dict[str, torch.Tensor]]:
     """The input batch for A (in pinned memory if ``pinned``) and the kept fields (with
-    per-token outputs, the batch's real-token mask and each sample's token count)."""
+    per-token outputs, the batch's real-token mask and each sample's token count; with digests,
+    each sample's input digest)."""
+    items = inputs.items
     x, kept = collate_batch(items, spec.input_key, spec.keep, spec.collate, start)
+    if inputs.digests is not None:
+        kept[DIGEST_FIELD] = torch.from_numpy(inputs.digests)
     if spec.tokens is not None:
         try:
             kept[TOKEN_MASK] = batch_mask(spec.tokens, x, len(items), start)
@@ -161,8 +189,6 @@ class ShardRows:
         return sum(b.nbytes if isinstance(b, np.ndarray) else sum(a.nbytes for a in b) for b in self.buffers.values())
 
 
-def _read_now(dataset: MapDataset, b0: int, b1: int) -> list[Item]:
-    return read_items(dataset, range(b0, b1))
 
 
 def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, index: int, device: torch.device,
@@ -177,7 +203,7 @@ def compute_shard(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, ind
     """
     rows = ShardRows.start(spec, index)
     offload, on_device = Offloader(device), encodes_on_device(device)
-    read = items or _read_now
+    read = items or (lambda data, b0, b1: read_inputs(data, b0, b1, spec.digests))
     for b0, b1 in shard_batches(spec, index):
         x, kept = collate_inputs(spec, read(dataset, b0, b1), b0, pinned=device.type == "cuda")
         values, span = rows.forward(net, x, kept, b0, b1, device, on_device)

@@ -43,13 +43,13 @@ from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, part
 from featstore.codecs._ragged import TOKEN_START, pack, pack_topk
 from featstore.codecs._topk import TopK
 from featstore.compute._transfer import Offloader
-from featstore._user_code import build_model, read_items
+from featstore._user_code import build_model
 from featstore.versions._keys import object_key
 from featstore.versions._receipts import read_receipts
 from featstore.versions._views import ViewDataset
 
 from featstore.compute._batches import TOKEN_MASK
-from featstore.compute._shard_rows import ShardRows, collate_inputs, forward
+from featstore.compute._shard_rows import ShardRows, collate_inputs, forward, read_inputs
 from featstore.compute._shard_writing import encodes_on_device, open_arrays, topk_codec, write_shard
 from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
 
@@ -185,8 +185,8 @@ def _shard_event(report: _Reporter, receipt: ShardReceipt, nbytes: int) -> Event
 
 def _fetch_batch(spec: TaskSpec, dataset: MapDataset, b0: int, b1: int,
                  pinned: bool) -> tuple[object, dict[str, torch.Tensor]]:
-    """Read and collate one batch (runs on the fetch thread)."""
-    return collate_inputs(spec, read_items(dataset, range(b0, b1)), b0, pinned)
+    """Read, digest and collate one batch (runs on the fetch thread)."""
+    return collate_inputs(spec, read_inputs(dataset, b0, b1, spec.digests), b0, pinned)
 
 
 def _write_checked_shard(batch_jobs: list[Future], arrays: dict[str, zarr.Array], rows: ShardRows,
@@ -361,7 +361,7 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() if on is None else contextlib.nullcontext(on) as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        x, kept = collate_inputs(spec, read_items(_as_seen(spec, dataset), range(rows)), 0, pinned=False)
+        x, kept = collate_inputs(spec, read_inputs(_as_seen(spec, dataset), 0, rows, spec.digests), 0, pinned=False)
         outs = forward(spec, net, x, 0, rows, device)
     out: dict[str, ArrayProbe] = {}
     tokens = 0.0

@@ -13,6 +13,7 @@ from featstore.codecs._ragged import Tokens
 from featstore.monitor._events import TOPIC
 from featstore.storage import Storage
 from featstore._user_types import Collate, FieldKey
+from featstore.versions._digests import DIGEST_FIELD
 from featstore.versions._keys import version_key, view_key
 from featstore.versions._views import SEED_FIELD, Augment
 
@@ -79,6 +80,7 @@ class TaskSpec:
     augment_seed: int = 0
     tokens: Tokens | None = None  # per-token outputs: which, and the real-token mask
     ragged: tuple[str, ...] = ()  # the per-token outputs
+    digests: bool = False  # store each sample's input digest (featstore.versions._digests)
 
     @classmethod
     def of(cls, plan: ComputePlan, storage: Storage, model_key: str, *, threads: int = 0,
@@ -90,12 +92,14 @@ class TaskSpec:
                    Layout(plan.n, 1, 1), req.batch_size, options.allow_nonfinite, options.autocast, threads, TOPIC,
                    tune_allocator=options.tune_allocator, serial_forward=serial_forward, collate=options.collate,
                    view=None if plan.views is None else 0, augment=None if plan.views is None else plan.views.augment,
-                   augment_seed=0 if plan.views is None else plan.views.seed, tokens=req.tokens, ragged=plan.ragged)
+                   augment_seed=0 if plan.views is None else plan.views.seed, tokens=req.tokens, ragged=plan.ragged,
+                   digests=plan.digests)
 
     def planned(self, layout: Layout, arrays: dict[str, ArraySpec], probe: Probe) -> TaskSpec:
         """This spec with the layout and arrays the version was claimed with, and the dtypes
         every batch must keep (as the probe found them)."""
-        return replace(self, layout=layout, arrays=arrays, dtypes=probe.dtypes(self.view is not None))
+        return replace(self, layout=layout, arrays=arrays, dtypes=probe.dtypes(self.view is not None),
+                       digests=DIGEST_FIELD in arrays)
 
     @property
     def key(self) -> str:

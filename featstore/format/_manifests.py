@@ -88,6 +88,12 @@ def _digest(value: JSON) -> str:
     return value
 
 
+#: Where a stored array's values come from (:attr:`ArraySpec.source`).
+SOURCES = ("output", "keep", "seed", "tokens", "digest")
+#: The sources a reader serves in batches unless asked for by name (the others are featstore's own).
+SERVED_SOURCES = ("output", "keep")
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """One stored array: its codec, stored dtype, per-sample shape, where it came from and its
@@ -96,7 +102,9 @@ class ArraySpec:
     codec: str
     dtype: str
     shape: tuple[int, ...]  # per sample; the stored array is (n_samples, *shape)
-    source: str  # "output" (Model A), "keep" (a dataset field) or "seed" (a view's replay seeds)
+    #: "output" (Model A), "keep" (a dataset field), "seed" (a view's replay seeds), "tokens"
+    #: (per-sample token rows) or "digest" (each sample's input digest: featstore.versions)
+    source: str
     compression: str = "zstd"
     #: For one part of an output stored as several arrays (:mod:`featstore.codecs`: sparse
     #: soft labels, int8): the output's name, this array's part (``ids``, ``values``, ``counts``,
@@ -142,7 +150,7 @@ class ArraySpec:
             check_part(spec.codec, spec.part, spec.dtype, f"array {k!r}")
             if part_array(spec.output, spec.part) != k or spec.source != "output":
                 raise ValueError(f"array {k!r} is not part {spec.part!r} of output {spec.output!r}")
-        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in ("output", "keep", "seed", "tokens"):
+        elif codec_by_name(spec.codec).stored != spec.dtype or spec.source not in SOURCES:
             raise ValueError(f"array {k!r}: codec {spec.codec!r} does not store {spec.dtype!r}")
         if spec.compression not in ("zstd", "none"):
             raise ValueError(f"array {k!r}: unknown compression {spec.compression!r}")
@@ -323,6 +331,12 @@ class Manifest:
     #: K augmented views per sample (schema 2 only; None: one un-augmented view, the key is then
     #: left out). Records and receipts are then per (view, shard) unit, view-major.
     views: ViewsSpec | None = None
+    #: The digest of every sample's input (:func:`featstore.versions.content_digest`; None in a
+    #: version without per-sample input digests, and the key is then left out).
+    content: str | None = None
+    #: The content fingerprint the dataset keeps of itself, where it has one (a Hugging Face
+    #: ``datasets.Dataset``'s, ``"datasets:<hex>"``; None otherwise, and the key is left out).
+    source_fingerprint: str | None = None
 
     @property
     def n_samples(self) -> int:
@@ -342,13 +356,18 @@ class Manifest:
     def schema_version(self) -> int:
         return 1 if self.shards is not None else 2
 
+    def based(self) -> set[int]:
+        """The shards stored in other versions' folders (its bases')."""
+        return {i for b in self.bases for i in range(b.first, b.stop)}
+
     @property
-    def own_shards(self) -> range:
-        """The shards stored in this version's own folder (after those of its bases)."""
-        return range(self.bases[-1].stop if self.bases else 0, self.layout.n_shards)
+    def own_shards(self) -> list[int]:
+        """The shards stored in this version's own folder (those no base holds)."""
+        based = self.based()
+        return [i for i in range(self.layout.n_shards) if i not in based]
 
     def to_json(self) -> JSONObject:
-        per_shard = ("shards", "records", "bases", "dataset_sample", "views")
+        per_shard = ("shards", "records", "bases", "dataset_sample", "views", "content", "source_fingerprint")
         d: JSONObject = {k: v for k, v in asdict(self).items() if k not in per_shard}
         d["layout"] = self.layout.to_json()
         d["arrays"] = {n: a.to_json() for n, a in self.arrays.items()}
@@ -361,6 +380,9 @@ class Manifest:
         d["dataset_sample"] = self.dataset_sample
         if self.views is not None:
             d["views"] = asdict(self.views)
+        for key in ("content", "source_fingerprint"):  # only where set: older manifests are unchanged
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
     @classmethod
@@ -386,6 +408,8 @@ class Manifest:
                 timings={str(k): _number(v) for k, v in json_object(obj["timings"], "timings").items()},
                 libraries={str(k): str(v) for k, v in json_object(obj["libraries"], "libraries").items()},
                 shards=shards, records=records, bases=bases, dataset_sample=sample, views=views,
+                content=None if obj.get("content") is None else _digest(obj["content"]),
+                source_fingerprint=None if obj.get("source_fingerprint") is None else str(obj["source_fingerprint"]),
             )
         except IncompatibleFormat:
             raise
@@ -428,7 +452,8 @@ def _check_tiles(shards: tuple[ShardReceipt, ...], layout: Layout, arrays: dict[
 
 
 def _check_v2(m: Manifest, where: str) -> None:
-    """Schema 2: records cover every shard of every array; bases tile a prefix of the shards."""
+    """Schema 2: records cover every shard of every array; bases hold disjoint runs of shards, in
+    order, each over the same rows in its folder as in this version."""
     rec = m.records
     n = m.layout.n_shards
     problems = []
@@ -438,10 +463,12 @@ def _check_v2(m: Manifest, where: str) -> None:
         problems.append(f"{len(rec.objects)} records objects for {m.n_units} shards of {rec.per_object}")
     if m.views is not None and m.bases:
         problems.append("a version with views has no bases")
-    pos = 0
+    pos, spp = 0, m.layout.samples_per_shard
     for b in m.bases:
-        if b.first != pos or b.stop <= b.first or b.stop > n - 1 or b.n_samples < b.stop * m.layout.samples_per_shard:
-            problems.append(f"base {b.name}@{b.id} shards [{b.first}, {b.stop}) do not tile a prefix")
+        if b.first < pos or b.stop <= b.first or b.stop > n or \
+                min(b.stop * spp, b.n_samples) != min(b.stop * spp, m.layout.n_samples):
+            problems.append(f"base {b.name}@{b.id} shards [{b.first}, {b.stop}) overlap, are out of order or "
+                            "hold other rows")
         pos = b.stop
     if problems:
         raise IncompatibleFormat(f"{where}: {'; '.join(problems)}; the manifest is damaged. Delete the "

@@ -239,7 +239,7 @@ def _scratch(store: FeatureStore, name: str, teacher: Teacher, batch_size: int, 
         compute_shard(spec, net, teacher.dataset, 0, device)  # warm-up: A's first forward sets up its kernels
         arrays = open_arrays(spec)
         shards = range(spec.layout.n_shards)
-        inputs = InputPrefetch()  # A's inputs read a batch ahead, as the online reader reads them
+        inputs = InputPrefetch(spec.digests)  # A's inputs read a batch ahead, as the online reader reads them
         inputs.plan(teacher.dataset, [r for shard in shards for r in shard_batches(spec, shard)])
         t0 = time.perf_counter()
         computed = [compute_shard(spec, net, teacher.dataset, shard, device, inputs.get) for shard in shards]

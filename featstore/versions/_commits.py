@@ -95,7 +95,7 @@ class Commits:
             units = {(v, i) for v in range(views) for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
             return Claim(claimed.layout, adopted, frozenset(), frozenset(units))
         self._reference(name, vid, bases)
-        inherited = set(range(bases[-1].stop if bases else 0))
+        inherited = {i for b in bases for i in range(b.first, b.stop)}
         done = self._prepare(key, claimed.layout, adopted, inherits=bool(bases))
         return Claim(claimed.layout, adopted, frozenset(done | inherited))
 

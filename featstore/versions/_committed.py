@@ -193,10 +193,18 @@ class StoredVersion:
     # -- where shards live (an incremental version reads its bases' shards in place) ----
     def homes(self) -> list[Home]:
         """``[(first row, stop row, version key, that folder's n_samples), ...]`` in row order:
-        the bases' shard ranges, then this version's own shards."""
-        spp = self.manifest.layout.samples_per_shard
-        out = [(b.first * spp, b.stop * spp, version_key(b.name, b.id), b.n_samples) for b in self.manifest.bases]
-        return out + [(self.manifest.own_shards.start * spp, len(self), self.data_key, len(self))]
+        each run of shards a base holds, and the runs between them, which are this version's own."""
+        spp, n = self.manifest.layout.samples_per_shard, len(self)
+        out: list[Home] = []
+        pos = 0  # the first shard not yet placed: the runs between bases are this version's own
+        for b in self.manifest.bases:
+            if b.first > pos:
+                out.append((pos * spp, b.first * spp, self.data_key, n))
+            out.append((b.first * spp, min(b.stop * spp, n), version_key(b.name, b.id), b.n_samples))
+            pos = b.stop
+        if pos < self.manifest.layout.n_shards:
+            out.append((pos * spp, n, self.data_key, n))
+        return out
 
     def _home(self, shard: int) -> tuple[str, int]:
         """``(folder key, its n_samples)`` of the group that stores shard ``shard``."""
@@ -416,7 +424,9 @@ class StoredVersion:
             if rows.size and (rows.min() < -n or rows.max() >= n):
                 raise IndexError(f"indices out of range for {n} samples")
             rows = selection = np.where(rows < 0, rows + n, rows)
-        stored = {f: self._read(f, selection) for f, a in self.manifest.arrays.items() if not a.ragged}
+        # the input digests are featstore's own (featstore.versions.item_digests), not a user's row
+        stored = {f: self._read(f, selection) for f, a in self.manifest.arrays.items()
+                  if not a.ragged and a.source != "digest"}
         out = {f: self.decode(f, v) for f, v in stored.items() if f not in TOKEN_FIELDS}
         out.update(self._ragged(stored))
         out["index"] = torch.from_numpy(rows.astype(np.int64))

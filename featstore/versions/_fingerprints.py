@@ -19,14 +19,13 @@ import types
 import warnings
 from collections.abc import Mapping
 
-import numpy as np
 
 from featstore.errors import FingerprintWarning, InvalidInput
 from featstore._json import JSON, JSONObject, canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
 from featstore._user_types import DeclaresIdentity, MapDataset, ModelSpec
 from featstore._lazy import torch  # imported on first use: the quick commands never need it
-from featstore.versions._views import raw_bytes
+from featstore.versions._digests import array_bytes, item_digest, update_item
 
 
 DATASET_SAMPLES = 16
@@ -41,45 +40,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         h.update(name.encode() + b"\0")
-        h.update(_array_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
-    return h.hexdigest()
-
-
-def _array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
-    """Its dtype and shape, then its bytes: what every digest here reads of a tensor or array."""
-    return f"{x.dtype}{tuple(x.shape)}".encode() + raw_bytes(x)
-
-
-def _update_item(h: hashlib._Hash, item: object, path: str = "") -> None:
-    """Feed one dataset item into ``h``; ``path`` names the field being digested (for messages)."""
-    if isinstance(item, (torch.Tensor, np.ndarray)):
-        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + _array_bytes(item))
-    elif isinstance(item, Mapping):
-        h.update(b"{")
-        for k in sorted(item, key=str):
-            h.update(repr(k).encode())
-            _update_item(h, item[k], f"{path}[{k!r}]")
-        h.update(b"}")
-    elif isinstance(item, (tuple, list)):
-        h.update(b"[")
-        for i, v in enumerate(item):
-            _update_item(h, v, f"{path}[{i}]")
-        h.update(b"]")
-    elif item is None or isinstance(item, (bool, int, float, str, bytes)):
-        h.update(repr(item).encode())
-    else:
-        where = f"its field item{path}" if path else "the item"
-        raise InvalidInput(
-            f"cannot fingerprint the dataset's items: {where} is a {type(item).__module__}.{type(item).__qualname__}; "
-            "pass ComputeOptions(dataset_id='...') naming the dataset's exact contents (--dataset-id), or make "
-            "that field a tensor, numpy array, number or string."
-        )
-
-
-def item_digest(item: object) -> str:
-    """sha256 of one dataset item (tensors, arrays, numbers, strings, and dicts/lists of them)."""
-    h = hashlib.sha256()
-    _update_item(h, item)
+        h.update(array_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
     return h.hexdigest()
 
 
@@ -107,8 +68,19 @@ def sampled_digest(dataset: MapDataset) -> str:
     a dataset shares with its parent. Raises :class:`InvalidInput` for items it cannot digest."""
     h = hashlib.sha256()
     for i in sample_positions(dataset_length(dataset)):
-        _update_item(h, read_item(dataset, i))
+        update_item(h, read_item(dataset, i))
     return h.hexdigest()
+
+
+def dataset_fingerprint(dataset: MapDataset) -> str | None:
+    """The content fingerprint a dataset keeps of itself, where it has one: a Hugging Face
+    ``datasets.Dataset``'s ``_fingerprint`` (a hash of its data files or table and of every
+    transform applied, which ``datasets`` itself trusts for its cache), as ``"datasets:<hex>"``;
+    None for any other dataset. A manifest records it (``source_fingerprint``): a rerun whose
+    dataset shows the same one is not read again."""
+    fp = getattr(dataset, "_fingerprint", None)
+    module = type(dataset).__module__.split(".")[0]
+    return f"datasets:{fp}" if module == "datasets" and isinstance(fp, str) else None
 
 
 def check_repeatable(dataset: MapDataset) -> None:
@@ -247,7 +219,7 @@ def _setting(value: object) -> bytes | None:
         return repr(value).encode()
     if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
         return repr(tuple(value)).encode()
-    return _array_bytes(value) if isinstance(value, torch.Tensor) else None
+    return array_bytes(value) if isinstance(value, torch.Tensor) else None
 
 
 def code_digest(model: torch.nn.Module) -> str:

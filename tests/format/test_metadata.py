@@ -113,8 +113,12 @@ def manifest_variants(m: dict) -> dict[str, tuple[dict | bytes, str]]:
         "records-miss-an-array": (edit(records={**m["records"], "fields": ["features"]}), "do not name"),
         "bad-records-digest": (edit(records={**m["records"], "objects": ["x"]}), "malformed"),
         "inline-shards-in-schema-2": (edit(shards=[]), "malformed"),
-        "bases-not-a-prefix": (edit(bases=[{"name": NAME, "id": "0" * 16, "first": 1, "stop": 2,
-                                            "n_samples": 10**6}]), "do not tile a prefix"),
+        "bases-overlap": (edit(bases=[{"name": NAME, "id": "0" * 16, "first": 0, "stop": 2, "n_samples": 10**6},
+                                      {"name": NAME, "id": "1" * 16, "first": 1, "stop": 2, "n_samples": 10**6}]),
+                          "overlap"),
+        "base-of-other-rows": (edit(bases=[{"name": NAME, "id": "0" * 16, "first": 0, "stop": m["layout"]["n_samples"]
+                                            // m["layout"]["samples_per_shard"] + 1, "n_samples": 10**6}]),
+                               "other rows"),
         "schema-1-shards-do-not-tile": (edit(schema_version=1, shards=[]), "do not tile"),
     }
 

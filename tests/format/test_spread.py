@@ -78,8 +78,10 @@ def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store
     assert v.id == plain.id and stored(v).spread == SPREAD and stored(plain).spread == 1  # same fingerprint, same id
     objects = shard_objects(store, v)
     n_shards = v.manifest.layout.n_shards
-    assert len(objects) == 3 * n_shards and all(k.startswith(f"{SPREAD_FOLDER}/") for k in objects)
-    assert sorted(prefixes(objects).values()) == [3 * 1, 3 * 1, 3 * 2, 3 * 2]  # 6 shards on 4 prefixes
+    arrays = len(v.manifest.arrays)  # 3 and the input digests
+    assert len(objects) == arrays * n_shards and all(k.startswith(f"{SPREAD_FOLDER}/") for k in objects)
+    # 6 shards on 4 prefixes
+    assert sorted(prefixes(objects).values()) == [arrays * 1, arrays * 1, arrays * 2, arrays * 2]
     assert {k for k in store.storage.find(stored(v).key) if "/c/" in k} == set()  # none left in the folder
     assert store.storage.read_json(f"{stored(v).key}/manifest.json")["layout"]["spread"] == SPREAD
     got, want = v.load(), plain.load()
@@ -91,7 +93,7 @@ def test_spread_objects_land_under_several_prefixes_and_read_like_unspread(store
     assert torch.equal(torch.cat([b["features"] for b in batches]), want["features"])
     group = zarr.open_group(v.zarr_store(), mode="r")  # plain Zarr, through the mapping store
     np.testing.assert_array_equal(group["logits"][:], stored(plain).read_rows("logits", 0, N))
-    assert sorted(group.array_keys()) == ["features", "logits", "target"]
+    assert sorted(group.array_keys()) == ["features", "item_digest", "logits", "target"]
     # Zarr opening the version's folder itself never reads the shards as fill values (zeros):
     # the arrays declare a chunk key encoding only featstore's mapping store understands
     folder = zarr.open_group(stored(v).storage.zarr_store(stored(v).key, read_only=True), mode="r")
@@ -130,7 +132,7 @@ def test_resume_skips_finished_spread_shards_and_adopts_the_claimed_spread(store
     st.delete(stored(v).object_key("features", 1))  # and shard 1's object gone (gc) though its receipt is there
     again = compute(store, spread=2)  # a resume adopts the claim's spread
     assert stored(again).spread == SPREAD and again.manifest.timings["shards_computed"] == 3
-    assert again.verify() == [] and len(shard_objects(store, again)) == 3 * 6
+    assert again.verify() == [] and len(shard_objects(store, again)) == 4 * 6  # 3 arrays and the input digests
     got = again.load()
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -147,7 +149,7 @@ def test_delete_and_gc_remove_spread_objects_and_never_a_live_versions(store):
     assert shard_objects(store, abandoned) == []
     store.delete(doomed)
     assert shard_objects(store, doomed) == [] and store.storage.find(stored(doomed).key) == []
-    assert len(shard_objects(store, live)) == 3 * 6 and store.open(live.ref).verify() == []
+    assert len(shard_objects(store, live)) == 4 * 6 and store.open(live.ref).verify() == []
     assert store.gc(older_than=0) == []
 
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import featstore
+from featstore.versions._digests import DIGEST_FIELD
 from featstore.versions import stored
 from featstore import ComputeOptions, CorruptChunk
 from featstore.cli import main as cli
@@ -110,7 +111,7 @@ def test_random_bit_flips_over_every_object_are_detected(damaged):
     (``read_rows``); ``verify()`` on every 20th names exactly the flipped object."""
     store, v, base = damaged
     files = shard_objects(base)
-    assert len(files) == 3 * 4  # 3 arrays x 4 shards, one object each
+    assert len(files) == 4 * 4  # 3 arrays and the input digests x 4 shards, one object each
     rng = random.Random(1234)
     flips = int(os.environ.get("FEATSTORE_FLIPS", FLIPS))
     wrong: list[str] = []  # flips read back silently, or with another error, or naming another object
@@ -174,8 +175,9 @@ def test_bit_flips_through_dataloader_workers_local(damaged):
     store, v, base = damaged
     # Replaced whole, as any tool rewrites a file: the reader maps local objects, and truncating
     # a file in place under a live map is a SIGBUS in whichever worker still reads it.
+    # the loader reads no input digests (a source= join does; verify checks them, above)
     objects = {f.relative_to(base).as_posix(): (f.read_bytes, lambda b, f=f: _replace(f, b))
-               for f in shard_objects(base)}
+               for f in shard_objects(base) if f.relative_to(base).parts[0] != DIGEST_FIELD}
     flips = int(os.environ.get("FEATSTORE_FLIPS", LOADER_FLIPS))
     assert _flips_through_loader(store.open(f"c/set@{v.id}"), objects, flips, seed=99) == []
 
@@ -191,7 +193,7 @@ def test_bit_flips_through_dataloader_workers_s3(s3_url, pristine):
     objects = {}
     for key in store.storage.find(stored(v).key):
         rel = key[len(stored(v).key) + 1:]
-        if "/c/" in rel:
+        if "/c/" in rel and not rel.startswith(f"{DIGEST_FIELD}/"):  # the loader reads no input digests
             objects[rel] = (lambda k=key: store.storage.read_bytes(k), lambda b, k=key: store.storage.write_bytes(k, b))
     assert len(objects) == 12
     flips = int(os.environ.get("FEATSTORE_FLIPS", LOADER_FLIPS)) // 3
@@ -228,7 +230,7 @@ def test_all_zero_shards_are_stored_and_their_loss_detected(tmp_path, dask_clien
     v = store.compute("zeros", model=zero, dataset=VectorData(64), outputs={"z": "float32"},
                       samples_per_shard=32, client=dask_client, options=ComputeOptions(progress=False))
     base = Path(stored(v).storage.path(stored(v).key))
-    assert len(shard_objects(base)) == 2  # written although equal to the fill value
+    assert len(shard_objects(base)) == 4  # z and the input digests: written although equal to the fill value
     assert torch.equal(v.load()["z"], torch.zeros(64, 4))
     batches = list(v.dataset(batch_size=16))  # the reader's own shard decoder, too
     assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(64))

@@ -67,7 +67,7 @@ def test_the_public_version_reads_pickles_and_goes_everywhere_a_version_goes(ver
     store, v = version
     again = pickle.loads(pickle.dumps(v))
     assert isinstance(again, featstore.Version) and again == v and repr(again) == repr(v)
-    assert repr(v) == f"<Version {v.ref} samples=24 arrays=['features', 'target']>"
+    assert repr(v) == f"<Version {v.ref} samples=24 arrays=['features', 'item_digest', 'target']>"
     assert torch.equal(v[3:5]["features"], v.load()["features"][3:5]) and v.verify() == []
     ds = featstore.FeatureDataset(v, batch_size=24, shuffle=False)  # a public Version, below the face
     assert ds.version is stored(v) and torch.equal(next(iter(ds))["target"], v.load()["target"])
