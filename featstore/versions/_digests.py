@@ -50,7 +50,7 @@ def array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
 class Hasher(Protocol):
     """What :func:`update_item` feeds: a hashlib object (sha256, blake2b)."""
 
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: bytes | memoryview, /) -> None: ...
 
 
 def _buffer(x: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -71,7 +71,7 @@ def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) 
     if isinstance(item, (torch.Tensor, np.ndarray)):
         # the bytes of b"T"/b"N" + array_bytes(item), fed without copying the data
         h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + f"{item.dtype}{tuple(item.shape)}".encode())
-        h.update(_buffer(item))
+        h.update(_buffer(item).data)  # a memoryview of the array: no copy
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):
