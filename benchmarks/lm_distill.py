@@ -5,6 +5,15 @@ the teacher online and against Hugging Face ``datasets.map``, side by side in on
 ``python -m benchmarks.lm_distill [--quick]`` writes its section of ``docs/benchmarks.md``
 (between the ``lm-distill`` markers) and ``docs/benchmarks-lm-distill.json``.
 
+Two more runs, each with a section of its own (issue 42):
+
+- ``--sizes 1000,10000``: the call docs/distilling-lms.md shows, as written (its default
+  layout), over the first standard-library docstrings holding each number of tokens: bytes a
+  token of the soft-label arrays and of the whole version (``lm-sizes`` markers).
+- ``--sft-cpu``: two steps of TRL's ``SFTTrainer`` as the docs show it, with ``SFTConfig``'s
+  defaults (bf16, gradient checkpointing) and with both off, as a CPU wants them
+  (``lm-sft-cpu`` markers).
+
 What one run measures (every figure from this run, on this machine, with its load average):
 
 - **Storing.** featstore's compute of the teacher's top-50 over the training texts: time, bytes
@@ -418,6 +427,192 @@ def measure(p: Profile) -> dict[str, Any]:
     return res
 
 
+# -- the documented call at several sizes; TRL's SFTConfig on a CPU (issue 42) ---------------------
+SIZES_BEGIN, SIZES_END = "<!-- lm-sizes:begin -->", "<!-- lm-sizes:end -->"
+SFT_BEGIN, SFT_END = "<!-- lm-sft-cpu:begin -->", "<!-- lm-sft-cpu:end -->"
+DOC_MAX_TOKENS = 64  # docs/distilling-lms.md's
+PARTS = ("ids", "values", "tail")
+
+
+def documented_compute(store: Any, teacher: Any, tok: Any, data: hf.TokenizedTexts) -> Any:
+    """The teacher's top-50 over ``data`` exactly as docs/distilling-lms.md computes it (its
+    default layout: featstore chooses the shards), without the progress bar."""
+    return store.compute("smollm2/stdlib-docs", model=hf.CausalLMLogits(teacher), dataset=data,
+                         input_key="input_ids", outputs={"logits": f"topkq:{K}"}, batch_size=8,
+                         options=ComputeOptions(collate=pad_sequences, progress=False),
+                         tokens=hf.teacher_tokens(tok, max_tokens=DOC_MAX_TOKENS))
+
+
+def first_texts(tok: Any, tokens: int) -> hf.TokenizedTexts:
+    """The first standard-library docstrings (in :func:`featstore.hf.stdlib_docstrings`' order)
+    that hold at least ``tokens`` tokens, truncated to the docs' 64."""
+    texts = hf.stdlib_docstrings()
+    data = hf.TokenizedTexts(texts, tok, max_tokens=DOC_MAX_TOKENS)
+    n = int(np.searchsorted(np.cumsum([len(t) for t in data.items]), tokens)) + 1
+    return hf.TokenizedTexts(texts[:n], tok, max_tokens=DOC_MAX_TOKENS)
+
+
+def measure_sizes(sizes: list[int]) -> dict[str, Any]:
+    """Per size: the documented call's bytes a token (soft-label arrays: every file under the
+    ``logits.*`` folders, as this benchmark's main section counts them; the whole version), its
+    layout and its time."""
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    teacher, tok = hf.smollm2()
+    res: dict[str, Any] = {"teacher_load_s": time.perf_counter() - t0, "python": platform.python_version(),
+                           "sizes": sizes, "rows": []}
+    for size in sizes:
+        data = first_texts(tok, size)
+        where = tempfile.mkdtemp(prefix="lm-sizes-")
+        try:
+            t0 = time.perf_counter()
+            v = documented_compute(featstore.open_store(os.path.join(where, "store")), teacher, tok, data)
+            s = time.perf_counter() - t0
+            folder = stored(v).storage.path(stored(v).key)
+            parts = {p: dir_bytes(os.path.join(folder, f"logits.{p}")) for p in PARTS}
+            res["rows"].append({"tokens": data.tokens, "texts": len(data), "shards": v.manifest.layout.n_shards,
+                                "chunk_rows": {p: v.manifest.arrays[f"logits.{p}"].tokens[1] for p in PARTS},
+                                "compression": {p: v.manifest.arrays[f"logits.{p}"].compression for p in PARTS},
+                                "parts": parts, "softlabel_bytes": sum(parts.values()),
+                                "version_bytes": dir_bytes(folder), "compute_s": s,
+                                "quant_kl_mean": v.manifest.stats["logits.ids"]["codec_error"]["quant_kl_mean"]})
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+        print(json.dumps(res["rows"][-1]), file=sys.stderr)
+    res["load_avg"] = {"start": load0, "end": os.getloadavg()}
+    return res
+
+
+def sizes_section(res: dict[str, Any]) -> str:
+    load = res["load_avg"]
+    lines = [SIZES_BEGIN, "## Soft labels of the documented call at any size (issue 42)", "",
+             f"`python -m benchmarks.lm_distill --sizes {','.join(str(n) for n in res['sizes'])}`: "
+             f"the call [docs/distilling-lms.md](distilling-lms.md) shows, as written (top-{K} at T=1, "
+             f"`topkq:{K}`, its default layout), with SmolLM2-135M-Instruct over the first docstrings of Python "
+             f"{res['python']}'s standard library (truncated to {DOC_MAX_TOKENS} tokens) that hold each number of "
+             "tokens, on a local store. Bytes a token: every file under the soft-label arrays' folders "
+             "(`logits.ids`, `logits.values`, `logits.tail`: shard objects and `zarr.json`) over the real tokens, "
+             "as the SmolLM2 section above counts its soft-label row; and the whole version folder. One run, load "
+             "average "
+             f"{load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end (2 shared cores).", "",
+             "| tokens | texts | shards | token rows a chunk (ids / values / tail) | soft labels, B/token | ids "
+             "| values | tail | whole version, B/token | KL(exact top-50 ‖ stored), nats | compute s |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        t = r["tokens"]
+        chunks = " / ".join(f"{r['chunk_rows'][p]:,}" for p in PARTS)
+        lines.append(f"| {t:,} | {r['texts']:,} | {r['shards']} | {chunks} | **{r['softlabel_bytes'] / t:.1f}** | "
+                     + " | ".join(f"{r['parts'][p] / t:.1f}" for p in PARTS)
+                     + f" | {r['version_bytes'] / t:.1f} | {r['quant_kl_mean']:.2e} | {r['compute_s']:.0f} |")
+    lines += ["", "Every part is stored with zstd (level 3) and a crc32c; the figures include each array's "
+              "`zarr.json` (about 1.2 KB each: 3.6 B a token at 1,000 tokens). Before issue 42 (featstore at "
+              "cbb9962) the same call stored these tokens' top-50 in 112.2 B a token at 1,005 tokens and 103.8 at "
+              "10,014 (the teacher's outputs captured once and replayed through the call on both commits; the issue "
+              "measured 100.1-105.9 on other texts): token chunks were the largest power of two dividing "
+              "`samples_per_shard x max_tokens` (64 rows here), a small version was cut into up to 8 shards whatever "
+              "its size, `logits.tail` was stored raw (1.4-1.5 B a token, where zstd stores 0.8-0.9) and each "
+              "`zarr.json` was indented.",
+              SIZES_END]
+    return "\n".join(lines) + "\n"
+
+
+SFT_CONFIGS = (("SFTConfig's defaults (bf16, gradient checkpointing)", {}),
+               ("bf16=False, gradient_checkpointing=False", {"bf16": False, "gradient_checkpointing": False}))
+
+
+def cpu_bf16() -> str:
+    """This machine's CPU model and whether it has native bf16 instructions (what bf16 autocast costs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    native = sorted({flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info})
+    return f"{model}, {'native bf16: ' + ', '.join(native) if native else 'no native bf16 instructions'}"
+
+
+def measure_sft_cpu(steps: int = 2) -> dict[str, Any]:
+    """``steps`` steps of TRL's ``SFTTrainer`` as docs/distilling-lms.md shows it (the 2-layer
+    student, batches of 8 texts read from the store), with ``SFTConfig``'s defaults and with bf16
+    and gradient checkpointing off, each run once in a fresh process (:func:`sft_child`), so
+    neither pays the other's first-use costs."""
+    teacher, tok = hf.smollm2()
+    data = hf.TokenizedTexts(hf.stdlib_docstrings()[:8 * steps], tok, max_tokens=DOC_MAX_TOKENS)
+    where = tempfile.mkdtemp(prefix="lm-sft-")
+    res: dict[str, Any] = {"steps": steps, "tokens": data.tokens, "cpu": cpu_bf16(), "runs": []}
+    try:
+        v = documented_compute(featstore.open_store(os.path.join(where, "store")), teacher, tok, data)
+        hf.student_from(teacher, num_hidden_layers=2).save_pretrained(os.path.join(where, "student"))
+        tok.save_pretrained(os.path.join(where, "tokenizer"))
+        del teacher
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        for i in range(len(SFT_CONFIGS)):
+            load = os.getloadavg()
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.lm_distill", "--sft-child", str(i), where, v.ref,
+                                   str(steps)], capture_output=True, text=True, env=env, timeout=3600)
+            if proc.returncode:
+                raise RuntimeError(proc.stderr[-4000:])
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            res["runs"].append({**run, "load_avg": {"start": load, "end": os.getloadavg()}})
+            print(json.dumps(res["runs"][-1]), file=sys.stderr)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    return res
+
+
+def sft_child(config: str, where: str, ref: str, steps: str) -> None:
+    """The child's side of :func:`measure_sft_cpu`: one configuration, one JSON line (the seconds
+    building the trainer and in ``train()``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    class KDSFTTrainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5), return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+
+    label, extra = SFT_CONFIGS[int(config)]
+    tok = AutoTokenizer.from_pretrained(os.path.join(where, "tokenizer"))
+    student = AutoModelForCausalLM.from_pretrained(os.path.join(where, "student"))
+    data = hf.TokenizedTexts(hf.stdlib_docstrings()[:8 * int(steps)], tok, max_tokens=DOC_MAX_TOKENS)
+    train = hf.SoftLabels(featstore.open_store(os.path.join(where, "store")).open(ref), data, tokenizer=tok,
+                          temperature=1.0)
+    # use_cpu: without it SFTConfig's bf16 refuses a machine without a GPU ("Your setup doesn't support
+    # bf16/gpu. You need to assign use_cpu ...")
+    args = SFTConfig(os.path.join(where, "out"), per_device_train_batch_size=8, max_steps=int(steps),
+                     dataset_kwargs={"skip_prepare_dataset": True}, report_to=[], save_strategy="no",
+                     disable_tqdm=True, use_cpu=True, **extra)
+    t0 = time.perf_counter()
+    trainer = KDSFTTrainer(model=student, args=args, train_dataset=train.iterable(), processing_class=tok,
+                           data_collator=hf.DistillCollator(pad_token_id=tok.pad_token_id))
+    t1 = time.perf_counter()
+    out = trainer.train()
+    print(json.dumps({"config": label, "bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
+                      "init_s": t1 - t0, "train_s": time.perf_counter() - t1, "loss": out.training_loss}))
+
+
+def sft_section(res: dict[str, Any]) -> str:
+    lines = [SFT_BEGIN, "## TRL's SFTConfig on a CPU (issue 42)", "",
+             f"`python -m benchmarks.lm_distill --sft-cpu`: {res['steps']} steps of the `SFTTrainer` snippet of "
+             "[docs/distilling-lms.md](distilling-lms.md) (the 2-layer student of SmolLM2's configuration, batches of "
+             f"8 docstrings, {res['tokens']:,} tokens, read from the store), the trainer's construction and `train()` "
+             f"timed, each configuration run once in a fresh process, on 2 shared cores ({res.get('cpu', 'CPU')}), "
+             "both with `use_cpu=True` "
+             "(without it, `SFTConfig`'s default bf16 refuses to "
+             "start on a machine without a GPU: \"Your setup doesn't support bf16/gpu\").", "",
+             "| SFTConfig | bf16 | gradient checkpointing | trainer built, s | train() s | loss | load average "
+             "(start, end) |", "|---|---|---|---:|---:|---:|---|"]
+    for r in res["runs"]:
+        la = r["load_avg"]
+        lines.append(f"| {r['config']} | {r['bf16']} | {r['gradient_checkpointing']} | {r['init_s']:.1f} | "
+                     f"{r['train_s']:.1f} | {r['loss']:.3f} | {la['start'][0]:.1f}, {la['end'][0]:.1f} |")
+    a, b = res["runs"][0]["train_s"], res["runs"][1]["train_s"]
+    lines += ["", f"With both off, `train()` took {b / a:.2f} of the defaults' time.", SFT_END]
+    return "\n".join(lines) + "\n"
+
+
 # -- the section --------------------------------------------------------------------------------
 def summary(res: dict[str, Any]) -> dict[str, Any]:
     """The headline figures (also what the section's tables print)."""
@@ -539,12 +734,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 steps of 4 texts of 32 tokens")
     ap.add_argument("--render", action="store_true", help="only rewrite the section from the saved JSON")
     ap.add_argument("--rerun", nargs=3, metavar=("KIND", "WHERE", "PROFILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help="comma-separated token counts: the documented call's bytes a token at each")
+    ap.add_argument("--sft-cpu", action="store_true", help="TRL's SFTConfig defaults against bf16/checkpointing off")
+    ap.add_argument("--sft-child", nargs=4, metavar=("CONFIG", "WHERE", "REF", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
     if args.rerun:
         rerun(*args.rerun)
         return 0
+    if args.sft_child:
+        sft_child(*args.sft_child)
+        return 0
     os.makedirs(args.out, exist_ok=True)
+    md = os.path.join(args.out, "benchmarks.md")
+    if args.sizes or args.sft_cpu:
+        name, measure_fn, render, begin, end = (
+            ("sizes", lambda: measure_sizes([int(x) for x in args.sizes.split(",")]), sizes_section, SIZES_BEGIN,
+             SIZES_END) if args.sizes else ("sft-cpu", measure_sft_cpu, sft_section, SFT_BEGIN, SFT_END))
+        saved = os.path.join(args.out, f"benchmarks-lm-{name}.json")
+        if args.render:
+            with open(saved) as f:
+                res = json.load(f)
+        else:
+            res = measure_fn()
+            with open(saved, "w") as f:
+                json.dump(res, f, indent=1)
+        write_marked(md, begin, end, render(res))
+        print(render(res))
+        return 0
     saved = os.path.join(args.out, "benchmarks-lm-distill.json")
     if args.render:
         with open(saved) as f:
@@ -553,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(QUICK if args.quick else Profile())
         with open(saved, "w") as f:
             json.dump(res, f, indent=1)
-    write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, section(res))
+    write_marked(md, BEGIN, END, section(res))
     print(section(res))
     print(json.dumps(summary(res), indent=1))
     return 0

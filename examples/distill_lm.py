@@ -29,7 +29,8 @@ class KDTrainer(Trainer):
     """transformers' Trainer, unmodified but for the loss: top-50 KD mixed with the LM loss."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5, temperature=1.0),
+        # at the temperature the soft labels were stored at (the batch carries it): naming another is refused
+        return hf.distill_loss(model, inputs, hf.Distillation(alpha=0.5),
                                return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 

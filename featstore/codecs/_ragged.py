@@ -7,9 +7,10 @@ plain Zarr arrays (pure functions here; the writer and reader call them):
 
 - **token arrays**: one per ragged output (or per part of one, for ``topk:K`` and friends),
   axis 0 = token rows. Shard ``s`` of the version owns token rows ``[s * P, (s + 1) * P)``
-  with ``P = samples_per_shard * max_tokens`` (:func:`token_layout`); its samples' tokens are
-  packed from the start of that range and only they are stored (the rest of the range is never
-  written, so it costs nothing: a Zarr shard stores only the chunks written to it).
+  with ``P`` at least ``samples_per_shard * max_tokens`` (:func:`token_layout`; the manifest
+  records it per array, as ``tokens``); its samples' tokens are packed from the start of that
+  range and only they are stored (the rest of the range is never written, so it costs
+  nothing: a Zarr shard stores only the chunks written to it).
 - **per-sample arrays** ``token_start`` (int64: the sample's first row in the token arrays)
   and ``token_length`` (int32: its real tokens), like any other per-sample field. With plain
   Zarr, sample ``i``'s tokens are ``logits[token_start[i]:token_start[i] + token_length[i]]``.
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from featstore.codecs._chunking import dividing_chunk
 from featstore.codecs._vocabulary import Vocabulary
 from featstore.codecs._topk import TopK
 from featstore.errors import InvalidInput, OutputMismatch
@@ -43,6 +43,15 @@ from featstore._lazy import np, torch  # imported on first use: the quick comman
 TOKEN_START = "token_start"
 TOKEN_LENGTH = "token_length"
 TOKEN_FIELDS = (TOKEN_START, TOKEN_LENGTH)
+#: Token rows per chunk of a per-token array: at most (2**14, ~1 MiB at 64 B a row) and at least
+#: (rows of a MiB or more each) this many (:func:`token_layout`).
+MAX_TOKEN_CHUNK = 2**14
+MIN_TOKEN_CHUNK = 16
+#: The fewest real tokens a shard holds where compute chooses the shard size (a small version
+#: is then spread over fewer than ``MIN_SHARDS`` shards): a shard's chunks are what zstd
+#: compresses, and SmolLM2's top-50 stored in frames of ~170 tokens took 101 B a token, in one
+#: of 1,000 tokens 94, in frames of 2,048 or more 81-82 (issue 42).
+MIN_SHARD_TOKENS = 4096
 #: How the reader returns a ragged output.
 RAGGED_FORMS = ("flat", "padded")
 OFFSETS = "offsets"
@@ -167,24 +176,26 @@ def _token_mask(shape: tuple[int, ...], mask: torch.Tensor, name: str) -> torch.
 
 
 def token_layout(samples_per_shard: int, max_tokens: int, row_bytes: int) -> tuple[int, int]:
-    """(token rows per shard, token rows per chunk): every sample of a shard may reach
-    ``max_tokens``; chunks of about 1 MiB (a power of two rows, at least 16, dividing the shard).
+    """(token rows per shard, token rows per chunk) of a per-token array whose rows are
+    ``row_bytes`` each.
 
-    A shard size that is no multiple of 16 (``samples_per_shard`` is kept as the user gave it)
-    may leave no power of two that large: then the chunk is a divisor near the target
-    (:func:`featstore.codecs.dividing_chunk`), so chunks never shrink to a few rows.
+    A chunk is the unit zstd compresses, so it is sized by bytes: about 1 MiB of rows (a power
+    of two, :data:`MIN_TOKEN_CHUNK` to :data:`MAX_TOKEN_CHUNK` rows), or the shard's whole
+    token range where that is smaller; never cut down to whatever divides
+    ``samples_per_shard * max_tokens`` (small chunks compress worse). The shard's range (every
+    sample may reach ``max_tokens``) is rounded up to whole blocks of ``min(MAX_TOKEN_CHUNK,
+    next power of two)`` rows, which every array's chunk divides, so all per-token arrays of a
+    version share it whatever their row size. Rows past a shard's real tokens are never
+    written, so the rounding stores nothing.
 
-    >>> token_layout(100, 512, 256), token_layout(500, 77, 256)
-    ((51200, 2048), (38500, 3850))
+    >>> token_layout(100, 512, 256), token_layout(500, 77, 1), token_layout(3, 64, 100)
+    ((65536, 4096), (49152, 16384), (256, 256))
     """
-    per_shard = samples_per_shard * max_tokens
-    target = 1 << max(4, min(14, (2**20 // max(row_bytes, 1)).bit_length() - 1))
-    chunk = target
-    while per_shard % chunk:
-        chunk //= 2
-    if chunk < 16:
-        chunk = dividing_chunk(per_shard, target, row_bytes) or chunk
-    return per_shard, max(chunk, 1)
+    need = samples_per_shard * max_tokens
+    block = min(MAX_TOKEN_CHUNK, 1 << max(need - 1, 0).bit_length())
+    mib_rows = 2**20 // max(row_bytes, 1)
+    by_bytes = min(MAX_TOKEN_CHUNK, max(MIN_TOKEN_CHUNK, 1 << max(mib_rows.bit_length() - 1, 0)))
+    return -(-need // block) * block, min(by_bytes, block)
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:

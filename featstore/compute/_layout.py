@@ -16,7 +16,7 @@ import torch
 from featstore.codecs._chunking import MIN_SHARE, dividing_chunk, nearest_multiples
 from featstore.codecs._dense import keep_codec, output_codec
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, token_layout
+from featstore.codecs._ragged import MIN_SHARD_TOKENS, TOKEN_LENGTH, TOKEN_START, token_layout
 from featstore.compute._options import MIN_SHARDS, default_shard_bytes
 from featstore.compute._task_spec import Probe
 from featstore.errors import InvalidInput, OutputMismatch
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 
 def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | None,
-                  chunk_rows: int | None, target_shard_bytes: int) -> Layout:
+                  chunk_rows: int | None, target_shard_bytes: int, fewest: int = 1) -> Layout:
     """Rows per shard and per chunk: about ``target_shard_bytes`` per shard, at least
-    ``MIN_SHARDS`` shards when N allows (so readers have something to spread), 1 MiB chunks.
+    ``MIN_SHARDS`` shards when N allows (so readers have something to spread) but, where the
+    shard size is chosen here, at least ``fewest`` rows each (unless that passes the byte
+    target), 1 MiB chunks.
 
     An explicit ``samples_per_shard`` is kept exactly: the inner chunk is chosen to divide it
     (:mod:`featstore.codecs`), and a value that no sensible chunk divides, or that an explicit
@@ -49,7 +51,7 @@ def choose_layout(n: int, row_bytes: Sequence[int], samples_per_shard: int | Non
     target = 1 << max(4, min(14, (2**20 // widest).bit_length() - 1))
     if samples_per_shard is None:
         by_bytes = max(1, target_shard_bytes // total)
-        spread = -(-n // MIN_SHARDS)
+        spread = max(-(-n // MIN_SHARDS), fewest)
         chunk_rows = min(chunk_rows or target, max(1, min(by_bytes, spread)))
         samples_per_shard = -(-max(1, min(by_bytes, spread)) // chunk_rows) * chunk_rows
         return Layout(n_samples=n, samples_per_shard=samples_per_shard, chunk_rows=chunk_rows)
@@ -100,7 +102,7 @@ def _part_specs(name: str, codec: PartsCodec, probed: Probe, compression: str) -
     out = {}
     for ps in codec.parts(shape, name):
         key = part_array(name, ps.part)
-        saving = probed[key].saving if key in probed else 1.0
+        saving = 1.0 if codec.always_compressed or key not in probed else probed[key].saving
         out[key] = ArraySpec(codec.name, ps.dtype, ps.shape, "output", choose_compression(compression, saving),
                              output=name, part=ps.part, params=codec.params(shape))
     return out
@@ -129,8 +131,11 @@ def planned_layout(plan: ComputePlan, probed: Probe, local: bool) -> tuple[Layou
     per_sample_bytes = [max(1, round(b * probed.tokens_per_sample)) if n in ragged else b
                         for n, b in row_bytes.items()]
     target = options.target_shard_bytes or default_shard_bytes(local)
-    layout = replace(choose_layout(plan.n, per_sample_bytes, plan.samples_per_shard, plan.chunk_rows(), target),
-                     spread=plan.spread())
+    # a shard's per-token chunks are zstd's frames: spread thinner than MIN_SHARD_TOKENS, a small
+    # version's soft labels compress ~10% worse, and a few thousand tokens are no work to spread
+    fewest = -(-MIN_SHARD_TOKENS // max(1, round(probed.tokens_per_sample))) if ragged else 1
+    layout = replace(choose_layout(plan.n, per_sample_bytes, plan.samples_per_shard, plan.chunk_rows(), target,
+                                   fewest), spread=plan.spread())
     if tokens is not None:
         arrays = {n: replace(a, tokens=token_layout(layout.samples_per_shard, tokens.max_tokens, row_bytes[n]))
                   if n in ragged else a for n, a in arrays.items()}

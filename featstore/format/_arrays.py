@@ -28,8 +28,8 @@ from featstore.errors import CorruptChunk, FeatstoreError, IncompatibleFormat, I
 from featstore._json import JSON, JSONObject, load_json
 from featstore.format._manifests import ArraySpec, Layout
 
-from featstore.format._keys import (ALLOWED_CODECS, VIEWS_GROUP, ZARR_FORMAT, logical_key, mark_metadata, spread_folder,
-                                    spread_key, view_path)
+from featstore.format._keys import (ALLOWED_CODECS, VIEWS_GROUP, ZARR_FORMAT, compact_metadata, logical_key,
+                                    mark_metadata, spread_folder, spread_key, view_path)
 
 if TYPE_CHECKING:
     from zarr.abc.codec import BytesBytesCodec
@@ -203,8 +203,9 @@ class StrictStore(zarr.storage.WrapperStore[Store]):
 
 class MetadataStore(zarr.storage.WrapperStore[Store]):
     """A version folder's Zarr store as featstore reads and writes it: array metadata marked
-    (:func:`mark_metadata`) is shown to Zarr unmarked, and, with ``mark``, every array metadata
-    written is marked (a version whose shards lie elsewhere)."""
+    (:func:`mark_metadata`) is shown to Zarr unmarked, every ``zarr.json`` written is compact
+    (:func:`compact_metadata`) and, with ``mark``, every array metadata written is marked (a
+    version whose shards lie elsewhere)."""
 
     def __init__(self, store: Store, mark: str | None = None) -> None:
         super().__init__(store)
@@ -217,9 +218,10 @@ class MetadataStore(zarr.storage.WrapperStore[Store]):
         return isinstance(other, MetadataStore) and self._store == other._store and self._mark == other._mark
 
     def _stored(self, key: str, value: Buffer) -> Buffer:
-        if self._mark is None or not key.endswith("zarr.json"):
+        if not key.endswith("zarr.json"):
             return value
-        return type(value).from_bytes(mark_metadata(value.to_bytes(), self._mark))
+        raw = value.to_bytes() if self._mark is None else mark_metadata(value.to_bytes(), self._mark)
+        return type(value).from_bytes(compact_metadata(raw))
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._store.get(key, prototype, byte_range)

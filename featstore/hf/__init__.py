@@ -31,7 +31,7 @@ Train (the student, as often as you like)::
   :class:`DistillCollator` (axolotl's columns), :func:`distill_loss` / :class:`Distillation`.
 """
 
-from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, DistillCollator
+from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, TEMPERATURE, DistillCollator
 from featstore.hf._datasets import Sample, SoftLabels, StoredRows, TokenRows
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.hf._loss import Distillation, distill_loss, lm_loss, topk_kd_loss
@@ -41,8 +41,8 @@ from featstore.hf._servers import VLLMServers
 from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
 from featstore.hf._vllm import VLLMTeacher
 
-__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "CausalLMLogits", "DistillCollator", "Distillation", "PromptTopK",
-           "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "TopKTeacher",
-           "VLLMServers", "VLLMTeacher", "check_soft_labels", "distill_loss", "lm_loss", "model_files_digest",
-           "save_smollm2", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens", "topk_kd_loss",
-           "vocabulary"]
+__all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation",
+           "PromptTopK", "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts",
+           "TopKTeacher", "VLLMServers", "VLLMTeacher", "check_soft_labels", "distill_loss", "lm_loss",
+           "model_files_digest", "save_smollm2", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
+           "topk_kd_loss", "vocabulary"]

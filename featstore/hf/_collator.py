@@ -11,9 +11,15 @@ from featstore.errors import InvalidInput
 
 #: The teacher's columns of a batch (axolotl's names), which the model's forward never takes.
 TARGETS = ("target_token_ids", "target_logprobs", "target_mask")
+#: The batch's column holding the temperature each sample's soft labels were stored at (``[B]``
+#: float32, every row the same): how :func:`~featstore.hf.distill_loss` learns it. A row per
+#: sample, not one number, so that any split or concatenation of batches (accelerate's) keeps it.
+TEMPERATURE = "target_temperature"
 #: What pads ``target_logprobs`` (axolotl's value: finite, so masked arithmetic stays finite).
 LOGPROB_PAD = -1e9
 LABEL_PAD = -100
+#: The key of a sample (:class:`~featstore.hf.Sample`) that holds its soft labels' temperature.
+TEMPERATURE_KEY = "temperature"
 
 
 @dataclass(frozen=True)
@@ -21,7 +27,10 @@ class DistillCollator:
     """Pads samples to the longest of the batch (right), giving ``input_ids``,
     ``attention_mask``, ``labels`` ``[B, L]`` (``-100`` on padding) and ``target_token_ids``,
     ``target_logprobs``, ``target_mask`` ``[B, L, K]`` (padding: id 0, log-prob ``-1e9``, mask 0),
-    the columns and padding of axolotl's KD collator; with ``index``, the samples' indices ``[B]``.
+    the columns and padding of axolotl's KD collator; ``target_temperature`` ``[B]``, the
+    temperature the samples' soft labels were stored at (where the samples say it, as
+    :class:`~featstore.hf.Sample` s do), which :func:`~featstore.hf.distill_loss` distils at;
+    with ``index``, the samples' indices ``[B]``.
 
     Args:
         pad_token_id: the id padding ``input_ids`` (masked out by ``attention_mask``).
@@ -63,6 +72,8 @@ class DistillCollator:
             out["target_token_ids"][i, :n] = f["target_token_ids"]
             out["target_logprobs"][i, :n] = f["target_logprobs"]
             out["target_mask"][i, :n] = 1
+        if all(TEMPERATURE_KEY in f for f in features):
+            out[TEMPERATURE] = torch.tensor([float(f[TEMPERATURE_KEY]) for f in features], dtype=torch.float32)
         if self.index:
             out["index"] = torch.tensor([int(f["index"]) for f in features], dtype=torch.long)
         return out

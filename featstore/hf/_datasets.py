@@ -3,8 +3,9 @@ on, as the datasets Hugging Face trainers read: :class:`SoftLabels` (map-style, 
 ``Dataset``) and :meth:`SoftLabels.iterable` (a ``datasets.IterableDataset``).
 
 Each sample is a :class:`Sample`: ``input_ids``, ``labels``, ``target_token_ids [T, K]``,
-``target_logprobs [T, K]`` and ``index``, where row ``t`` of the targets is the teacher's
-distribution of the token after position ``t`` (what the student's logit ``t`` predicts).
+``target_logprobs [T, K]``, ``index`` and ``temperature`` (the one the soft labels were stored
+at, which the collator carries into the batch for the loss), where row ``t`` of the targets is
+the teacher's distribution of the token after position ``t`` (what the student's logit ``t`` predicts).
 
 **Why a Sample is not a dict.** ``transformers.Trainer`` drops every key of a dict sample that
 its model's ``forward`` does not name unless ``remove_unused_columns=False`` (DistillKit's PR #1
@@ -46,6 +47,7 @@ class Sample(Mapping):
     target_token_ids: torch.Tensor  # [T, K] int64
     target_logprobs: torch.Tensor  # [T, K] float32
     index: int
+    temperature: float = 1.0  # the stored soft labels' (their codec's ``@T``)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:
@@ -202,7 +204,7 @@ class SoftLabels(torch.utils.data.Dataset):
                                  f"rows of soft labels in {self.teacher.version.ref}: they do not align. Read the "
                                  "version with the dataset (and tokenization) it was computed on.")
         labels = input_ids if self.labels_key is None else torch.as_tensor(item[self.labels_key], dtype=torch.long)
-        return Sample(input_ids, labels, ids, logprobs, index)
+        return Sample(input_ids, labels, ids, logprobs, index, self.teacher.spec.temperature)
 
     @property
     def spec(self) -> SoftLabelSpec:

@@ -86,7 +86,7 @@ class ComputedSource(ShardSource):
         self.dropped: list[int] = []
         self.spec, self.seen = planned.spec, planned.teacher.dataset
         # what a fill stored earlier is served only beside the items it was computed from
-        self.inputs_check = InputCheck.of(planned.version) if planned.spec.digests else None
+        self.inputs_check = InputCheck.of(planned.version, filling=True)
 
     @property
     def filling(self) -> bool:

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.format._manifests import Manifest
 from featstore._user_types import Item
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 #: The array of every new version holding each sample's input digest (never served in batches).
 DIGEST_FIELD = "item_digest"
@@ -50,17 +53,17 @@ def array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
 class Hasher(Protocol):
     """What :func:`update_item` feeds: a hashlib object (sha256, blake2b)."""
 
-    def update(self, data: bytes | memoryview, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
 
 
-def _buffer(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The bytes of a tensor (on any device) or array in C order, as a flat uint8 array (a view
-    where the data already is contiguous on the CPU)."""
+def _buffer(x: torch.Tensor | np.ndarray) -> memoryview:
+    """The bytes of a tensor (on any device) or array in C order (a view where the data already
+    is contiguous on the CPU)."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
         t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
-        return t.reshape(-1).view(torch.uint8).numpy()
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        return t.reshape(-1).view(torch.uint8).numpy().data
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).data
 
 
 def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) -> None:
@@ -71,7 +74,7 @@ def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) 
     if isinstance(item, (torch.Tensor, np.ndarray)):
         # the bytes of b"T"/b"N" + array_bytes(item), fed without copying the data
         h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + f"{item.dtype}{tuple(item.shape)}".encode())
-        h.update(_buffer(item).data)  # a memoryview of the array: no copy
+        h.update(_buffer(item))
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):
@@ -154,11 +157,14 @@ class InputCheck:
         self._shards: dict[int, np.ndarray] = {}
 
     @classmethod
-    def of(cls, version: DigestSource) -> InputCheck | None:
-        """The check of ``version``'s items (every view holds the same digests), or None."""
+    def of(cls, version: DigestSource, filling: bool = False) -> InputCheck | None:
+        """The check of ``version``'s items (every view holds the same digests), or None; None
+        too for the plan of a version not committed (the teacher in the loop computes from the
+        items), unless ``filling``: a fill checks the shards it finds stored."""
         if version.views is not None:
             version = version.view(0)
-        return cls(version) if DIGEST_FIELD in version.manifest.arrays else None
+        known = version.manifest.committed or filling
+        return cls(version) if known and DIGEST_FIELD in version.manifest.arrays else None
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_shards": {}}

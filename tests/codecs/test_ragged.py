@@ -54,10 +54,20 @@ def test_ragged_window_gathers_rows_in_batch_order_and_pads():
         [[10, -1, -1], [0, 1, -1], [2, 3, 4]]
 
 
-@pytest.mark.parametrize("spp,max_tokens,row_bytes", [(16, 12, 194), (1, 512, 65536), (100, 512, 256), (3, 7, 8)])
-def test_token_layout_chunks_divide_the_shards_token_range(spp, max_tokens, row_bytes):
-    per_shard, chunk = token_layout(spp, max_tokens, row_bytes)
-    assert per_shard == spp * max_tokens and per_shard % chunk == 0 and chunk >= 1
+@pytest.mark.parametrize("spp,max_tokens", [(16, 12), (1, 512), (100, 512), (3, 7), (3, 64), (21, 64), (500, 77),
+                                            (1, 1), (70, 64), (257, 4096)])
+def test_token_layout_chunks_are_sized_by_bytes_and_every_array_shares_the_range(spp, max_tokens):
+    need = spp * max_tokens
+    ranges = set()
+    for row_bytes in (1, 8, 50, 100, 194, 256, 65536, 2**21):  # topkq:50's tail, values, ids; a wide row
+        per_shard, chunk = token_layout(spp, max_tokens, row_bytes)
+        ranges.add(per_shard)
+        assert need <= per_shard < 2 * need + 2**14 and per_shard % chunk == 0
+        by_bytes = min(2**14, max(16, 1 << max((2**20 // row_bytes).bit_length() - 1, 0)))
+        # ~1 MiB of rows (a power of two), or the shard's whole range where that is smaller
+        assert chunk == min(by_bytes, per_shard)
+        assert chunk * row_bytes <= max(2**20, 16 * row_bytes)
+    assert len(ranges) == 1  # the ids, values and tail of one output own the same token rows
 
 
 # -- storage: only the real tokens -------------------------------------------------------------

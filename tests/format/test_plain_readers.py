@@ -40,6 +40,11 @@ def versions(tmp_path_factory):
                                 outputs={"logits": "topk:4"}, batch_size=8, samples_per_shard=16,
                                 tokens=Tokens(mask=attention_mask, max_tokens=12),
                                 options=ComputeOptions(progress=False, collate=pad_tokens)),
+        # compact soft labels in compute's own token layout: chunks sized by bytes, the range rounded up
+        "softlabels": write_version(store, "plain/softlabels", model=TinyLM(), dataset=TokenSeqs(40),
+                                    outputs={"logits": "topkq:4"}, batch_size=8,
+                                    tokens=Tokens(mask=attention_mask, max_tokens=12),
+                                    options=ComputeOptions(progress=False, collate=pad_tokens)),
         "spread": write_version(store, "plain/spread", n=90, outputs={"features": "bfloat16", "logits": "sample:3"},
                                 samples_per_shard=16, batch_size=256,
                                 options=ComputeOptions(progress=False, spread_prefixes=4)),
@@ -93,11 +98,12 @@ def _featstore_batch(source, n):
 def _as_batch(version, plain: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """A plain reader's stored arrays decoded the way featstore decodes stored values."""
     from featstore.codecs._parts import assemble
+    from featstore.format import SERVED_SOURCES
 
     spec = version.manifest.arrays
     out = {}
     for field, values in plain.items():
-        if spec[field].source in ("seed", "tokens"):
+        if spec[field].source not in SERVED_SOURCES:  # seeds, token starts, input digests: not in batches
             continue
         if spec[field].ragged:  # each sample's real tokens, sample after sample
             values = values[gather_rows(plain[TOKEN_START], plain[TOKEN_LENGTH])]
@@ -119,7 +125,7 @@ def _check_reads_bit_for_bit(version, root: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["codecs", "views", "tokens"])
+@pytest.mark.parametrize("kind", ["codecs", "views", "tokens", "softlabels"])
 def test_plain_readers_read_a_version_in_place_bit_for_bit_and_silently(versions, kind):
     v = versions[kind]
     _check_reads_bit_for_bit(v, v.url)

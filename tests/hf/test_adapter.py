@@ -95,11 +95,12 @@ def test_another_dataset_or_output_is_refused(world):
 def test_the_collator_pads_like_axolotls():
     k = 3
     samples = [hf.Sample(torch.arange(n) + 4, torch.arange(n) + 4, torch.arange(n * k).reshape(n, k),
-                         torch.full((n, k), -0.5), i) for i, n in enumerate((2, 5))]
+                         torch.full((n, k), -0.5), i, temperature=2.0) for i, n in enumerate((2, 5))]
     b = hf.DistillCollator(pad_token_id=3, pad_to_multiple_of=4, index=True)(samples)
     assert {n: tuple(t.shape) for n, t in b.items()} == {
         "input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8), "target_token_ids": (2, 8, k),
-        "target_logprobs": (2, 8, k), "target_mask": (2, 8, k), "index": (2,)}
+        "target_logprobs": (2, 8, k), "target_mask": (2, 8, k), "target_temperature": (2,), "index": (2,)}
+    assert b["target_temperature"].tolist() == [2.0, 2.0]  # the stored soft labels' temperature, for the loss
     assert b["input_ids"][0].tolist() == [4, 5, 3, 3, 3, 3, 3, 3] and b["labels"][0, 2:].eq(-100).all()
     assert b["target_logprobs"][0, 2:].eq(hf.LOGPROB_PAD).all() and b["target_token_ids"][0, 2:].eq(0).all()
     assert b["target_mask"].sum().item() == (2 + 5) * k and b["target_mask"].dtype == torch.int32
@@ -117,6 +118,7 @@ def test_distill_loss_is_the_dense_kl_on_the_real_positions_mixed_with_the_lm_lo
     _, v, data, tok = world
     train = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0)
     batch = hf.DistillCollator(pad_token_id=tok.pad_token_id, index=True)(train.__getitems__([3, 4, 5]))
+    del batch[hf.TEMPERATURE]  # a batch that does not say its temperature (another collator's): t is used
     student = llama(len(tok), seed=2)
     t = 2.0
     how = hf.Distillation(alpha=0.25, temperature=t, direction=direction, rule=rule)
@@ -187,6 +189,7 @@ def test_the_fused_forward_loss_has_the_plain_computations_value_and_gradient(wo
     _, v, data, tok = world
     train = hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0)
     batch = hf.DistillCollator(pad_token_id=tok.pad_token_id, pad_to_multiple_of=8)(train.__getitems__([6, 7, 8]))
+    del batch[hf.TEMPERATURE]  # a batch that does not say its temperature (another collator's): t is used
     how = hf.Distillation(alpha=alpha, temperature=t, rule=rule)
     logits = torch.randn(*batch["input_ids"].shape, len(tok), generator=torch.Generator().manual_seed(1)) * 3
 

@@ -67,7 +67,8 @@ def arguments(out: str, steps: int, mode: str, sft: bool = False, **extra: Any) 
     if sft:
         from trl import SFTConfig
 
-        return SFTConfig(**kw, dataset_kwargs={"skip_prepare_dataset": True})
+        # SFTConfig's bf16 and gradient checkpointing only cost time on a CPU (docs/distilling-lms.md)
+        return SFTConfig(**kw, bf16=False, gradient_checkpointing=False, dataset_kwargs={"skip_prepare_dataset": True})
     return TrainingArguments(**kw)
 
 

@@ -250,3 +250,21 @@ def test_the_command_line_says_how_many_items_changed(tmp_path, capsys):
     assert main(argv) == 0
     again = capsys.readouterr().out
     assert again.startswith("found c/cli@") and "0 of 1200 items changed; 0 shards computed" in again
+
+
+def test_a_fill_resumed_on_an_edited_item_refuses_the_shard_stored_before(tmp_path):
+    store = featstore.open_store(tmp_path / "store")
+
+    def teacher(data):
+        return featstore.Teacher(model=TinyA(), dataset=data, keep=["target"], samples_per_shard=SPP, batch_size=16,
+                                 outputs={"features": "float16", "logits": "float32"}, fill=True, options=QUIET)
+
+    ds = store.dataset("c/set", batch_size=10, shuffle=False, teacher=teacher(VectorData(N)))
+    for i, _ in enumerate(ds):  # the epoch abandoned after rows 0-59: shards 0-3 computed and stored
+        if i == 5:
+            break
+    assert ds.committed() is None
+    resumed = store.dataset("c/set", batch_size=10, shuffle=False, teacher=teacher(EditedAt(VectorData(N), EDITED)))
+    with pytest.raises(SourceMismatch, match=f"item {EDITED} of the teacher's dataset") as err:
+        list(resumed)
+    assert err.value.index == EDITED
