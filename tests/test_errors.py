@@ -162,7 +162,7 @@ def test_every_error_is_a_featstore_error():
     assert issubclass(VersionNotFound, KeyError) and str(VersionNotFound("msg")) == "msg"
 
 
-#: Every error class and the builtin it also is (the README's error table).
+#: Every error class and the builtin it also is (the error table of docs/errors.md).
 BUILTIN_BASES = {
     "FeatstoreError": Exception, "InvalidInput": ValueError, "InvalidName": ValueError,
     "EmptyDataset": ValueError, "MissingInputKey": ValueError, "OutputMismatch": ValueError,
@@ -186,7 +186,7 @@ def test_every_error_class_has_its_documented_builtin_base():
     classes = {n: c for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, Exception)
                and not issubclass(c, Warning) and c.__module__ == errors.__name__}
     assert set(classes) == set(BUILTIN_BASES)  # a new error class gets its documented base here
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
     for name, cls in classes.items():
         assert issubclass(cls, BUILTIN_BASES[name]) and issubclass(cls, errors.FeatstoreError), name
         assert getattr(featstore, name) is cls  # and it is public
@@ -195,4 +195,4 @@ def test_every_error_class_has_its_documented_builtin_base():
         back = pickle.loads(pickle.dumps(err))  # crosses Dask and DataLoader workers
         assert type(back) is cls and str(back) == str(err)
         if name != "FeatstoreError":
-            assert f"| `{name}` | `{BUILTIN_BASES[name].__name__}` |" in readme, name
+            assert f"| `{name}` | `{BUILTIN_BASES[name].__name__}` |" in table, name

@@ -9,8 +9,9 @@ from featstore.codecs._dense import Codec, codec_by_name, keep_codec, output_cod
 from featstore.codecs._parts import CODEC_CHOICES, PartsCodec, check_output_codec, is_parts_codec, parts_codec
 from featstore.codecs._ragged import Tokens
 from featstore.codecs._statistics import summarize, value_stats
+from featstore.codecs._topk import TopK
 from featstore.codecs._vocabulary import Vocabulary
 
 __all__ = ["CODEC_CHOICES", "Codec", "PartsCodec", "Tokens", "check_output_codec", "codec_by_name", "dividing_chunk",
            "is_parts_codec", "keep_codec", "output_codec", "parts_codec", "summarize", "value_stats",
-           "Vocabulary"]
+           "TopK", "Vocabulary"]

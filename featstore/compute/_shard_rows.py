@@ -20,7 +20,7 @@ from featstore._user_code import describe, read_items, user_error
 from featstore._user_types import Item, MapDataset
 from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
 from featstore.codecs._statistics import merge_stats
-from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
+from featstore.compute._batches import TOKEN_MASK, Output, as_outputs, collate_batch
 from featstore.compute._shard_writing import (ShardBuffers, StoredRows, check_batch, device_stage, encode_batch,
                                               encodes_on_device, finish_buffers, shard_buffers, tokens_per_shard,
                                               unstage)
@@ -80,7 +80,7 @@ def collate_inputs(spec: TaskSpec, inputs: Inputs, start: int,
 
 
 def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows: int,
-            device: torch.device) -> dict[str, torch.Tensor]:
+            device: torch.device) -> dict[str, Output]:
     """Model A on one input batch, under ``inference_mode`` (and ``autocast`` if asked), its
     outputs by name; what A raises names the samples."""
     x = to_device(x, device)
@@ -144,11 +144,10 @@ class ShardRows:
         span = BatchSpan(b0, b1, self.index * tokens_per_shard(self.spec) + self.tokens)
         outs = forward(self.spec, net, x, b0, b1 - b0, device)
         mask = kept.get(TOKEN_MASK)
-        if on_device:
-            outs = device_stage(self.spec, outs, mask, b0, span.token0)
+        staged = device_stage(self.spec, outs, mask, b0, span.token0, dense=on_device)
         if mask is not None:
             self.tokens += int(mask.sum())
-        return {**outs, **kept}, span
+        return {**staged, **kept}, span
 
     def store(self, batch: HostBatch, span: BatchSpan) -> None:
         """Check, encode and copy one batch into the shard's buffers, once its device->host

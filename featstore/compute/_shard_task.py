@@ -40,7 +40,8 @@ from featstore.format._arrays import zstd_saving
 from featstore.format._keys import chunk_key
 from featstore.format._manifests import ShardReceipt
 from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_START, pack
+from featstore.codecs._ragged import TOKEN_START, pack, pack_topk
+from featstore.codecs._topk import TopK
 from featstore.compute._transfer import Offloader
 from featstore._user_code import build_model
 from featstore.versions._keys import object_key
@@ -49,7 +50,7 @@ from featstore.versions._views import ViewDataset
 
 from featstore.compute._batches import TOKEN_MASK
 from featstore.compute._shard_rows import ShardRows, collate_inputs, forward, read_inputs
-from featstore.compute._shard_writing import encodes_on_device, open_arrays, write_shard
+from featstore.compute._shard_writing import encodes_on_device, open_arrays, topk_codec, write_shard
 from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
 
 if TYPE_CHECKING:
@@ -366,10 +367,14 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
     tokens = 0.0
     if spec.tokens is not None:
         mask = kept.pop(TOKEN_MASK)
-        outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
+        outs = {n: (t if n not in spec.ragged else pack_topk(t, mask, n) if isinstance(t, TopK)
+                    else pack(t.cpu(), mask, n)[0]) for n, t in outs.items()}
         tokens = float(mask.sum()) / max(rows, 1)
         kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
     for name, t in {**outs, **kept}.items():
+        if isinstance(t, TopK):  # an engine's top-k: what the codec refuses is said here, whole
+            out.update(_probe_topk(name, spec.outputs[name], t))
+            continue
         if name in outs and is_parts_codec(spec.outputs[name]):
             out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))
         try:
@@ -379,6 +384,16 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
             saving = 1.0
         out[name] = ArrayProbe(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
     return Probe(out, tokens)
+
+
+def _probe_topk(name: str, codec: str, t: TopK) -> dict[str, ArrayProbe]:
+    """The probe of an output an engine ranked (:class:`TopK`): its parts as :func:`_probe_parts`
+    gives them, and the dense output it stands for; :class:`InvalidInput` where its codec cannot
+    store it (not a top-k codec, K past the engine's k, another temperature)."""
+    parts, _ = topk_codec(codec, name, t).encode(t, 0, name)
+    return {**{part_array(name, p): ArrayProbe(tuple(a.shape[1:]), str(a.dtype), zstd_saving(a))
+               for p, a in parts.items()},
+            name: ArrayProbe(tuple(t.shape[1:]), "float32", 1.0)}
 
 
 def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, ArrayProbe]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from featstore.errors import FingerprintWarning, InvalidInput
 from featstore._json import JSON, JSONObject, canonical_json
 from featstore._user_code import build_model, dataset_length, read_item
-from featstore._user_types import MapDataset, ModelSpec
+from featstore._user_types import DeclaresIdentity, MapDataset, ModelSpec
 from featstore._lazy import torch  # imported on first use: the quick commands never need it
 from featstore.versions._digests import array_bytes, item_digest, update_item
 
@@ -119,11 +119,16 @@ def fingerprint(parts: JSONObject) -> str:
 
 def model_digest(model: ModelSpec, model_id: str | None) -> JSONObject:
     """``{"model": weights digest, "model_code": code digest}`` for a module, or for a factory
-    (built once here unless ``model_id`` is given; then the id is all there is). Warns
+    (built once here unless ``model_id`` is given; then the id is all there is); for a Model A
+    that declares its identity (:class:`~featstore._user_types.DeclaresIdentity`), its weights
+    digest and ``"engine"`` besides. Warns
     (:class:`FingerprintWarning`) when Model A holds code the digests cannot see."""
     if model_id is not None:
         return {"model": "id:" + str(model_id), "model_code": None}
     built = build_model(model)
+    if isinstance(built, DeclaresIdentity):  # an engine or servers: the weights are not in the module
+        identity = built.featstore_identity()
+        return {"model": identity.weights, "model_code": code_digest(built), "engine": identity.engine}
     blind = blind_spots(built)
     if blind:
         warnings.warn(FingerprintWarning(
