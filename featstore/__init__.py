@@ -62,7 +62,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Advice", "advise", "Costs", "Teacher", "Workload", "clear_disk_cache", "ClusterUnavailable", "ComputeFailed",
-    "ComputeOptions", "ComputeReport", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch", "DeviceSetupError",
+    "ComputeOptions", "ComputeReport", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch",
+    "DeviceSetupError",
     "DistributedSetupError", "EmptyDataset", "FeatstoreError", "FeatstoreWarning", "FeatureDataset", "FeatureStore",
     "FingerprintWarning", "IncompatibleFormat", "InvalidInput", "InvalidName", "list_disk_cache", "mix",
     "MissingInputKey", "MixtureDataset", "NondeterministicAugment", "NonFiniteOutput", "open_store",
