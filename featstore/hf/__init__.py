@@ -39,10 +39,10 @@ from featstore.hf._engines import PromptTopK, TopKTeacher, model_files_digest
 from featstore.hf._smollm2 import save_smollm2, smollm2, stdlib_docstrings
 from featstore.hf._servers import VLLMServers
 from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
-from featstore.hf._vllm import VLLMTeacher
+from featstore.hf._vllm import VLLMTeacher, release_engines
 
 __all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation",
-           "PromptTopK", "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts",
-           "TopKTeacher", "VLLMServers", "VLLMTeacher", "check_soft_labels", "distill_loss", "lm_loss",
-           "model_files_digest", "save_smollm2", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
-           "topk_kd_loss", "vocabulary"]
+           "PromptTopK", "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows",
+           "TokenizedTexts", "TopKTeacher", "VLLMServers", "VLLMTeacher", "check_soft_labels",
+           "distill_loss", "lm_loss", "model_files_digest", "release_engines", "save_smollm2", "smollm2",
+           "stdlib_docstrings", "student_from", "teacher_tokens", "topk_kd_loss", "vocabulary"]

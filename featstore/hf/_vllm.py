@@ -43,6 +43,36 @@ CPU_KV_CACHE_BYTES = 2**30
 #: This process's engines, by what builds them; one kept (a model's weights and cache are GBs).
 _ENGINES: dict[str, Any] = {}
 _ENGINES_LOCK = threading.Lock()
+#: Whether an engine of this process set up the torch.distributed group vLLM runs in (a world of
+#: one), so that :func:`release_engines` takes it down again.
+_OWN_GROUP = False
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def release_engines() -> None:
+    """Drop this process's vLLM engine (its weights and KV cache) and the torch.distributed group
+    of one process vLLM set up for it, where no group existed before: after a compute with
+    ``client="in-process"``, the process reads as a single process again (featstore's reader
+    takes its rank from an initialised group, see :mod:`featstore.read`). An engine is otherwise
+    kept for the next compute in the process."""
+    global _OWN_GROUP
+    with _ENGINES_LOCK:
+        _ENGINES.clear()
+        if not _OWN_GROUP:
+            return
+        _OWN_GROUP = False
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except ImportError:  # pragma: no cover - vLLM gone meanwhile
+            pass
+        if _distributed():
+            torch.distributed.destroy_process_group()
 
 
 def engine_version() -> str:
@@ -101,7 +131,9 @@ class VLLMTeacher(TopKTeacher):
             return _ENGINES[key]
 
     def _build(self) -> Any:
+        global _OWN_GROUP
         threads = torch.get_num_threads()
+        grouped = _distributed()
         with _engine_environment(threads):
             from vllm import LLM
 
@@ -112,6 +144,7 @@ class VLLMTeacher(TopKTeacher):
                 args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
             args.update(self._engine_args)
             llm = LLM(model=self._folder, **args)
+        _OWN_GROUP = _OWN_GROUP or (not grouped and _distributed())
         if self.temperature != 1.0:
             _scale_logits(llm, 1.0 / self.temperature)
         return llm

@@ -75,8 +75,12 @@ def world(folder, servers, tmp_path_factory):
     forward = compute(store, "smollm2/transformers", hf.CausalLMLogits(lm), data, tok, batch_size=8)
     teacher = hf.VLLMTeacher(folder, k=K, max_model_len=64, engine_args=ENGINE)
     engine = compute(store, "smollm2/vllm", teacher, data, tok, batch_size=64)
-    return {"tok": tok, "data": data, "store": store, "lm": lm, "forward": forward, "teacher": teacher,
-            "engine": engine}
+    yield {"tok": tok, "data": data, "store": store, "lm": lm, "forward": forward, "teacher": teacher,
+           "engine": engine}
+    # the engine's process group of one goes with it: the test files that run next in this
+    # process read as a single process (tests/read/test_clients.py sets WORLD_SIZE without one)
+    hf.release_engines()
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def stored_rows(version):
