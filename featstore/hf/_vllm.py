@@ -46,6 +46,10 @@ _ENGINES_LOCK = threading.Lock()
 #: Whether an engine of this process set up the torch.distributed group vLLM runs in (a world of
 #: one), so that :func:`release_engines` takes it down again.
 _OWN_GROUP = False
+#: vLLM's switch for its engine core's process: off while an engine of this process lives.
+MULTIPROCESSING_FLAG = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: The flag's value before this process's first engine, which :func:`release_engines` puts back.
+_SAVED_MULTIPROCESSING: dict[str, str | None] = {}
 
 
 def _distributed() -> bool:
@@ -58,9 +62,13 @@ def release_engines() -> None:
     ``client="in-process"``, the process reads as a single process again (featstore's reader
     takes its rank from an initialised group, see :mod:`featstore.read`). An engine is otherwise
     kept for the next compute in the process."""
-    global _OWN_GROUP
+    global _OWN_GROUP, _SAVED_MULTIPROCESSING
     with _ENGINES_LOCK:
         _ENGINES.clear()
+        flag = _SAVED_MULTIPROCESSING.get(MULTIPROCESSING_FLAG)
+        if MULTIPROCESSING_FLAG in _SAVED_MULTIPROCESSING:
+            _restore_environment({**os.environ, MULTIPROCESSING_FLAG: flag})
+            _SAVED_MULTIPROCESSING = {}
         if not _OWN_GROUP:
             return
         _OWN_GROUP = False
@@ -96,8 +104,9 @@ class VLLMTeacher(TopKTeacher):
     float32 forward to ~1e-4 nats; ``"bfloat16"`` on a GPU); ``max_model_len``: the longest text
     plus one; ``engine_args``: more ``vllm.LLM`` arguments (``gpu_memory_utilization``,
     ``max_num_batched_tokens``, ``kv_cache_memory_bytes``: 1 GiB by default on a CPU worker), which do
-    not change what is computed. Building the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in
-    the process (and leaves it: the engine reads it while it lives).
+    not change what is computed. Building the engine leaves the process's environment as it was,
+    but for ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine lives (vLLM reads it again;
+    :func:`~featstore.hf.release_engines` puts it back).
 
     >>> teacher = featstore.hf.VLLMTeacher("/models/smollm2", k=50)
     >>> v = store.compute("smollm2/docs", model=teacher, dataset=data, input_key="input_ids",
@@ -193,26 +202,40 @@ def _vocab_size(folder: str) -> int:
 
 @contextmanager
 def _engine_environment(threads: int) -> Iterator[None]:
-    """Build vLLM's engine in this process with this process's torch threads. vLLM's CPU worker
-    replaces ``torch.set_num_threads`` with a function that refuses (its threads are bound once),
-    and without ``OMP_NUM_THREADS`` it drops torch to one thread: both are put back afterwards,
-    so featstore's tasks keep setting their threads as on any worker."""
+    """Build vLLM's engine in this process with this process's torch threads, leaving the
+    process's environment as it found it. vLLM's CPU worker replaces ``torch.set_num_threads``
+    with a function that refuses (its threads are bound once), and without ``OMP_NUM_THREADS`` it
+    drops torch to one thread; its CPU platform also writes ``LD_PRELOAD`` (torch's libgomp, its
+    tcmalloc), ``LOCAL_WORLD_SIZE`` and more into ``os.environ`` for child processes it would
+    start. The engine core stays in this process, so all of that is put back afterwards: a
+    user's later subprocesses (DataLoader workers, servers) would otherwise start with vLLM's
+    allocator preloaded. Only ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` stays while the engine lives
+    (vLLM reads it again); :func:`release_engines` restores it."""
+    global _SAVED_MULTIPROCESSING
     keep_set = torch.set_num_threads
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this (maybe daemonic) process
+    saved = dict(os.environ)
+    if MULTIPROCESSING_FLAG not in _SAVED_MULTIPROCESSING:
+        _SAVED_MULTIPROCESSING = {MULTIPROCESSING_FLAG: os.environ.get(MULTIPROCESSING_FLAG)}
+    os.environ[MULTIPROCESSING_FLAG] = "0"  # the engine core in this (maybe daemonic) process
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         yield
     finally:
         torch.set_num_threads = keep_set
         torch.set_num_threads(threads)
-        for k, v in saved.items():
-            if k == "VLLM_ENABLE_V1_MULTIPROCESSING":
-                continue  # the engine reads it again later: it must stay 0 while the engine lives
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        saved[MULTIPROCESSING_FLAG] = "0"
+        _restore_environment(saved)
+
+
+def _restore_environment(saved: Mapping[str, str | None]) -> None:
+    """Make ``os.environ`` equal ``saved`` (a value of None: unset), where it differs."""
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        elif os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _scale_logits(llm: Any, factor: float) -> None:

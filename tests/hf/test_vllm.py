@@ -74,13 +74,21 @@ def world(folder, servers, tmp_path_factory):
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # the same weights
     forward = compute(store, "smollm2/transformers", hf.CausalLMLogits(lm), data, tok, batch_size=8)
     teacher = hf.VLLMTeacher(folder, k=K, max_model_len=64, engine_args=ENGINE)
+    before = dict(os.environ)
     engine = compute(store, "smollm2/vllm", teacher, data, tok, batch_size=64)
+    # vLLM's CPU platform writes LD_PRELOAD (its tcmalloc, torch's libgomp) and more into
+    # os.environ; the engine is built in this process, so nothing but its multiprocessing switch
+    # may stay (the user's later subprocesses would start with vLLM's allocator preloaded)
+    assert {k: v for k, v in os.environ.items() if before.get(k) != v} == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert set(before) - set(os.environ) == set()
     yield {"tok": tok, "data": data, "store": store, "lm": lm, "forward": forward, "teacher": teacher,
            "engine": engine}
     # the engine's process group of one goes with it: the test files that run next in this
     # process read as a single process (tests/read/test_clients.py sets WORLD_SIZE without one)
     hf.release_engines()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    touched = ("VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD", "LOCAL_WORLD_SIZE")
+    assert {k: os.environ.get(k) for k in touched} == {k: before.get(k) for k in touched}
 
 
 def stored_rows(version):
