@@ -297,3 +297,25 @@ def drop_a_token(item: dict, g: torch.Generator) -> dict:
     seq = item["input"]
     k = int(torch.randint(0, len(seq), (), generator=g))
     return {**item, "input": torch.cat([seq[:k], seq[k + 1:]])}
+
+
+class MeanPool(nn.Module):
+    """A toy sentence encoder: token embeddings averaged over the real tokens (the attention
+    mask of :func:`featstore.ragged.pad_sequences`), then a linear layer: ``[B, dim]``, the same
+    for a sample whatever its batch pads to. With ``path``, each forward appends its padded
+    width and its real tokens to that file (works across processes)."""
+
+    def __init__(self, vocab: int = 97, dim: int = 8, path: str | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, dim)
+        self.path = path
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = x["attention_mask"]
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(f"{mask.shape[0]} {mask.shape[1]} {int(mask.sum())}\n")
+        m = mask.unsqueeze(-1).float()
+        return self.out((self.emb(x["ids"]) * m).sum(1) / m.sum(1).clamp(min=1))

@@ -78,6 +78,14 @@ class ComputeOptions:
             before :class:`~featstore.ClusterUnavailable` (Dask's own default is 30 s; a scheduler
             that is up answers in well under a second, so a few seconds is plenty on a network
             that works). Raise it for a scheduler that is still starting.
+        group_by_length: where A's inputs differ in size and a ``collate`` pads them (token
+            sequences), cut the batches from samples ordered by size within windows of a task's
+            samples (up to 32 batches), as sentence-transformers' ``encode`` and Hugging Face's
+            ``group_by_length`` do, so a batch pads to a length near its samples' own; the
+            outputs are stored in sample order all the same. Per-token outputs (``tokens=``) keep
+            sample order. False: batches of consecutive samples (a Model A whose output for a
+            sample depends on the other samples of its batch). Not part of the fingerprint: the
+            values are the same up to floating-point rounding.
     """
 
     dataset_id: str | None = None
@@ -95,6 +103,7 @@ class ComputeOptions:
     collate: Collate | None = None
     spread_prefixes: int | None = None
     connect_timeout: float = 5.0
+    group_by_length: bool = True
 
     def __post_init__(self) -> None:
         from featstore.format import _arrays, _manifests  # zarr is imported where options are checked, not for --help
