@@ -319,3 +319,24 @@ class MeanPool(nn.Module):
                 f.write(f"{mask.shape[0]} {mask.shape[1]} {int(mask.sum())}\n")
         m = mask.unsqueeze(-1).float()
         return self.out((self.emb(x["ids"]) * m).sum(1) / m.sum(1).clamp(min=1))
+
+
+class RaisesOnToken(MeanPool):
+    """:class:`MeanPool` that raises ``ValueError`` on a batch holding token ``token``."""
+
+    def __init__(self, token: int, vocab: int = 97) -> None:
+        super().__init__(vocab=vocab)
+        self.token = token
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        if bool((x["ids"] == self.token).any()):
+            raise ValueError(f"token {self.token}")
+        return super().forward(x)
+
+
+class LengthDependent(MeanPool):
+    """:class:`MeanPool` whose output width is the batch's padded length: its shape changes
+    with how a batch pads (what a Model A must not do)."""
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super().forward(x).new_zeros((x["ids"].shape[0], x["ids"].shape[1]))

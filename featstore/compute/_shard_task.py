@@ -48,12 +48,12 @@ from featstore.versions._keys import object_key
 from featstore.versions._receipts import read_receipts
 from featstore.versions._views import ViewDataset
 
-from featstore.compute._batches import TOKEN_MASK, select
+from featstore.compute._batches import TOKEN_MASK
 from featstore.compute._shard_rows import BatchSpan, ShardRows, collate_inputs, forward, read_inputs
 from featstore.compute._shard_writing import encodes_on_device, open_arrays, write_shard
 from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
-from featstore.compute._windows import (Batch, Window, fetch_window, in_sample_order, input_size, may_group,
-                                        plan_windows, window_samples, window_shards)
+from featstore.compute._windows import (Batch, Window, fetch_window, in_sample_order, may_group, plan_windows,
+                                        probe_inputs, window_samples, window_shards)
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -390,10 +390,12 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() if on is None else contextlib.nullcontext(on) as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        inputs = read_inputs(_as_seen(spec, dataset), 0, rows, spec.digests)
+        inputs, vary = probe_inputs(spec, read_inputs(_as_seen(spec, dataset), 0, rows, spec.digests),
+                                    may_group(spec, encodes_on_device(device)))
         x, kept = collate_inputs(spec, inputs, 0, pinned=False)
-        outs = forward(spec, net, x, 0, rows, device)
-    sizes = {input_size(select(it, spec.input_key, "input")) for it in inputs.items}
+        named = None if len(inputs.items) == rows else f"among [0, {rows}) (the probe's smallest)"
+        outs = forward(spec, net, x, 0, rows, device, named)
+        rows = len(inputs.items)
     out: dict[str, ArrayProbe] = {}
     tokens = 0.0
     if spec.tokens is not None:
@@ -410,7 +412,7 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
         except InvalidInput:  # an unstorable dtype: the driver reports it with the array's name
             saving = 1.0
         out[name] = ArrayProbe(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
-    return Probe(out, tokens, len(sizes) > 1)
+    return Probe(out, tokens, vary)
 
 
 def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, ArrayProbe]:

@@ -38,6 +38,10 @@ from featstore.errors import FeatstoreError, OutputMismatch
 #: Batches a window holds at most: enough that sorting by size leaves little padding, few
 #: enough that the window's inputs and A's outputs stay small beside a shard.
 GROUP_BATCHES = 32
+#: Samples the probe runs A on where the inputs differ in size: the smallest of its batch (the
+#: probe learns shapes, dtypes and zstd's saving; a batch padded to its longest cost 10% of a
+#: compute of 1,410 texts).
+PROBE_BY_SIZE = 8
 #: A window holds at most this many bytes of A's outputs (they wait there until the window ends).
 WINDOW_BYTES = 64 * 2**20
 
@@ -138,6 +142,18 @@ def input_size(x: object) -> int | None:
         sizes = [input_size(v) for v in x.values()]
         return None if None in sizes else sum(s for s in sizes if s is not None)
     return None
+
+
+def probe_inputs(spec: TaskSpec, inputs: Inputs, by_size: bool) -> tuple[Inputs, bool]:
+    """The probe's samples (of ``inputs``, the first of the dataset) and whether A's inputs
+    differ in size among them; where they do and the batches may be cut by size, only the
+    :data:`PROBE_BY_SIZE` smallest (in sample order)."""
+    sizes = [input_size(select(it, spec.input_key, "input")) for it in inputs.items]
+    vary = None not in sizes and len(set(sizes)) > 1
+    if not (vary and by_size) or len(sizes) <= PROBE_BY_SIZE:
+        return inputs, vary
+    keep = np.sort(np.argsort(np.asarray(sizes, dtype=np.int64), kind="stable")[:PROBE_BY_SIZE])
+    return Inputs([inputs.items[i] for i in keep], None if inputs.digests is None else inputs.digests[keep]), vary
 
 
 def fetch_window(spec: TaskSpec, dataset: MapDataset, window: Window, pinned: bool) -> list[Batch]:
