@@ -214,9 +214,11 @@ class _FirstClasses(ast.NodeVisitor):
 _CLASS_LINES: dict[bytes, dict[str, int]] = {}
 
 
-def _class_source(cls: type) -> str | None:
-    """``inspect.getsource(cls)``, the same text found the same way, with the module's tree
-    parsed once per source; None where that is not plainly so (the caller asks inspect then)."""
+def _class_lines(cls: type) -> tuple[bytes, list[str]] | None:
+    """Where ``cls``'s source starts, found as ``inspect.getsource`` finds it, with the module's
+    tree parsed once per source: what names that source (the module's key and the class's
+    qualified name) and the module's lines from the class's first; None where that is not
+    plainly so (the caller asks inspect then)."""
     import linecache
 
     if hasattr(cls, "__wrapped__"):
@@ -233,7 +235,13 @@ def _class_source(cls: type) -> str | None:
         finder.visit(ast.parse("".join(lines)))
         _CLASS_LINES[key] = finder.found
     first = _CLASS_LINES[key].get(cls.__qualname__)
-    return None if first is None else "".join(inspect.getblock(lines[first:]))
+    if first is None:
+        return None
+    return key + cls.__qualname__.encode(), lines[first:]
+
+
+#: :func:`class_code` of each class source seen, by its module's key and qualified name.
+_CLASS_CODES: dict[bytes, str] = {}
 
 
 def class_code(cls: type) -> str:
@@ -245,8 +253,15 @@ def class_code(cls: type) -> str:
     True
     """
     try:
-        tree = ast.parse(textwrap.dedent(_class_source(cls) or inspect.getsource(cls)))
-        return "source:" + hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+        found = _class_lines(cls)
+        if found is not None and found[0] in _CLASS_CODES:
+            return _CLASS_CODES[found[0]]
+        source = inspect.getsource(cls) if found is None else "".join(inspect.getblock(found[1]))
+        tree = ast.parse(textwrap.dedent(source))
+        digest = "source:" + hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+        if found is not None:
+            _CLASS_CODES[found[0]] = digest
+        return digest
     except (OSError, TypeError, SyntaxError):
         h = hashlib.sha256()
         for name, member in sorted(vars(cls).items()):
