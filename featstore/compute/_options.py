@@ -60,7 +60,9 @@ class ComputeOptions:
         shards_per_task: shards each Dask task computes. 1 (the default): Dask's progress bars
             and task stream move once per shard and a lost worker costs one shard; the fetch,
             forward and write stages still overlap inside the task (compute time measured
-            unchanged, see docs/monitoring.md). None: a few long tasks (two per worker).
+            unchanged, see docs/monitoring.md). None: a few long tasks (two per worker). Where
+            batches are cut by size (``group_by_length``), the default 1 joins shards smaller than
+            a window (32 batches) into one task, up to one window.
         collate: builds Model A's input batch from the list of a batch's inputs (what
             ``input_key`` selects), e.g. padding token sequences of different lengths and adding
             an attention mask; None: ``torch.utils.data.default_collate``. Part of the
