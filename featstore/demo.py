@@ -114,7 +114,8 @@ def run_demo(root: str = "./featstore-demo", n: int = 20000, epochs: int = 3, ba
     skipped = datetime.datetime.fromisoformat(m.created_at) < started
     recorded = m.timings.get("total_s")
     if skipped:
-        print(f"compute skipped: the version was already in the store (found in {t_compute:.1f} s); "
+        found = "" if version.report is None else f"{version.report.describe()}; "
+        print(f"compute skipped: the version was already in the store ({found}found in {t_compute:.1f} s); "
               + (f"its compute took {recorded:.1f} s when it ran (recorded in its manifest)" if recorded is not None
                  else "its manifest records no compute time")
               + f". For a fresh measurement, run with another --root than {store.url}.")

@@ -54,7 +54,23 @@ class NondeterministicAugment(InvalidInput):
 
 class SourceMismatch(InvalidInput):
     """The ``source`` dataset given to the reader is not the dataset the version was computed on
-    (or the ``augment`` is not the one it was computed with): rows would silently misalign."""
+    (or the ``augment`` is not the one it was computed with): rows would silently misalign.
+    ``index``: the first item found to differ from the one its row was computed from, where one
+    item was compared (None when the whole dataset was: its length or sampled digest)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        if index is None:  # rebuilt from its message alone (DataLoader re-raises ``type(message)``)
+            found = _ITEM.search(str(message))
+            index = int(found.group(1)) if found else None
+        self.index = index
+
+    def __reduce__(self):  # keep ``index`` across process boundaries (DataLoader workers, Dask)
+        return type(self), (self.args[0] if self.args else "", self.index)
+
+
+#: How a :class:`SourceMismatch` about one item names it (``featstore.versions.InputCheck``).
+_ITEM = re.compile(r"\bitem (\d+) of ")
 
 
 class VersionsMisaligned(InvalidInput):

@@ -185,8 +185,9 @@ class Version:
         """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
         which finds spread shard objects under their prefixes: plain Zarr reads a version
         through it. Not for an incremental version (``extends=``), whose inherited shards lie in
-        its parents' folders: that raises :class:`InvalidInput` (read it with featstore, or
-        ``load()`` it), rather than give a store in which they would read as zeros.
+        its parents' folders, nor for one a rerun made referencing the unchanged shards of
+        another: that raises :class:`InvalidInput` (read it with featstore, ``load()`` or
+        :meth:`export` it), rather than give a store in which they would read as zeros.
 
         >>> group = zarr.open_group(version.zarr_store(), mode="r")
         >>> group["features"][:10].shape
@@ -196,9 +197,11 @@ class Version:
 
         v = self._stored
         if v.manifest.bases:
-            raise InvalidInput(f"{v.ref} extends {v.manifest.bases[0].name}@{v.manifest.bases[0].id}: "
-                               "its first shards lie in that version's folder, so no single Zarr group holds it. "
-                               "Read it with featstore (store.open(ref)[a:b], .load(), store.dataset(ref)).")
+            raise InvalidInput(f"{v.ref} references shards of {v.manifest.bases[0].name}@{v.manifest.bases[0].id} "
+                               "(extends=, or a rerun that kept the shards whose items did not change): they lie in "
+                               "that version's folder, so no single Zarr group holds it. Read it with featstore "
+                               "(store.open(ref)[a:b], .load(), store.dataset(ref)), or export it (version.export, "
+                               "featstore export) for plain Zarr readers.")
         return group_store(v.storage, v.data_key, v.spread, read_only=True)
 
     def export(self, url: str | os.PathLike[str], storage_options: StorageOptions | None = None, *,

@@ -50,6 +50,14 @@ def write_version(store: featstore.FeatureStore, name: str, *, model: Any = None
                          client="in-process" if client is None else client, **kw)
 
 
+def served(version: Any) -> dict[str, Any]:
+    """The arrays a reader serves in batches (A's outputs and the kept fields): every array of the
+    version but featstore's own (each sample's input digest, views' seeds, token starts)."""
+    from featstore.format import SERVED_SOURCES
+
+    return {n: a for n, a in version.manifest.arrays.items() if a.source in SERVED_SOURCES}
+
+
 class SharedVersions(dict):
     """The versions many test files read, each written once per session (per xdist worker) on
     first use, each in a store of its own: ``TinyA`` on ``VectorData(n)`` (``TINY_OUTPUTS``, the

@@ -299,6 +299,25 @@ def drop_a_token(item: dict, g: torch.Generator) -> dict:
     return {**item, "input": torch.cat([seq[:k], seq[k + 1:]])}
 
 
+class EditedAt(torch.utils.data.Dataset):
+    """``dataset`` with item ``at``'s ``field`` changed (``+ 0.5``, or the tokens reversed for an
+    int field): one edited item, the others as they were (issue 42's reruns and reader checks)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, at: int, field: str = "input") -> None:
+        self.dataset, self.at, self.field = dataset, at, field
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        item = self.dataset[i]
+        if i != self.at:
+            return item
+        value = item[self.field]
+        changed = value.flip(0) if not value.is_floating_point() else value + 0.5
+        return {**item, self.field: changed}
+
+
 class MeanPool(nn.Module):
     """A toy sentence encoder: token embeddings averaged over the real tokens (the attention
     mask of :func:`featstore.ragged.pad_sequences`), then a linear layer: ``[B, dim]``, the same

@@ -10,8 +10,8 @@ quick commands (``featstore list``, ``info``, ...) never need.
 from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
-from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, ArraySpec, Base, Layout, Manifest,
-                                         ShardReceipt, ShardRecords, ViewsSpec)
+from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, SERVED_SOURCES, ArraySpec, Base,
+                                         Layout, Manifest, ShardReceipt, ShardRecords, ViewsSpec)
 from featstore.format._objects import Pending, ReceiptRun
 from featstore.format._keys import chunk_key, shard_digest
 
@@ -23,6 +23,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "SpreadStore": "_arrays", "create_arrays": "_arrays", "open_array": "_arrays",
     "decode_shard_rows": "_shard_decoder", "shard_format": "_shard_decoder", "shard_index": "_shard_decoder"})
 
-__all__ = ["RECORDS_PER_OBJECT", "SCHEMA", "SCHEMA_VERSION", "ArraySpec", "Base", "Layout", "Manifest", "Pending",
+__all__ = ["RECORDS_PER_OBJECT", "SCHEMA", "SCHEMA_VERSION", "SERVED_SOURCES",
+           "ArraySpec", "Base", "Layout", "Manifest", "Pending",
            "ReceiptRun", "ShardReceipt", "ShardRecords", "SpreadStore", "ViewsSpec", "chunk_key", "create_arrays",
            "decode_shard_rows", "open_array", "shard_digest", "shard_format", "shard_index"]

@@ -353,6 +353,12 @@ class Manifest:
         return [(v, i) for v in views for i in range(self.layout.n_shards)]
 
     @property
+    def committed(self) -> bool:
+        """Whether this is a committed version's manifest (it names its shard records), not the
+        plan of one still being computed (what the teacher in the loop reads from)."""
+        return self.records is not None or self.shards is not None
+
+    @property
     def schema_version(self) -> int:
         return 1 if self.shards is not None else 2
 

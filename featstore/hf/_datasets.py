@@ -34,6 +34,7 @@ from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.read._views import check_source
 from featstore.versions import StoredVersion, stored
 from featstore.versions._committed import HasStoredVersion
+from featstore.versions import InputCheck
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ class SoftLabels(torch.utils.data.Dataset):
         version: the committed version (``store.open(ref)``) holding per-token soft labels.
         dataset: the dataset it was computed on (:class:`TokenizedTexts` or any map-style
             dataset whose items hold ``input_key``); checked against the version's length and
-            content digest.
+            sampled content digest at once, and every item as it is read against the input
+            digest stored for its row (:class:`~featstore.SourceMismatch` naming the item).
         tokenizer: the student's tokenizer; the version must have been computed with the same
             vocabulary and special tokens, else :class:`~featstore.SourceMismatch` names what differs.
         temperature: the temperature the student distils at; must be the stored one.
@@ -164,8 +166,9 @@ class SoftLabels(torch.utils.data.Dataset):
                  temperature: float, output: str = "logits", input_key: str = "input_ids",
                  labels_key: str | None = None, cache_bytes: int = 2**30) -> None:
         self.teacher = StoredRows(version, output, tokenizer, temperature, cache_bytes)
-        check_source(self.teacher.version, dataset)
+        check_source(self.teacher.version, dataset, what="the dataset")
         self.dataset = dataset
+        self.inputs = InputCheck.of(self.teacher.version)  # each item read is checked against its row
         self.input_key, self.labels_key = input_key, labels_key
 
     def __len__(self) -> int:
@@ -180,17 +183,19 @@ class SoftLabels(torch.utils.data.Dataset):
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"indices out of range for {len(self)} samples")
+        items = [self.dataset[int(i)] for i in idx]
+        if self.inputs is not None:
+            self.inputs.check(idx, items, "the dataset")
         order = np.argsort(idx, kind="stable")  # reading in store order touches each chunk once
         rows = self.teacher.rows(idx[order])
         starts = np.concatenate([[0], np.cumsum(rows.lengths)])
         out: list[Sample | None] = [None] * len(idx)
         for pos, i in enumerate(idx[order]):
             a, b = int(starts[pos]), int(starts[pos + 1])
-            out[order[pos]] = self._sample(int(i), rows.ids[a:b], rows.logprobs[a:b])
+            out[order[pos]] = self._sample(int(i), items[order[pos]], rows.ids[a:b], rows.logprobs[a:b])
         return out  # type: ignore[return-value]
 
-    def _sample(self, index: int, ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
-        item = self.dataset[index]
+    def _sample(self, index: int, item: Any, ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
         input_ids = torch.as_tensor(item[self.input_key], dtype=torch.long).reshape(-1)
         if len(input_ids) != len(ids):
             raise SourceMismatch(f"sample {index} has {len(input_ids)} token ids in the dataset but {len(ids)} "

@@ -49,6 +49,8 @@ from featstore.read import (Epoch, FeatureDataset, Piece, ProcessReads, ShardSou
 from featstore.versions._catalog import Catalog
 from featstore.versions._committed import HasStoredVersion, StoredVersion
 from featstore.versions._keys import receipt_key, view_key
+from featstore.versions import InputCheck
+from featstore._user_code import read_items
 
 #: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
 PublicVersion = Callable[[StoredVersion], HasStoredVersion]
@@ -83,6 +85,8 @@ class ComputedSource(ShardSource):
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
         self.dropped: list[int] = []
         self.spec, self.seen = planned.spec, planned.teacher.dataset
+        # what a fill stored earlier is served only beside the items it was computed from
+        self.inputs_check = InputCheck.of(planned.version, filling=True)
 
     @property
     def filling(self) -> bool:
@@ -184,6 +188,7 @@ class ComputedSource(ShardSource):
                     receipt_key(view_key(self.planned.version.key, view), piece.shard)):
                 self.fill.add(view, piece.shard)  # another run wrote it since
             if self.fill.holds(view, piece.shard):  # only a fill records shards stored
+                self._check_stored(piece)
                 for f in dense:
                     self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
                 got = self.reads.read_tokens(self.ragged, piece) if self.ragged else {}
@@ -195,6 +200,15 @@ class ComputedSource(ShardSource):
             for f in self.ragged:
                 tokens[f].append(got[f])
         return {**arrays, **{f: RaggedWindow(parts) for f, parts in tokens.items()}}
+
+    def _check_stored(self, piece: Piece) -> None:
+        """The items of a stored piece are those its rows were computed from (a fill resumed on an
+        edited dataset would otherwise serve the old items' outputs): :class:`SourceMismatch`."""
+        if self.inputs_check is None:
+            return
+        start = piece.shard * self.planned.version.manifest.layout.samples_per_shard
+        rows = range(start + piece.lo, start + piece.hi)
+        self.inputs_check.check(rows, read_items(self.planned.teacher.dataset, rows), "the teacher's dataset")
 
     def _computed(self, shard: int, write: bool) -> dict[str, np.ndarray]:
         """Shard ``shard`` computed by A; with ``write``, stored with its receipt on the
@@ -279,5 +293,10 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: Pub
                            "teacher's arguments decide the version.")
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, StoredVersion):
-        return FeatureDataset(planned, **options)
+        if "source" in options or InputCheck.of(planned) is None:
+            return FeatureDataset(planned, **options)
+        # a join that adds no field: every row is checked against the teacher's item it was computed from
+        views = planned.manifest.views
+        return FeatureDataset(planned, source=teacher.dataset, source_fields=[],
+                              augment=None if views is None else teacher.view_augment, **options)
     return OnlineDataset(planned, public=public, **options)

@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset
 from featstore.codecs._parts import assemble, expand_fields
 from featstore.codecs._ragged import LENGTHS, OFFSETS, RaggedRows, concat_rows, offsets, pad_value, padded
 from featstore.errors import InvalidInput
+from featstore.format import SERVED_SOURCES
 from featstore.read._assignment import ConsumerPlan, UniformShards, consumer_plan, consumer_span
 from featstore.read._elastic import EpochOrder
 from featstore.read._epoch_state import EpochState, Iteration
@@ -92,7 +93,7 @@ class FeatureDataset(IterableDataset):
         self._viewing = ViewReading(version, self.options, source, augment, source_fields, source_id)
         # an output stored in parts (``logits`` -> logits.ids, logits.values) is read whole
         fields = expand_fields(version.manifest.arrays, self.options.fields or tuple(
-            f for f, a in version.manifest.arrays.items() if a.source not in ("seed", "tokens")))
+            f for f, a in version.manifest.arrays.items() if a.source in SERVED_SOURCES))
         missing = sorted(set(fields) - set(version.manifest.arrays))
         if missing:
             raise InvalidInput(f"version {version.id} has no arrays {missing}; it has "

@@ -16,8 +16,9 @@ from featstore._json import JSONObject
 from featstore._user_types import FieldKey, MapDataset
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.read._options import ReaderOptions
-from featstore.versions._fingerprints import dataset_digest, describe_key
+from featstore.versions._fingerprints import dataset_digest, describe_key, sample_positions
 from featstore.versions._committed import StoredVersion
+from featstore.versions import InputCheck
 from featstore.versions._views import (VIEW_FIELD, Augment, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
                                        normalize_fields, view_seeds)
 
@@ -36,8 +37,9 @@ class ViewReading:
     item but those the batch already holds, ``input`` for a tensor, ``field<i>`` for a tuple).
     Before any batch, ``source`` must match the dataset the version was computed on (its length
     and sampled content digest, or ``source_id`` where the version was computed with
-    ``dataset_id``), and with views ``augment`` must be the one the version was computed with:
-    :class:`SourceMismatch` if not.
+    ``dataset_id``), and with views ``augment`` must be the one the version was computed with;
+    then each item joined must be the one its row was computed from (the version's input
+    digests, where it stores them): :class:`SourceMismatch` if not, naming the item.
     """
 
     def __init__(self, version: StoredVersion, options: ReaderOptions, source: MapDataset | None,
@@ -63,7 +65,7 @@ class ViewReading:
             if describe_key(augment) != views.augment:
                 raise SourceMismatch(f"augment is not the function {version.ref} was computed with (its "
                                      "source differs); pass that same function, or recompute the views.")
-        self.join = SourceJoin(source, augment, normalize_fields(source_fields))
+        self.join = SourceJoin(source, augment, normalize_fields(source_fields), InputCheck.of(version))
 
     def start_epoch(self, epoch: int) -> None:
         """Pick this epoch's view (and the version bound to it)."""
@@ -98,7 +100,8 @@ class ViewReading:
         return batch
 
 
-def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None) -> None:
+def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None,
+                 what: str = "source") -> None:
     """Raise :class:`SourceMismatch` unless ``source`` is the dataset ``version`` was computed on.
 
     >>> check_source(store.open("cnn-a/train"), train_set)   # silent when they match
@@ -117,6 +120,10 @@ def check_source(version: StoredVersion, source: MapDataset, source_id: str | No
             raise SourceMismatch(f"source_id {source_id!r} is not the dataset_id {want['id']!r} that "
                                  f"{version.ref} was computed with.")
         return  # computed with a dataset_id: only its length can be checked without source_id
+    check = InputCheck.of(version)
+    if check is not None:  # the sampled items one by one: a mismatch names its index
+        at = sample_positions(n)
+        check.check(at, [source[i] for i in at], what)
     if dataset_digest(source)["digest"] != want.get("digest"):
         raise SourceMismatch(f"source is not the dataset {version.ref} was computed on (its sampled "
                              "content digest differs): rows would silently misalign. Pass that dataset "

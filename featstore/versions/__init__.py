@@ -18,6 +18,7 @@ from featstore._lazy import lazy_exports
 from featstore.versions._catalog import Catalog
 from featstore.versions._commits import Claim, Commits
 from featstore.versions._committed import StoredVersion, missing_data_error, stored, verify_version
+from featstore.versions._digests import DIGEST_FIELD, InputCheck, content_digest, item_digest, item_digests
 from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, receipt_key, tag_key,
                                       version_key, view_key)
 from featstore.versions._receipts import (compact_receipts, finished_shards, forget_receipts, read_receipts, run_key,
@@ -39,8 +40,10 @@ def __getattr__(name: str) -> object:
     return _lazy(name)
 
 
-__all__ = ["GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "Catalog", "Claim", "Commits",
-           "Exported", "StoredVersion", "Views", "compact_receipts", "epoch_seeds", "epoch_view", "export_version",
-           "finished_shards", "forget_receipts", "missing_data_error", "read_receipts", "receipt_key", "replay",
-           "run_key", "stored", "tag_key", "verify_export", "verify_version", "version_key", "view_key", "view_seed",
-           "view_seeds", "write_receipt"]
+__all__ = ["DIGEST_FIELD", "GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "Catalog",
+           "Claim",
+           "Commits", "Exported", "InputCheck", "StoredVersion", "Views", "compact_receipts", "content_digest",
+           "epoch_seeds", "epoch_view", "export_version", "finished_shards", "forget_receipts", "item_digest",
+           "item_digests", "missing_data_error", "read_receipts", "receipt_key", "replay", "run_key", "stored",
+           "tag_key", "verify_export", "verify_version", "version_key", "view_key", "view_seed", "view_seeds",
+           "write_receipt"]

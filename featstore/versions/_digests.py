@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from featstore.errors import InvalidInput
+from featstore.errors import InvalidInput, SourceMismatch
+from featstore.format._manifests import Manifest
 from featstore._user_types import Item
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 #: The array of every new version holding each sample's input digest (never served in batches).
 DIGEST_FIELD = "item_digest"
@@ -49,7 +53,17 @@ def array_bytes(x: torch.Tensor | np.ndarray) -> bytes:
 class Hasher(Protocol):
     """What :func:`update_item` feeds: a hashlib object (sha256, blake2b)."""
 
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
+
+
+def _buffer(x: torch.Tensor | np.ndarray) -> memoryview:
+    """The bytes of a tensor (on any device) or array in C order (a view where the data already
+    is contiguous on the CPU)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
+        return t.reshape(-1).view(torch.uint8).numpy().data
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).data
 
 
 def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) -> None:
@@ -58,7 +72,9 @@ def update_item(h: Hasher, item: object, path: str = "", compact: bool = False) 
     be digested: :class:`InvalidInput`). ``compact``: a list or tuple of plain ints is fed as one
     int64 array (the per-sample digests; the sampled fingerprint digest keeps ``False``)."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
-        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + array_bytes(item))
+        # the bytes of b"T"/b"N" + array_bytes(item), fed without copying the data
+        h.update((b"T" if isinstance(item, torch.Tensor) else b"N") + f"{item.dtype}{tuple(item.shape)}".encode())
+        h.update(_buffer(item))
     elif isinstance(item, Mapping):
         h.update(b"{")
         for k in sorted(item, key=str):
@@ -120,3 +136,84 @@ def first_mismatch(indices: np.ndarray, got: np.ndarray, stored: np.ndarray) -> 
     ``stored`` (rows aligned with ``indices``), or None when all agree."""
     differ = np.flatnonzero((np.asarray(got) != np.asarray(stored)).any(axis=1))
     return int(np.asarray(indices)[differ[0]]) if len(differ) else None
+
+
+class InputCheck:
+    """The items a reader holds, checked against the input digests a version stored for their
+    rows: what joins the user's own items to stored outputs (``store.dataset(source=...)``,
+    ``hf.SoftLabels``, the teacher in the loop reading what a fill stored) calls it as it reads,
+    so a row is never served beside an item other than the one it was computed from.
+
+    The stored digests are read a shard at a time and the last few kept (16 bytes a sample); a
+    copy sent to a DataLoader worker starts empty. :meth:`of` is None for a version stored
+    without digests (written before they existed, or with items that cannot be digested): its
+    readers check the sampled identity only.
+    """
+
+    KEPT_SHARDS = 8
+
+    def __init__(self, version: DigestSource) -> None:
+        self.version = version
+        self._shards: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, version: DigestSource, filling: bool = False) -> InputCheck | None:
+        """The check of ``version``'s items (every view holds the same digests), or None; None
+        too for the plan of a version not committed (the teacher in the loop computes from the
+        items), unless ``filling``: a fill checks the shards it finds stored."""
+        if version.views is not None:
+            version = version.view(0)
+        known = version.manifest.committed or filling
+        return cls(version) if known and DIGEST_FIELD in version.manifest.arrays else None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_shards": {}}
+
+    def stored(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The stored digests of rows ``indices`` (``uint8 [len, DIGEST_BYTES]``)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        layout = self.version.manifest.layout
+        out = np.empty((len(idx), DIGEST_BYTES), dtype=np.uint8)
+        shard = idx // layout.samples_per_shard
+        for s in np.unique(shard):
+            at = shard == s
+            out[at] = self._shard(int(s))[idx[at] - int(s) * layout.samples_per_shard]
+        return out
+
+    def _shard(self, s: int) -> np.ndarray:
+        if s not in self._shards:
+            if len(self._shards) >= self.KEPT_SHARDS:
+                self._shards.pop(next(iter(self._shards)))
+            start, stop = self.version.manifest.layout.shard_range(s)
+            self._shards[s] = self.version.read_rows(DIGEST_FIELD, start, stop)
+        return self._shards[s]
+
+    def check(self, indices: Sequence[int] | np.ndarray, items: Sequence[Item], what: str) -> None:
+        """Raise :class:`SourceMismatch` naming the first of ``indices`` whose item (``items``,
+        in the same order, as the dataset gives them) is not the one the version was computed
+        from; ``what`` names the dataset in the message (``"source"``, ``"the dataset"``)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = first_mismatch(idx, item_digests(items), self.stored(idx))
+        if bad is not None:
+            raise SourceMismatch(
+                f"item {bad} of {what} is not the item {self.version.ref} was computed from (its input digest "
+                f"differs): its stored outputs belong to another input. Compute the version again on this "
+                f"dataset (store.compute reuses every unchanged shard and computes only the changed ones), or "
+                f"pass the dataset it was computed on.", index=bad)
+
+
+class DigestSource(Protocol):
+    """What :class:`InputCheck` reads of a version (a :class:`~featstore.versions.StoredVersion`)."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def views(self) -> int | None: ...
+
+    @property
+    def ref(self) -> str: ...
+
+    def view(self, view: int) -> DigestSource: ...
+
+    def read_rows(self, field: str, start: int, stop: int) -> np.ndarray: ...

@@ -31,6 +31,7 @@ from featstore.errors import InvalidInput, NondeterministicAugment
 from featstore._user_code import read_item
 from featstore._user_types import FieldKey, Item, MapDataset
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
+from featstore.versions._digests import InputCheck
 
 
 SEED_POLICY = "splitmix64(seed,view,index)>>1/v1"
@@ -324,18 +325,24 @@ def item_columns(items: Sequence[Item], fields: Mapping[str, FieldKey] | None) -
 
 
 class SourceJoin:
-    """Rebuild the student's inputs for a batch: ``source[i]``, augmented with each row's seed."""
+    """Rebuild the student's inputs for a batch: ``source[i]``, augmented with each row's seed,
+    each item first checked against the input digest stored for its row (``check``; None for a
+    version stored without digests)."""
 
-    def __init__(self, source: MapDataset, augment: Augment | None, fields: Mapping[str, FieldKey] | None) -> None:
-        self.source, self.augment, self.fields = source, augment, fields
+    def __init__(self, source: MapDataset, augment: Augment | None, fields: Mapping[str, FieldKey] | None,
+                 check: InputCheck | None = None) -> None:
+        self.source, self.augment, self.fields, self.check = source, augment, fields, check
 
     def rows(self, indices: np.ndarray, seeds: np.ndarray | None) -> dict[str, torch.Tensor]:
-        """The joined fields of ``indices``, collated (one tensor per field)."""
+        """The joined fields of ``indices``, collated (one tensor per field); an item that is not
+        the one its row was computed from is a :class:`SourceMismatch` naming it."""
         from torch.utils.data import default_collate
 
         idx = np.asarray(indices, dtype=np.int64).reshape(-1).tolist()
         getitems = getattr(self.source, "__getitems__", None)
         items = list(getitems(idx)) if getitems else [self.source[i] for i in idx]
+        if self.check is not None:
+            self.check.check(idx, items, "source")
         if self.augment is not None and seeds is not None:
             items = replay_rows(self.augment, items, seeds)
         return {k: torch.as_tensor(default_collate(col)) for k, col in item_columns(items, self.fields).items()}

@@ -389,7 +389,10 @@ def test_gc_damaged_deletes_damaged_versions_and_keeps_newer_ones(tmp_path, dask
     store = featstore.open_store(root)
     torch.manual_seed(0)
     lin = nn.Linear(4, 2)
-    bad, newer = compute(store, dask_client, lin, M.Vectors(16)), compute(store, dask_client, lin, M.Vectors(24))
+    # newer first: computed second, it would reference bad's shards (the same first 16 items), and gc
+    # rightly keeps data a live version reads
+    newer = compute(store, dask_client, lin, M.Vectors(24))
+    bad = compute(store, dask_client, lin, M.Vectors(16))
     (root / NAME / "_versions" / bad.id / "manifest.json").write_bytes(b"\x80garbage")
     m = json.loads((root / NAME / "_versions" / newer.id / "manifest.json").read_text())
     (root / NAME / "_versions" / newer.id / "manifest.json").write_text(json.dumps({**m, "schema_version": 99}))

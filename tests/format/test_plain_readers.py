@@ -93,11 +93,12 @@ def _featstore_batch(source, n):
 def _as_batch(version, plain: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """A plain reader's stored arrays decoded the way featstore decodes stored values."""
     from featstore.codecs._parts import assemble
+    from featstore.format import SERVED_SOURCES
 
     spec = version.manifest.arrays
     out = {}
     for field, values in plain.items():
-        if spec[field].source in ("seed", "tokens"):
+        if spec[field].source not in SERVED_SOURCES:  # seeds, token starts, input digests: not in batches
             continue
         if spec[field].ragged:  # each sample's real tokens, sample after sample
             values = values[gather_rows(plain[TOKEN_START], plain[TOKEN_LENGTH])]

@@ -86,7 +86,7 @@ def test_a_version_without_the_tokenizers_identity_is_refused(world):
 def test_another_dataset_or_output_is_refused(world):
     _, v, data, tok = world
     other = hf.TokenizedTexts(sentences(N, seed=5), tok, max_tokens=MAX_TOKENS)
-    with pytest.raises(SourceMismatch, match="content digest differs"):
+    with pytest.raises(SourceMismatch, match="item 0 of the dataset is not the item"):
         hf.SoftLabels(v, other, tokenizer=tok, temperature=1.0)
     with pytest.raises(InvalidInput, match="no per-token soft labels named 'probs'"):
         hf.SoftLabels(v, data, tokenizer=tok, temperature=1.0, output="probs")

@@ -101,7 +101,8 @@ def test_advise_measures_on_a_real_store_and_leaves_nothing(tmp_path):
     c = advice.costs
     assert c.teacher_s > 0 and c.write_s > 0 and c.read_s > 0 and c.student_s > 0 and c.plan_s > 0
     assert c.compute_fixed_s >= 0
-    assert 0 < c.bytes_per_sample <= 8 * 2 + 8  # fp16 features and the int64 target, compressed or not
+    # fp16 features, the int64 target and the 16-byte input digest, compressed or not
+    assert 0 < c.bytes_per_sample <= 8 * 2 + 8 + 16
     assert sum(steps) == 2 * 512  # B's step timed on two read epochs of the scratch version
     assert advice.mode in MODES and advice.predicted == predict(c, advice.workload)
     assert "| fill" in advice.table() and advice.reason

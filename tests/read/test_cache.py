@@ -23,6 +23,7 @@ import featstore
 from featstore.versions import stored
 from featstore import CorruptChunk, InvalidInput
 from featstore.read._cache import NodeCache, Space, sweep_stale
+from tests.helpers import served
 
 
 N = 333
@@ -92,17 +93,18 @@ def own_copy(versions: _Versions, kind: str, tmp_path: Path) -> featstore.Versio
 
 
 def delete_shard_objects(v: featstore.Version) -> int:
-    """Delete every stored shard object of ``v`` (local or S3); from then on only a cache can
-    serve its batches. Returns how many were deleted."""
-    keys = [k for k in stored(v).storage.find(stored(v).key) if "/c/" in k[len(stored(v).key):]]
+    """Delete every stored shard object of the arrays a reader serves of ``v`` (local or S3);
+    from then on only a cache can serve its batches. Returns how many were deleted."""
+    arrays = tuple(f"{f}/c/" for f in served(v))
+    keys = [k for k in stored(v).storage.find(stored(v).key) if k[len(stored(v).key) + 1:].startswith(arrays)]
     stored(v).storage.delete_many(keys)
-    assert not [k for k in stored(v).storage.find(stored(v).key) if "/c/" in k[len(stored(v).key):]]
+    assert not [k for k in stored(v).storage.find(stored(v).key) if k[len(stored(v).key) + 1:].startswith(arrays)]
     return len(keys)
 
 
 def all_entries(v: featstore.Version) -> list[str]:
-    """The cache entries of every shard of every array of ``v``."""
-    return sorted(f"{f}.{s}" for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards))
+    """The cache entries of every shard of every array a reader serves of ``v``."""
+    return sorted(f"{f}.{s}" for f in served(v) for s in range(v.manifest.layout.n_shards))
 
 
 @pytest.mark.parametrize("kind", ["zstd", "s3", "s3-raw"])
@@ -114,7 +116,7 @@ def test_cache_gives_identical_batches(versions, kind, shuffle, partition, world
     alone (every stored shard object is deleted in between). Local zstd, S3 zstd and S3
     uncompressed (a remote array goes through the cache whatever its compression)."""
     v = own_copy(versions, kind, tmp_path)
-    assert {a.compression for a in v.manifest.arrays.values()} == {"none" if kind == "s3-raw" else "zstd"}
+    assert {a.compression for a in served(v).values()} == {"none" if kind == "s3-raw" else "zstd"}
 
     def opts(rank):
         return dict(batch_size=20, shuffle=shuffle, seed=5, partition=partition, rank=rank, world_size=world)
@@ -144,7 +146,7 @@ def test_local_uncompressed_arrays_are_read_in_place_not_copied_into_the_cache(v
     their mapped objects: the same batches, and the cache folder stays empty."""
     monkeypatch.setenv("FEATSTORE_ARENA", arena)
     v = private_copy(versions["raw"], tmp_path)
-    assert {a.compression for a in v.manifest.arrays.values()} == {"none"}
+    assert {a.compression for a in served(v).values()} == {"none"}
     plain = v.dataset(batch_size=20, seed=5)
     ds = v.dataset(batch_size=20, seed=5, cache="memory", cache_bytes=2**24)
     for epoch in (0, 1):
@@ -256,7 +258,7 @@ def test_two_ranks_share_the_cache(versions, tmp_path):
         for epoch in (0, 1):
             ds.set_epoch(epoch)
             read = list(ds)  # once: iterating again without set_epoch would read the next epoch
-            want[r, epoch] = {k: torch.cat([b[k] for b in read]).numpy() for k in ("index", *v.manifest.arrays)}
+            want[r, epoch] = {k: torch.cat([b[k] for b in read]).numpy() for k in ("index", *served(v))}
             shards[r, epoch] = {p.shard for w in ds.plan().windows for p in w}
     for r in (0, 1):  # each rank's epoch 1 needs shards only the other rank decoded in epoch 0
         assert shards[r, 1] - shards[r, 0] and shards[r, 1] - shards[r, 0] <= shards[1 - r, 0]
@@ -469,7 +471,7 @@ def test_arena_gives_the_batches_of_the_per_shard_gather(versions, kind, cache, 
                 ds = v.dataset(**opts)
                 ds.set_epoch(epoch)
                 got[env] = batches(ds)
-                n_windows = len(ds.plan().windows) * len(v.manifest.arrays)
+                n_windows = len(ds.plan().windows) * len(served(v))
                 assert windows == (Counter(arena=n_windows) if env == "1" else Counter()), (env, epoch, rank)
             assert same(got["1"], got["0"]), (epoch, rank)
     assert _held_slots() == 0

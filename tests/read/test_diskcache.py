@@ -29,7 +29,7 @@ from featstore.read._objects import entry_name, scope_identity
 from featstore.versions import StoredVersion, stored
 
 from featstore.testing import FaultProxy, Rule, wait_until
-from tests.helpers import write_version
+from tests.helpers import served, write_version
 
 N, SPP = 333, 32  # 11 shards x 3 arrays: zstd float16 features, raw float32 logits, zstd int64 target
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def remote(shared_versions, moto_endpoint):
     """One version on S3 (moto), read through a counting proxy: (url, proxy, version, object keys)."""
     v = shared_versions["s3"]
     url = stored(v).storage.url
-    keys = [stored(v).object_key(f, s) for f in v.manifest.arrays for s in range(v.manifest.layout.n_shards)]
+    keys = [stored(v).object_key(f, s) for f in served(v) for s in range(v.manifest.layout.n_shards)]
     proxy = FaultProxy(moto_endpoint).start()
     yield url, proxy, v, keys
     proxy.stop()
