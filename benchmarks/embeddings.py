@@ -97,6 +97,7 @@ def measure(p: Profile, say: Any) -> dict[str, Any]:
 
     import featstore
     from featstore import ComputeOptions
+    from featstore.compute import tuned
     from featstore.hf import TokenizedTexts
     from featstore.ragged import pad_sequences
 
@@ -115,7 +116,12 @@ def measure(p: Profile, say: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
             direct = st.encode(corpus, batch_size=p.batch_size, convert_to_tensor=True)
             r["direct_s"] = time.perf_counter() - t0
-            say(f"repeat {rep + 1}: direct {r['direct_s']:.1f} s")
+            with tuned():  # like for like: the malloc settings featstore's shard tasks run under
+                t0 = time.perf_counter()
+                st.encode(corpus, batch_size=p.batch_size, convert_to_tensor=True)
+                r["direct_tuned_s"] = time.perf_counter() - t0
+            say(f"repeat {rep + 1}: direct {r['direct_s']:.1f} s, under featstore.compute.tuned() "
+                f"{r['direct_tuned_s']:.1f} s")
             for key, client, grouped, _ in ROWS:
                 store = featstore.open_store(os.path.join(tmp, f"{key}-{rep}"))
                 t0 = time.perf_counter()
@@ -128,7 +134,8 @@ def measure(p: Profile, say: Any) -> dict[str, Any]:
                 got = torch.as_tensor(np.asarray(v[0:len(corpus)]["embedding"]))
                 r[key] = {"total_s": total, "compute_s": v.manifest.timings["compute_s"],
                           "setup_s": v.manifest.timings["setup_s"],
-                          "max_abs_diff": float((got - direct).abs().max()), "vs_direct": r["direct_s"] / total}
+                          "max_abs_diff": float((got - direct).abs().max()), "vs_direct": r["direct_s"] / total,
+                          "vs_direct_tuned": r["direct_tuned_s"] / total}
                 say(f"repeat {rep + 1}: {key} {total:.1f} s ({r['direct_s'] / total:.2f} of direct)")
             r["load_after"] = os.getloadavg()[0]
             reps.append(r)
@@ -158,14 +165,17 @@ def section(res: dict[str, Any], command: str) -> str:
              "against the direct run just before it. featstore's seconds are the whole `store.compute` call, "
              "start-up included (tokenizing, cluster start, fingerprint, probe, forward, write, commit); "
              "`compute_s` is the manifest's, the shard tasks alone.", "",
-             "| row | seconds | vs direct (throughput) | compute_s (tasks only) | start-up s "
-             "| max abs diff vs encode |",
-             "|---|---:|---:|---:|---:|---:|",
+             "| row | seconds | vs direct (throughput) | vs direct under `tuned()` | compute_s (tasks only) "
+             "| start-up s | max abs diff vs encode |",
+             "|---|---:|---:|---:|---:|---:|---:|",
              f"| direct: `model.encode(texts, batch_size={p['batch_size']})` | {med([r['direct_s'] for r in reps])} "
-             "| 1.00 | | | |"]
+             "| 1.00 | | | | |",
+             "| direct under `featstore.compute.tuned()` (featstore's malloc settings) | "
+             f"{med([r['direct_tuned_s'] for r in reps])} | | 1.00 | | | |"]
     for key, _, _, label in ROWS:
         got = [r[key] for r in reps]
         lines.append(f"| {label} | {med([g['total_s'] for g in got])} | {med([g['vs_direct'] for g in got])} | "
+                     f"{med([g['vs_direct_tuned'] for g in got])} | "
                      f"{med([g['compute_s'] for g in got])} | {med([g['total_s'] - g['compute_s'] for g in got])} | "
                      f"{max(g['max_abs_diff'] for g in got):.1e} |")
     pad = res["padded"]
@@ -173,13 +183,9 @@ def section(res: dict[str, Any], command: str) -> str:
               f"Tokens A computes on, each batch padded to its longest: {pad['sample_order']:,} in sample order, "
               f"{pad['by_characters']:,} sorted by characters as `encode` sorts, for {res['tokens']:,} real; "
               "featstore orders by the inputs' own sizes (tokens) within windows of up to 32 batches of a task "
-              "(`ComputeOptions(group_by_length=True)`, the default, `featstore.compute._windows`).", "",
-              "Like for like is the `client=\"in-process\"` row: `encode` and it both run A on the process's main "
-              "thread. The embedded cluster runs A on a Dask worker thread, and on this machine the same forward "
-              "(the 256 first texts, sorted, batches of 32, in one process, alternating) took 26.5-30.0 s on the "
-              "main thread and 8.7-11.3 s on a fresh thread (three pairs, load average about 10, 2 torch threads "
-              "on both): most of the default row's lead over `encode` is that, not featstore's batching, and it "
-              "is not yet explained (issue 42, point 7).", END]
+              "(`ComputeOptions(group_by_length=True)`, the default, `featstore.compute._windows`). On this "
+              "machine while other jobs ran (load average 10-23) every row took 5-15x longer and single "
+              "repeats swung by 2x either way: compare rows of one quiet run.", END]
     return "\n".join(lines) + "\n"
 
 

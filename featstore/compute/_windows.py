@@ -7,8 +7,8 @@ fit, up to :data:`GROUP_BATCHES` batches), orders them by size, largest first, a
 batches from that order (what sentence-transformers' ``encode`` and Hugging Face's
 ``group_by_length`` do). A's outputs go back into sample order before they are checked, encoded
 and stored, so the stored rows do not depend on it beyond floating-point rounding (a batch's
-shape can change the last bits). Measured: 1,410 docstring paragraphs through all-MiniLM-L6-v2
-padded to 0.28 of their batches' tokens in sample order, 0.72 by size in windows (docs/benchmarks.md).
+shape can change the last bits). Measured on 1,410 docstring paragraphs for all-MiniLM-L6-v2: its
+real tokens were 0.28 of the tokens A computed on in sample order, 0.83 cut by size in windows.
 
 Only where it is safe and useful: ``ComputeOptions(group_by_length=True)`` (the default), a
 ``collate`` (``default_collate`` cannot batch inputs of different sizes anyway), per-sample
