@@ -80,9 +80,10 @@ def collate_inputs(spec: TaskSpec, inputs: Inputs, start: int,
 
 
 def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows: int,
-            device: torch.device) -> dict[str, Output]:
-    """Model A on one input batch, under ``inference_mode`` (and ``autocast`` if asked), its
-    outputs by name; what A raises names the samples."""
+            device: torch.device, samples: str | None = None) -> dict[str, Output]:
+    """Model A on one input batch (samples ``[start, start + rows)``, or as ``samples`` names
+    them), under ``inference_mode`` (and ``autocast`` if asked), its outputs by name; what A
+    raises names the samples."""
     x = to_device(x, device)
     try:
         with torch.inference_mode():
@@ -93,7 +94,7 @@ def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows:
                 out = model(x)
     except Exception as exc:  # noqa: BLE001
         raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
-                         f"on samples [{start}, {start + rows})") from exc
+                         f"on samples {samples or f'[{start}, {start + rows})'}") from exc
     return as_outputs(out, list(spec.outputs))
 
 

@@ -38,7 +38,7 @@ StoredRows: TypeAlias = dict[str, np.ndarray]
 Values: TypeAlias = dict[str, torch.Tensor | dict[str, torch.Tensor]]
 
 
-def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
+def want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
     """The per-sample shape Model A's output (or a kept field) ``name`` must have."""
     if name in spec.arrays and not spec.arrays[name].output:
         return spec.arrays[name].shape
@@ -49,7 +49,7 @@ def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
 
 def check_batch(spec: TaskSpec, values: Mapping[str, torch.Tensor | TopK], rows: int, start: int) -> None:
     for name, t in values.items():
-        want = _want_shape(spec, name)
+        want = want_shape(spec, name)
         if tuple(t.shape) != (t.shape[0] if name in spec.ragged else rows, *want):
             raise OutputMismatch(
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
