@@ -32,7 +32,7 @@ import featstore
 from featstore import kd
 
 from .procfs import dir_bytes
-from .sections import write_marked
+from .sections import measured, write_marked
 
 DIM, SUPER, SUB = 32, 100, 10
 CLASSES = SUPER * SUB
@@ -289,14 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", help="a folder to keep the trained teacher in between runs")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
-    saved = os.path.join(args.out, "benchmarks-softlabels.json")
-    if args.render:
-        with open(saved) as f:
-            res = json.load(f)
-    else:
-        res = measure(QUICK if args.quick else Profile(), args.cache)
-        with open(saved, "w") as f:
-            json.dump(res, f, indent=1)
+    res = measured(args.out, "benchmarks-softlabels.json", args.render,
+                   lambda: measure(QUICK if args.quick else Profile(), args.cache))
     write_section(os.path.join(args.out, "benchmarks.md"), section(res))
     print(section(res))
     return 0

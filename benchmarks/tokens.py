@@ -33,7 +33,7 @@ from featstore.ragged import pad_sequences as pad
 from featstore.versions import stored
 
 from .procfs import dir_bytes
-from .sections import write_marked
+from .sections import measured, write_marked
 
 BEGIN, END = "<!-- tokens:begin -->", "<!-- tokens:end -->"
 CODECS = ("float16", "topk:64", "sample:16")
@@ -183,14 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", action="store_true", help="only rewrite the section from the saved JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
     args = ap.parse_args(argv)
-    saved = os.path.join(args.out, "benchmarks-tokens.json")
-    if args.render:
-        with open(saved) as f:
-            res = json.load(f)
-    else:
-        res = measure(QUICK if args.quick else Profile())
-        with open(saved, "w") as f:
-            json.dump(res, f, indent=1)
+    res = measured(args.out, "benchmarks-tokens.json", args.render, lambda: measure(QUICK if args.quick else Profile()))
     write_marked(os.path.join(args.out, "benchmarks.md"), BEGIN, END, section(res))
     print(section(res))
     return 0

@@ -27,7 +27,7 @@ _LAZY = {
     "clear_disk_cache": "featstore.read", "list_disk_cache": "featstore.read",
     "Tokens": "featstore.codecs", "Views": "featstore.versions",
     "FeatureStore": "featstore.store", "Version": "featstore.store", "open_store": "featstore.store",
-    "ComputeOptions": "featstore.compute",
+    "ComputeOptions": "featstore.compute", "ComputeReport": "featstore.compute",
     "Teacher": "featstore.online", "advise": "featstore.online", "Advice": "featstore.online",
     "Costs": "featstore.online", "Workload": "featstore.online",
     "StatefulLoader": "featstore.stateful",
@@ -37,7 +37,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from featstore.codecs import Tokens
-    from featstore.compute import ComputeOptions
+    from featstore.compute import ComputeOptions, ComputeReport
     from featstore.read import FeatureDataset, Join, ReaderOptions, Stream, clear_disk_cache, list_disk_cache, mix
     from featstore.stateful import StatefulLoader
     from featstore.store import FeatureStore, Version, open_store
@@ -63,7 +63,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Advice", "advise", "Costs", "Teacher", "Workload", "clear_disk_cache", "ClusterUnavailable", "ComputeFailed",
-    "ComputeOptions", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch", "DeviceSetupError",
+    "ComputeOptions", "ComputeReport", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch",
+    "DeviceSetupError",
     "DistributedSetupError", "EmptyDataset", "FeatstoreError", "FeatstoreWarning", "FeatureDataset", "FeatureStore",
     "FingerprintWarning", "IncompatibleFormat", "InvalidInput", "InvalidName", "Join", "list_disk_cache", "mix",
     "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",

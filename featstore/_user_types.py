@@ -6,7 +6,10 @@ every layer's signatures can name them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+
+from featstore._json import JSONObject
 
 if TYPE_CHECKING:
     from torch.nn import Module
@@ -34,3 +37,23 @@ FieldKey: TypeAlias = str | int | Callable[[Item], Item] | None
 
 #: A user's collate (``ComputeOptions.collate``): items -> Model A's input batch.
 Collate: TypeAlias = Callable[[list[Item]], object]
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What identifies a Model A whose weights are not in its ``state_dict`` (an inference engine
+    in the worker, a pool of servers): ``weights``, a digest of the model's weight files (or the
+    one its user declares for servers that cannot prove theirs), recorded as the version's
+    ``fingerprint_parts["model"]``; ``engine``, what computes with them (name, version, dtype,
+    ...), recorded as ``fingerprint_parts["engine"]``. Both are part of the fingerprint."""
+
+    weights: str
+    engine: JSONObject
+
+
+@runtime_checkable
+class DeclaresIdentity(Protocol):
+    """Model A that names its own weights and engine (:class:`EngineIdentity`), read by the
+    fingerprint instead of digesting its (empty) ``state_dict``."""
+
+    def featstore_identity(self) -> EngineIdentity: ...

@@ -152,6 +152,10 @@ def pytest_xdist_auto_num_workers(config):
 #: Rough seconds of a ``slow`` test and of another, on the 2-core machine: only their ratio
 #: matters, to order the files below.
 SLOW_S, QUICK_S = 10.0, 0.3
+#: Files of a few tests of minutes each, by their own estimate (same units): tests/hf/test_vllm.py
+#: converts SmolLM2, loads it in vLLM three times (here, a Dask worker, two servers) and in
+#: transformers: it starts first, or it would be the last worker's tail.
+FILE_COSTS = {"tests/hf/test_vllm.py": 400.0}
 
 
 def pytest_collection_modifyitems(items):
@@ -167,6 +171,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
         path = item.nodeid.split("::")[0]
         cost[path] = cost.get(path, 0.0) + (SLOW_S if slow else QUICK_S)
+    cost.update({path: c for path, c in FILE_COSTS.items() if path in cost})
     items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: order within a file kept
 
 

@@ -316,3 +316,46 @@ class EditedAt(torch.utils.data.Dataset):
         value = item[self.field]
         changed = value.flip(0) if not value.is_floating_point() else value + 0.5
         return {**item, self.field: changed}
+
+
+class MeanPool(nn.Module):
+    """A toy sentence encoder: token embeddings averaged over the real tokens (the attention
+    mask of :func:`featstore.ragged.pad_sequences`), then a linear layer: ``[B, dim]``, the same
+    for a sample whatever its batch pads to. With ``path``, each forward appends its padded
+    width and its real tokens to that file (works across processes)."""
+
+    def __init__(self, vocab: int = 97, dim: int = 8, path: str | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, dim)
+        self.path = path
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = x["attention_mask"]
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(f"{mask.shape[0]} {mask.shape[1]} {int(mask.sum())}\n")
+        m = mask.unsqueeze(-1).float()
+        return self.out((self.emb(x["ids"]) * m).sum(1) / m.sum(1).clamp(min=1))
+
+
+class RaisesOnToken(MeanPool):
+    """:class:`MeanPool` that raises ``ValueError`` on a batch holding token ``token``."""
+
+    def __init__(self, token: int, vocab: int = 97) -> None:
+        super().__init__(vocab=vocab)
+        self.token = token
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        if bool((x["ids"] == self.token).any()):
+            raise ValueError(f"token {self.token}")
+        return super().forward(x)
+
+
+class LengthDependent(MeanPool):
+    """:class:`MeanPool` whose output width is the batch's padded length: its shape changes
+    with how a batch pads (what a Model A must not do)."""
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super().forward(x).new_zeros((x["ids"].shape[0], x["ids"].shape[1]))

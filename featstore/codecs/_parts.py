@@ -49,8 +49,10 @@ from featstore._allowed_names import check_field
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
 import featstore.codecs._quantised as _quantised
+from featstore.codecs._topk import TopK
 from featstore.codecs._sparse import (PAD_ID, SAMPLE_SEED, check_finite, encode_int8, fp16_logp,
-                                      sample_ids, sparse_diagnostics, sparse_error, store_ids, top_p, ids_dtype)
+                                      sample_ids, sparse_diagnostics, sparse_error, store_ids, top_p, ids_dtype,
+                                      check_given_rows)
 
 
 
@@ -156,10 +158,12 @@ class PartsCodec:
                 "pad": {"id": "iinfo(dtype).max on disk, -1 in batches", "value": "-inf", "count": 0}}
 
     # -- encode ---------------------------------------------------------------------------
-    def encode(self, values: torch.Tensor, first_sample: int,
+    def encode(self, values: torch.Tensor | TopK, first_sample: int,
                output: str = "output") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Encode one batch (samples ``first_sample, ...``): the stored parts (by part name) and
         the codec's error statistics (merge with :func:`merge_error`)."""
+        if isinstance(values, TopK):
+            return self.finish(self.encode_topk(values, output), first_sample, output)
         x = values.detach().to("cpu", torch.float32)
         finite = finite_rows(x)
         check_finite(self, finite, first_sample, output)  # before any codec-specific check
@@ -202,6 +206,39 @@ class PartsCodec:
         if counts is not None:
             out["counts"] = counts.reshape(lead)
         return out
+
+    def encode_topk(self, top: TopK, output: str = "output") -> dict[str, torch.Tensor]:
+        """:meth:`encode_tensors` for rows whose top k an engine already ranked (:class:`TopK`):
+        the same parts and diagnostics, from the first K of its k classes, less the KL to the
+        full distribution (``kl``: only the full rows give it). Only ``topk`` and ``topkq`` store
+        such rows, at the temperature they were computed at (a top-k cannot be re-tempered: that
+        needs every class)."""
+        if self.kind not in ("topk", "topkq"):
+            raise InvalidInput(f"{output!r} comes from a teacher that returns its top {top.k} classes a row, which "
+                               f"stores as topk:K or topkq:K with K <= {top.k}, not as {self.name}.")
+        if self.k > top.k:
+            raise InvalidInput(f"{self.name} keeps {self.k} classes a row of {output!r}, but its teacher returns "
+                               f"only its top {top.k}; ask the teacher for k >= {self.k}, or store fewer.")
+        if not math.isclose(top.temperature, self.temperature, rel_tol=1e-9):
+            raise InvalidInput(f"{output!r}'s teacher returns its distribution at temperature {top.temperature:g}, "
+                               f"but {self.name} stores it at {self.temperature:g}; a top-k cannot be re-tempered "
+                               f"(that needs every class): build the teacher with temperature={self.temperature:g}, "
+                               f"or store @{top.temperature:g}.")
+        self.parts(top.shape[1:], output)
+        lead = (*top.ids.shape[:-1], self.k)
+        ids = top.ids[..., :self.k].reshape(-1, self.k).long()
+        vals = top.logprobs[..., :self.k].reshape(-1, self.k).float()
+        check_given_rows(ids, vals, top.classes, output)
+        finite = torch.isfinite(top.logprobs).reshape(len(top.logprobs), -1).all(-1)
+        common = {"finite": finite, "classes": torch.tensor(top.classes)}
+        if self.kind == "topkq":
+            parts = _quantised.encode_top(vals, ids, self.levels)
+            shaped = {"ids": lead, "values": lead, "tail": lead[:-1]}
+            return {**common, **{n: (t.reshape(shaped[n]) if n in shaped else t) for n, t in parts.items()}}
+        stored = fp16_logp(vals, ids)
+        return {"ids": ids.reshape(lead), "values": stored.reshape(lead), **common,
+                "mass": vals.exp().sum(-1), "kept": torch.full((len(ids),), self.k),
+                "stored_mass": stored.float().exp().sum(-1)}
 
     def finish(self, tensors: Mapping[str, torch.Tensor], first_sample: int,
                output: str = "output") -> tuple[dict[str, np.ndarray], dict[str, Any]]:

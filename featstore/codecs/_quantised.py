@@ -77,19 +77,33 @@ def encode_rows(logp: torch.Tensor, k: int, levels: int) -> dict[str, torch.Tens
     per-row diagnostics :func:`featstore.codecs._sparse.sparse_error` turns into the manifest's
     codec error (``quant_kl``: KL of the exact top-k to the stored one, every row)."""
     top, ids = torch.topk(logp, k, dim=-1)
+    out, (top, stored, kept) = _encode_top(top, ids, levels)
+    n = min(len(logp), KL_ROWS)
+    return {**out, "kl": uniform_tail_kl(logp[:n], top[:n], stored[:n], kept[:n])}
+
+
+def encode_top(top: torch.Tensor, ids: torch.Tensor, levels: int) -> dict[str, torch.Tensor]:
+    """:func:`encode_rows` for rows whose top-k an engine already ranked: ``top [R, K]`` the
+    log-probabilities of ``ids [R, K]`` in the full distribution. The same parts and diagnostics,
+    less the KL to the full distribution (``kl``), which only the full rows give."""
+    return _encode_top(top, ids, levels)[0]
+
+
+def _encode_top(top: torch.Tensor, ids: torch.Tensor,
+                levels: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The parts and diagnostics of rows' top-k, and (the top-k in ids' order, the stored
+    log-probabilities, the kept mask) for the KL to the full rows."""
     ids, order = torch.sort(ids, dim=-1)
     top = torch.gather(top, 1, order)
     p = top.double().exp()
     tail = (1.0 - p.sum(-1)).clamp(min=0)
     values, tail_level = quantise(p, levels), quantise(tail, levels)
-    table = level_table(levels).to(logp.device)
+    table = level_table(levels).to(top.device)
     stored = normalised(table[values.long()], table[tail_level.long()])
     kept = torch.ones_like(ids, dtype=torch.bool)
-    n = min(len(logp), KL_ROWS)
-    return {"ids": ids, "values": values, "tail": tail_level,
-            "mass": p.sum(-1).float(), "kept": kept.sum(-1), "stored_mass": stored.exp().sum(-1),
-            "kl": uniform_tail_kl(logp[:n], top[:n], stored[:n], kept[:n]),
-            "quant_kl": quantisation_kl(top.double(), tail, stored.double()).float()}
+    return ({"ids": ids, "values": values, "tail": tail_level,
+             "mass": p.sum(-1).float(), "kept": kept.sum(-1), "stored_mass": stored.exp().sum(-1),
+             "quant_kl": quantisation_kl(top.double(), tail, stored.double()).float()}, (top, stored, kept))
 
 
 def quantisation_kl(exact: torch.Tensor, tail: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:

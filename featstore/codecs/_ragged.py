@@ -34,6 +34,7 @@ from typing import Any
 
 
 from featstore.codecs._vocabulary import Vocabulary
+from featstore.codecs._topk import TopK
 from featstore.errors import InvalidInput, OutputMismatch
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
@@ -157,11 +158,21 @@ def batch_mask(tokens: Tokens, x: Any, rows: int, start: int) -> torch.Tensor:
 def pack(values: torch.Tensor, mask: torch.Tensor, name: str = "output") -> tuple[torch.Tensor, torch.Tensor]:
     """A padded per-token output ``[B, L, ...]`` -> its real tokens ``[T, ...]`` (sample after
     sample, in position order) and each sample's token count ``[B]`` (int32)."""
-    mask = torch.as_tensor(mask).bool()
-    if values.dim() < 2 or tuple(values.shape[:2]) != tuple(mask.shape):
-        raise OutputMismatch(f"per-token output {name!r} has shape {tuple(values.shape)}, but the token mask is "
-                             f"{tuple(mask.shape)}: a per-token output must be [B, L, ...] with the mask's B and L.")
+    mask = _token_mask(tuple(values.shape), mask, name)
     return values[mask.to(values.device)], mask.sum(1).to(torch.int32)
+
+
+def pack_topk(values: TopK, mask: torch.Tensor, name: str = "output") -> TopK:
+    """:func:`pack` for an engine's top-k rows ``[B, L, k]``: the real tokens' rows ``[T, k]``."""
+    return values.select(_token_mask(values.shape, mask, name))
+
+
+def _token_mask(shape: tuple[int, ...], mask: torch.Tensor, name: str) -> torch.Tensor:
+    mask = torch.as_tensor(mask).bool()
+    if len(shape) < 2 or tuple(shape[:2]) != tuple(mask.shape):
+        raise OutputMismatch(f"per-token output {name!r} has shape {shape}, but the token mask is "
+                             f"{tuple(mask.shape)}: a per-token output must be [B, L, ...] with the mask's B and L.")
+    return mask
 
 
 def token_layout(samples_per_shard: int, max_tokens: int, row_bytes: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from featstore.errors import InvalidInput, NonFiniteOutput
+from featstore.errors import InvalidInput, NonFiniteOutput, OutputMismatch
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 
 
@@ -130,6 +130,18 @@ def sparse_diagnostics(logp: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor
         n = min(len(logp), KL_ROWS)
         out["kl"] = uniform_tail_kl(logp[:n], torch.gather(logp[:n], 1, ids[:n].clamp(min=0)), stored[:n], kept[:n])
     return out
+
+
+def check_given_rows(ids: torch.Tensor, logp: torch.Tensor, classes: int, output: str) -> None:
+    """Refuse top-k rows an engine returned that are not a distribution's top k: ids outside
+    the classes, or values whose probabilities sum past 1 (raw logits, not log-probabilities)."""
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= classes):
+        raise OutputMismatch(f"{output!r}: the teacher returned class ids in [{int(ids.min())}, {int(ids.max())}], "
+                             f"outside its {classes} classes.")
+    mass = logp.double().exp().sum(-1)
+    if len(mass) and float(mass.max()) > 1.0 + 1e-3:
+        raise OutputMismatch(f"{output!r}: the teacher's top-k probabilities sum to {float(mass.max()):.4f} on a "
+                             "row; a TopK holds normalised log-probabilities (log_softmax), not raw logits.")
 
 
 def sparse_error(d: Mapping[str, torch.Tensor], rule: str) -> dict[str, Any]:

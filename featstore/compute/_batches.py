@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import torch
 
+from featstore.codecs import TopK
 from featstore.errors import (FeatstoreError, InvalidInput, MissingInputKey, OutputMismatch)
 from featstore._user_code import describe, user_error
 from featstore._user_types import Collate, FieldKey, Item
@@ -85,9 +87,13 @@ def describe_field(key: FieldKey) -> str:
     return "the whole item" if key is None else describe(key) if callable(key) else repr(key)
 
 
-def as_outputs(out: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Model A's return value as ``{output name: tensor}``."""
-    if isinstance(out, torch.Tensor):
+#: One of Model A's outputs: a tensor, or an engine's top-k rows standing for dense logits.
+Output: TypeAlias = torch.Tensor | TopK
+
+
+def as_outputs(out: object, names: Sequence[str]) -> dict[str, Output]:
+    """Model A's return value as ``{output name: tensor or TopK}``."""
+    if isinstance(out, (torch.Tensor, TopK)):
         if len(names) != 1:
             raise OutputMismatch(f"Model A returned one tensor but outputs names {list(names)}; "
                                  "return a dict with those keys or name one output.")
@@ -99,8 +105,8 @@ def as_outputs(out: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
         if unknown:
             raise OutputMismatch(f"outputs names {unknown}, which Model A does not return (it returns "
                                  f"{sorted(map(str, out))}); name a subset of those in `outputs`.")
-        bad = [k for k in names if not isinstance(out[k], torch.Tensor)]
+        bad = [k for k in names if not isinstance(out[k], (torch.Tensor, TopK))]
         if bad:
-            raise OutputMismatch(f"Model A's outputs {bad} are not tensors.")
+            raise OutputMismatch(f"Model A's outputs {bad} are not tensors (nor featstore.codecs.TopK).")
         return {k: out[k] for k in names}
     raise OutputMismatch(f"Model A returned a {type(out).__name__}; return a tensor or a dict of tensors.")

@@ -33,7 +33,8 @@ from featstore._keywords import keywords_of
 from featstore.compute._request import ComputeCall
 from featstore.compute._runners import Group, ShardRunner, Unit, runner_for
 from featstore.compute._shard_task import REUSED, release_models
-from featstore.compute._task_spec import TaskSpec
+from featstore.compute._task_spec import Probe, TaskSpec
+from featstore.compute._windows import may_group, window_rows
 from featstore.format import ShardReceipt
 from featstore.monitor import Event, is_event, run_started
 from featstore.monitor import RunState
@@ -214,7 +215,8 @@ def _run(catalog: Catalog, plan: ComputePlan, runner: ShardRunner) -> _RunResult
         t_compute = time.perf_counter()
         bar = _Progress(start, plan.options.progress)
         try:
-            got = runner.run(spec, _task_groups(todo, runner.workers(), plan.options.shards_per_task), start, bar)
+            groups = _task_groups(todo, runner.workers(), _shards_per_task(spec, probed, plan.options.shards_per_task))
+            got = runner.run(spec, groups, start, bar)
         finally:
             bar.close()
     finally:
@@ -231,6 +233,15 @@ def _units(claim: Claim, views: int | None) -> tuple[list[Unit], list[Unit]]:
         return ([(None, i) for i in range(n) if i not in claim.done], [(None, i) for i in sorted(claim.done)])
     every = [(v, i) for v in range(views) for i in range(n)]
     return [u for u in every if u not in claim.done_views], sorted(claim.done_views)
+
+
+def _shards_per_task(spec: TaskSpec, probed: Probe, asked: int | None) -> int | None:
+    """``asked``, but where A's batches are cut by size (:mod:`featstore.compute._windows`) and
+    shards are smaller than a window, the default 1 joins as many as fit in one window: the
+    batches are cut from a task's samples, and more samples leave less padding."""
+    if asked != 1 or not probed.sizes_vary or not may_group(spec, on_device=False):
+        return asked
+    return max(1, window_rows(spec) // spec.layout.samples_per_shard)
 
 
 def _task_groups(todo: Sequence[Unit], n_workers: int, shards_per_task: int | None) -> list[Group]:

@@ -60,7 +60,9 @@ class ComputeOptions:
         shards_per_task: shards each Dask task computes. 1 (the default): Dask's progress bars
             and task stream move once per shard and a lost worker costs one shard; the fetch,
             forward and write stages still overlap inside the task (compute time measured
-            unchanged, see docs/monitoring.md). None: a few long tasks (two per worker).
+            unchanged, see docs/monitoring.md). None: a few long tasks (two per worker). Where
+            batches are cut by size (``group_by_length``), the default 1 joins shards smaller than
+            a window (32 batches) into one task, up to one window.
         collate: builds Model A's input batch from the list of a batch's inputs (what
             ``input_key`` selects), e.g. padding token sequences of different lengths and adding
             an attention mask; None: ``torch.utils.data.default_collate``. Part of the
@@ -78,6 +80,14 @@ class ComputeOptions:
             before :class:`~featstore.ClusterUnavailable` (Dask's own default is 30 s; a scheduler
             that is up answers in well under a second, so a few seconds is plenty on a network
             that works). Raise it for a scheduler that is still starting.
+        group_by_length: where A's inputs differ in size and a ``collate`` pads them (token
+            sequences), cut the batches from samples ordered by size within windows of a task's
+            samples (up to 32 batches), as sentence-transformers' ``encode`` and Hugging Face's
+            ``group_by_length`` do, so a batch pads to a length near its samples' own; the
+            outputs are stored in sample order all the same. Per-token outputs (``tokens=``) keep
+            sample order. False: batches of consecutive samples (a Model A whose output for a
+            sample depends on the other samples of its batch). Not part of the fingerprint: the
+            values are the same up to floating-point rounding.
     """
 
     dataset_id: str | None = None
@@ -95,6 +105,7 @@ class ComputeOptions:
     collate: Collate | None = None
     spread_prefixes: int | None = None
     connect_timeout: float = 5.0
+    group_by_length: bool = True
 
     def __post_init__(self) -> None:
         from featstore.format import check_compression, check_spread  # zarr: where options are checked, not for --help

@@ -20,7 +20,7 @@ from featstore._user_code import describe, read_items, user_error
 from featstore._user_types import Item, MapDataset
 from featstore.codecs import TOKEN_LENGTH, batch_mask, pack
 from featstore.codecs import merge_stats
-from featstore.compute._batches import TOKEN_MASK, as_outputs, collate_batch
+from featstore.compute._batches import TOKEN_MASK, Output, as_outputs, collate_batch
 from featstore.compute._shard_writing import (ShardBuffers, StoredRows, check_batch, device_stage, encode_batch,
                                               encodes_on_device, finish_buffers, shard_buffers, tokens_per_shard,
                                               unstage)
@@ -80,9 +80,10 @@ def collate_inputs(spec: TaskSpec, inputs: Inputs, start: int,
 
 
 def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows: int,
-            device: torch.device) -> dict[str, torch.Tensor]:
-    """Model A on one input batch, under ``inference_mode`` (and ``autocast`` if asked), its
-    outputs by name; what A raises names the samples."""
+            device: torch.device, samples: str | None = None) -> dict[str, Output]:
+    """Model A on one input batch (samples ``[start, start + rows)``, or as ``samples`` names
+    them), under ``inference_mode`` (and ``autocast`` if asked), its outputs by name; what A
+    raises names the samples."""
     x = to_device(x, device)
     try:
         with torch.inference_mode():
@@ -93,7 +94,7 @@ def forward(spec: TaskSpec, model: torch.nn.Module, x: object, start: int, rows:
                 out = model(x)
     except Exception as exc:  # noqa: BLE001
         raise user_error(exc, "Model A", "fix the model or the data, then rerun: finished shards are kept.",
-                         f"on samples [{start}, {start + rows})") from exc
+                         f"on samples {samples or f'[{start}, {start + rows})'}") from exc
     return as_outputs(out, list(spec.outputs))
 
 
@@ -144,11 +145,10 @@ class ShardRows:
         span = BatchSpan(b0, b1, self.index * tokens_per_shard(self.spec) + self.tokens)
         outs = forward(self.spec, net, x, b0, b1 - b0, device)
         mask = kept.get(TOKEN_MASK)
-        if on_device:
-            outs = device_stage(self.spec, outs, mask, b0, span.token0)
+        staged = device_stage(self.spec, outs, mask, b0, span.token0, dense=on_device)
         if mask is not None:
             self.tokens += int(mask.sum())
-        return {**outs, **kept}, span
+        return {**staged, **kept}, span
 
     def store(self, batch: HostBatch, span: BatchSpan) -> None:
         """Check, encode and copy one batch into the shard's buffers, once its device->host

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 import zarr
 
@@ -40,17 +41,19 @@ from featstore.format import zstd_saving
 from featstore.format import chunk_key
 from featstore.format import ShardReceipt
 from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs import TOKEN_START, pack
-from featstore.compute._transfer import Offloader
+from featstore.codecs import TOKEN_START, TopK, pack, pack_topk
+from featstore.compute._transfer import HostBatch, Offloader
 from featstore._user_code import build_model
 from featstore.versions import object_key
 from featstore.versions import read_receipts
 from featstore.versions import ViewDataset
 
 from featstore.compute._batches import TOKEN_MASK
-from featstore.compute._shard_rows import ShardRows, collate_inputs, forward, read_inputs
-from featstore.compute._shard_writing import encodes_on_device, open_arrays, write_shard
+from featstore.compute._shard_rows import BatchSpan, ShardRows, collate_inputs, forward, read_inputs
+from featstore.compute._shard_writing import encodes_on_device, open_arrays, topk_codec, write_shard
 from featstore.compute._task_spec import ArrayProbe, Probe, TaskSpec
+from featstore.compute._windows import (Batch, Window, fetch_window, in_sample_order, may_group, plan_windows,
+                                        probe_inputs, window_samples, window_shards)
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -182,12 +185,6 @@ def _shard_event(report: _Reporter, receipt: ShardReceipt, nbytes: int) -> Event
         max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
 
-def _fetch_batch(spec: TaskSpec, dataset: MapDataset, b0: int, b1: int,
-                 pinned: bool) -> tuple[object, dict[str, torch.Tensor]]:
-    """Read, digest and collate one batch (runs on the fetch thread)."""
-    return collate_inputs(spec, read_inputs(dataset, b0, b1, spec.digests), b0, pinned)
-
-
 def _write_checked_shard(batch_jobs: list[Future[Any]], arrays: dict[str, zarr.Array[Any]], rows: ShardRows,
                          report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
@@ -288,55 +285,65 @@ class _WarmHeap:
 _WARM = _WarmHeap()
 
 
-def _batch_plan(spec: TaskSpec, shards: Sequence[int]) -> list[tuple[int, int, int, bool]]:
-    """(shard index, batch start, batch stop, last batch of the shard) for every batch."""
-    plan = []
-    for index in shards:
-        start, stop = spec.layout.shard_range(index)
-        for b0 in range(start, stop, spec.batch_size):
-            b1 = min(b0 + spec.batch_size, stop)
-            plan.append((index, b0, b1, b1 == stop))
-    return plan
-
-
 def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shards: Sequence[int],
                 device: torch.device, report: _Reporter) -> list[JSONObject]:
     arrays = open_arrays(spec)
-    plan = _batch_plan(spec, shards)
+    on_device = encodes_on_device(device)
+    windows = plan_windows(spec, shards, may_group(spec, on_device))
     cuda = device.type == "cuda"
     offload = Offloader(device)
     receipts: list[JSONObject] = []
-    if not plan:
+    if not windows:
         return receipts
-    on_device = encodes_on_device(device)
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
-        waiting: deque[Future[Any]] = deque()  # batch and shard jobs on the write thread, in order
+        waiting: deque[Future[Any]] = deque()  # batch, window and shard jobs on the write thread, in order
         writes: deque[Future[Any]] = deque()
-        rows: ShardRows  # the shard being computed, started at its first batch
-        nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[0][1], plan[0][2], cuda)
+        shard_rows: dict[int, ShardRows] = {}  # the shards being computed, started at their first batch
+        jobs: dict[int, list[Future[Any]]] = {}  # per shard, the write thread's jobs that store its rows
+        nxt = _in_task_context(fetcher, "fetch", fetch_window, spec, dataset, windows[0], cuda)
         try:
-            for k, (index, b0, b1, last) in enumerate(plan):
-                x, kept = nxt.result()
-                if k + 1 < len(plan):
-                    nxt = _in_task_context(fetcher, "fetch", _fetch_batch, spec, dataset, plan[k + 1][1],
-                                           plan[k + 1][2], cuda)
-                if b0 == spec.layout.shard_range(index)[0]:
-                    rows = ShardRows.start(spec, index)
-                    batch_jobs: list[Future[Any]] = []
-                    report.send(shard_started(report.run, report.address, report.unit(index), dev_info))
-                with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
-                    values, span = rows.forward(net, x, kept, b0, b1, device, on_device)
-                report.send(batch_done(report.run, report.address, report.unit(index), b1 - b0))
-                host = offload.to_host(values)  # on CUDA: starts the copies, returns at once
-                job = _in_task_context(pool, "encode", rows.store, host, span)
-                waiting.append(job)
-                batch_jobs.append(job)
-                if last:
-                    fut = _in_task_context(pool, "write", _write_checked_shard, batch_jobs, arrays, rows, report)
-                    waiting.append(fut)
-                    writes.append(fut)
+            for k, window in enumerate(windows):
+                batches = nxt.result()
+                if k + 1 < len(windows):
+                    nxt = _in_task_context(fetcher, "fetch", fetch_window, spec, dataset, windows[k + 1], cuda)
+                for s in window.spans:
+                    if s.first:
+                        shard_rows[s.shard], jobs[s.shard] = ShardRows.start(spec, s.shard), []
+                        report.send(shard_started(report.run, report.address, report.unit(s.shard), dev_info))
+                by_size: list[tuple[np.ndarray, HostBatch]] = []
+                for batch in batches:
+                    span = batch.span
+                    with _FORWARD_TURN if spec.serial_forward else contextlib.nullcontext(), _meter("forward"):
+                        if span is None:
+                            values = _forward_by_size(spec, net, window, batch, device)
+                        else:
+                            values, stored_at = shard_rows[span.shard].forward(net, batch.x, batch.kept, span.b0,
+                                                                               span.b1, device, on_device)
+                    host = offload.to_host(values)  # on CUDA: starts the copies, returns at once
+                    if span is None:
+                        assert batch.positions is not None, "a batch has a span or positions"
+                        by_size.append((batch.positions, host))
+                        owners, counts = np.unique(window_shards(window)[batch.positions], return_counts=True)
+                        for shard, count in zip(owners.tolist(), counts.tolist(), strict=True):
+                            report.send(batch_done(report.run, report.address, report.unit(shard), count))
+                        continue
+                    report.send(batch_done(report.run, report.address, report.unit(span.shard), span.b1 - span.b0))
+                    waiting.append(job := _in_task_context(pool, "encode", shard_rows[span.shard].store, host,
+                                                           stored_at))
+                    jobs[span.shard].append(job)
+                if by_size:
+                    waiting.append(job := _in_task_context(pool, "encode", _store_window, window, by_size,
+                                                           {s.shard: shard_rows[s.shard] for s in window.spans}))
+                    for s in window.spans:
+                        jobs[s.shard].append(job)
+                for s in window.spans:
+                    if s.last:
+                        fut = _in_task_context(pool, "write", _write_checked_shard, jobs.pop(s.shard), arrays,
+                                               shard_rows.pop(s.shard), report)
+                        waiting.append(fut)
+                        writes.append(fut)
                 while len(waiting) > _AHEAD or (waiting and waiting[0].done()):
                     waiting.popleft().result()  # raises the first failure, in batch order
                 while writes and writes[0].done():
@@ -351,6 +358,32 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shard
     return receipts
 
 
+def _forward_by_size(spec: TaskSpec, net: torch.nn.Module, window: Window, batch: Batch,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """A on a batch cut by size: its outputs and kept fields, in the batch's order."""
+    assert batch.positions is not None, "a batch cut by size has its positions"
+    samples = sorted(window_samples(window)[batch.positions].tolist())
+    named = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
+    outs = forward(spec, net, batch.x, samples[0], len(samples), device, f"{named} (batched by size)")
+    dense = {n: t for n, t in outs.items() if isinstance(t, torch.Tensor)}
+    # an engine's top-k (TopK) comes only with per-token outputs, which are never cut by size
+    assert len(dense) == len(outs), "batches cut by size hold no engine top-k (may_group)"
+    return {**dense, **batch.kept}
+
+
+def _store_window(window: Window, batches: list[tuple[np.ndarray, HostBatch]],
+                  shard_rows: dict[int, ShardRows]) -> None:
+    """Store a window whose batches were cut by size (on the write thread): its values back in
+    sample order, each span into its shard's rows."""
+    spans = window.spans
+    values = in_sample_order(window, batches, f"[{spans[0].b0}, {spans[-1].b1})")
+    at = 0
+    for s in spans:
+        part = {name: v[at:at + s.b1 - s.b0] for name, v in values.items()}
+        shard_rows[s.shard].store(HostBatch(part), BatchSpan(s.b0, s.b1))
+        at += s.b1 - s.b0
+
+
 def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: torch.device | None = None) -> Probe:
     """Run A on the first samples (one small batch) on a worker, or on device ``on`` (the
     teacher in the loop's, outside Dask): per array, the per-sample shape and dtype every batch
@@ -360,16 +393,24 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
     rows = min(n, spec.batch_size, PROBE_ROWS)
     with task_device() if on is None else contextlib.nullcontext(on) as device:
         net = worker_model(model, spec.model_key, spec.threads, device)
-        x, kept = collate_inputs(spec, read_inputs(_as_seen(spec, dataset), 0, rows, spec.digests), 0, pinned=False)
-        outs = forward(spec, net, x, 0, rows, device)
+        inputs, vary = probe_inputs(spec, read_inputs(_as_seen(spec, dataset), 0, rows, spec.digests),
+                                    may_group(spec, encodes_on_device(device)))
+        x, kept = collate_inputs(spec, inputs, 0, pinned=False)
+        named = None if len(inputs.items) == rows else f"among [0, {rows}) (the probe's smallest)"
+        outs = forward(spec, net, x, 0, rows, device, named)
+        rows = len(inputs.items)
     out: dict[str, ArrayProbe] = {}
     tokens = 0.0
     if spec.tokens is not None:
         mask = kept.pop(TOKEN_MASK)
-        outs = {n: (pack(t.cpu(), mask, n)[0] if n in spec.ragged else t) for n, t in outs.items()}
+        outs = {n: (t if n not in spec.ragged else pack_topk(t, mask, n) if isinstance(t, TopK)
+                    else pack(t.cpu(), mask, n)[0]) for n, t in outs.items()}
         tokens = float(mask.sum()) / max(rows, 1)
         kept[TOKEN_START] = torch.zeros(rows, dtype=torch.int64)
     for name, t in {**outs, **kept}.items():
+        if isinstance(t, TopK):  # an engine's top-k: what the codec refuses is said here, whole
+            out.update(_probe_topk(name, spec.outputs[name], t))
+            continue
         if name in outs and is_parts_codec(spec.outputs[name]):
             out.update(_probe_parts(name, parts_codec(spec.outputs[name]), t))
         try:
@@ -378,7 +419,17 @@ def probe(spec: TaskSpec, model: ModelSpec, dataset: MapDataset, n: int, on: tor
         except InvalidInput:  # an unstorable dtype: the driver reports it with the array's name
             saving = 1.0
         out[name] = ArrayProbe(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."), saving)
-    return Probe(out, tokens)
+    return Probe(out, tokens, vary)
+
+
+def _probe_topk(name: str, codec: str, t: TopK) -> dict[str, ArrayProbe]:
+    """The probe of an output an engine ranked (:class:`TopK`): its parts as :func:`_probe_parts`
+    gives them, and the dense output it stands for; :class:`InvalidInput` where its codec cannot
+    store it (not a top-k codec, K past the engine's k, another temperature)."""
+    parts, _ = topk_codec(codec, name, t).encode(t, 0, name)
+    return {**{part_array(name, p): ArrayProbe(tuple(a.shape[1:]), str(a.dtype), zstd_saving(a))
+               for p, a in parts.items()},
+            name: ArrayProbe(tuple(t.shape[1:]), "float32", 1.0)}
 
 
 def _probe_parts(name: str, codec: PartsCodec, t: torch.Tensor) -> dict[str, ArrayProbe]:

@@ -6,6 +6,7 @@ receipt and digests) into the version.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -13,13 +14,13 @@ import torch
 import zarr
 
 from featstore.codecs import Codec, codec_by_name, finite_rows, largest_finite, unrepresentable
-from featstore.errors import (ComputeFailed, NonFiniteOutput,
+from featstore.errors import (ComputeFailed, InvalidInput, NonFiniteOutput,
                               OutputMismatch)
 from featstore.format import open_for_write
 from featstore.format import shard_digest
 from featstore.format import ArrayStats, ShardReceipt
 from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
-from featstore.codecs import TOKEN_LENGTH, TOKEN_START, offsets, pack
+from featstore.codecs import TOKEN_LENGTH, TOKEN_START, TopK, offsets, pack, pack_topk
 from featstore.codecs import NONFINITE_KEPT, max_abs_error, value_stats
 from featstore.versions import group_store
 from featstore.versions import write_receipt
@@ -36,7 +37,7 @@ StoredRows: TypeAlias = dict[str, np.ndarray]
 Values: TypeAlias = dict[str, torch.Tensor | dict[str, torch.Tensor]]
 
 
-def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
+def want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
     """The per-sample shape Model A's output (or a kept field) ``name`` must have."""
     if name in spec.arrays and not spec.arrays[name].output:
         return spec.arrays[name].shape
@@ -45,9 +46,9 @@ def _want_shape(spec: TaskSpec, name: str) -> tuple[int, ...]:
                 for a in spec.arrays.values() if a.output == name)
 
 
-def check_batch(spec: TaskSpec, values: dict[str, torch.Tensor], rows: int, start: int) -> None:
+def check_batch(spec: TaskSpec, values: Mapping[str, torch.Tensor | TopK], rows: int, start: int) -> None:
     for name, t in values.items():
-        want = _want_shape(spec, name)
+        want = want_shape(spec, name)
         if tuple(t.shape) != (t.shape[0] if name in spec.ragged else rows, *want):
             raise OutputMismatch(
                 f"{name!r} has shape {tuple(t.shape)} on samples [{start}, {start + rows}), but "
@@ -199,24 +200,39 @@ def encodes_on_device(device: torch.device) -> bool:
     return device.type != "cpu" or os.environ.get("FEATSTORE_DEVICE_ENCODE") == "1"
 
 
-def device_stage(spec: TaskSpec, outs: dict[str, torch.Tensor], mask: torch.Tensor | None, b0: int,
-                 token0: int) -> dict[str, torch.Tensor]:
+def topk_codec(codec: str, name: str, t: TopK) -> PartsCodec:
+    """The codec of output ``name``, which Model A returns as an engine's top-k rows; an
+    :class:`InvalidInput` where it is not a sparse codec (one that stores them)."""
+    parts = parts_codec(codec) if is_parts_codec(codec) else None
+    if parts is None or not parts.sparse:
+        raise InvalidInput(f"Model A returns its top {t.k} classes a row as {name!r} (a TopK), which stores as "
+                           f"topk:K or topkq:K, not as {codec!r}.")
+    return parts
+
+
+def device_stage(spec: TaskSpec, outs: Mapping[str, torch.Tensor | TopK], mask: torch.Tensor | None, b0: int,
+                 token0: int, dense: bool = True) -> dict[str, torch.Tensor]:
     """Model A's outputs with each sparse-codec output replaced by its codec's device half
     (:meth:`PartsCodec.encode_tensors`, keys ``<name>/<part>``), a per-token one packed to its
-    real tokens first; the others unchanged. Runs on the task thread, on A's device."""
+    real tokens first; the others unchanged. An engine's :class:`TopK` rows are always staged
+    (:meth:`PartsCodec.encode_topk`: nothing else stores them); dense ones only where ``dense``
+    (the device encodes). Runs on the task thread, on A's device."""
     out: dict[str, torch.Tensor] = {}
     for name, t in outs.items():
         codec = parts_codec(spec.outputs[name]) if is_parts_codec(spec.outputs[name]) else None
-        if codec is None or not codec.sparse:
+        if isinstance(t, TopK):
+            codec = topk_codec(spec.outputs[name], name, t)
+        elif codec is None or not codec.sparse or not dense:
             out[name] = t
             continue
-        rows = len(t)
+        rows = t.shape[0]
         if name in spec.ragged:
             assert mask is not None, f"{name!r}: a per-token output comes with its batch's token mask"
-            t = pack(t, mask.to(t.device), name)[0]
+            t = pack_topk(t, mask, name) if isinstance(t, TopK) else pack(t, mask.to(t.device), name)[0]
         check_batch(spec, {name: t}, rows, b0)
         first = token0 if name in spec.ragged else b0
-        out.update({f"{name}{_STAGED}{k}": v for k, v in codec.encode_tensors(t, first, name).items()})
+        parts = codec.encode_topk(t, name) if isinstance(t, TopK) else codec.encode_tensors(t, first, name)
+        out.update({f"{name}{_STAGED}{k}": v for k, v in parts.items()})
     return out
 
 

@@ -40,6 +40,9 @@ class Probe:
 
     arrays: dict[str, ArrayProbe]
     tokens_per_sample: float = 0.0
+    #: Whether A's inputs differ in size among the probed samples (where batches may be cut by
+    #: size, the driver joins small shards into one task: :mod:`featstore.compute._windows`).
+    sizes_vary: bool = False
 
     def __getitem__(self, name: str) -> ArrayProbe:
         return self.arrays[name]
@@ -81,6 +84,7 @@ class TaskSpec:
     tokens: Tokens | None = None  # per-token outputs: which, and the real-token mask
     ragged: tuple[str, ...] = ()  # the per-token outputs
     digests: bool = False  # store each sample's input digest (featstore.versions._digests)
+    group_by_length: bool = True  # batches may be cut by input size (featstore.compute._windows)
 
     @classmethod
     def of(cls, plan: ComputePlan, storage: Storage, model_key: str, *, threads: int = 0,
@@ -93,7 +97,7 @@ class TaskSpec:
                    tune_allocator=options.tune_allocator, serial_forward=serial_forward, collate=options.collate,
                    view=None if plan.views is None else 0, augment=None if plan.views is None else plan.views.augment,
                    augment_seed=0 if plan.views is None else plan.views.seed, tokens=req.tokens, ragged=plan.ragged,
-                   digests=plan.digests)
+                   digests=plan.digests, group_by_length=options.group_by_length)
 
     def planned(self, layout: Layout, arrays: dict[str, ArraySpec], probe: Probe) -> TaskSpec:
         """This spec with the layout and arrays the version was claimed with, and the dtypes

