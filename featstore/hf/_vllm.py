@@ -143,9 +143,11 @@ class VLLMTeacher(TopKTeacher):
         global _OWN_GROUP
         threads = torch.get_num_threads()
         grouped = _distributed()
-        with _engine_environment(threads):
-            from vllm import LLM
+        # vLLM's import sets variables of its own (as in any process that imports it): kept;
+        # what building the engine writes is not (see _engine_environment)
+        from vllm import LLM
 
+        with _engine_environment(threads):
             args: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self._max_model_len,
                                     "max_logprobs": self.k, "enable_prefix_caching": False,
                                     "skip_tokenizer_init": True, "seed": 0}
