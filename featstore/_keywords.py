@@ -47,7 +47,7 @@ def inherit_attributes(cls: type) -> None:
 
 def _declare(fn: Callable[..., object], cls: Callable[..., object], first: str | None) -> None:
     """Set ``fn``'s signature to its own parameters before ``*args``/``**keywords``, then ``cls``'s
-    (keyword-only), and its docstring's ``Args:`` to ``first`` (the description of its last own
+    (keyword-only unless ``fn`` takes ``*args``), and its docstring's ``Args:`` to ``first`` (the description of its last own
     parameter) and ``cls``'s ``Attributes:``."""
     own = inspect.signature(fn)
     kept_params = []
@@ -55,7 +55,11 @@ def _declare(fn: Callable[..., object], cls: Callable[..., object], first: str |
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             break
         kept_params.append(p)
-    keywords = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(cls).parameters.values()]
+    # fn(first, name, *args, **keywords) passes its positionals on to cls: they stay positional
+    # where cls takes them so (compute's model and dataset); without *args, keywords only
+    positional = any(p.kind is p.VAR_POSITIONAL for p in own.parameters.values())
+    keywords = [p if positional else p.replace(kind=p.KEYWORD_ONLY)
+                for p in inspect.signature(cls).parameters.values()]
     # inspect.signature reads __signature__; typeshed declares no such attribute on a callable
     fn.__signature__ = own.replace(parameters=kept_params + keywords)  # type: ignore[attr-defined]
     if isinstance(cls, type):

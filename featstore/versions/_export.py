@@ -98,7 +98,13 @@ def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -
     if raw is None:
         raise CorruptChunk(f"{field}/zarr.json of {version.ref} is missing; the version is damaged.",
                            version=version.ref, array=field, chunk=f"{field}/zarr.json")
-    parsed: dict[str, Any] = json.loads(mark_metadata(raw, None))
+    try:
+        parsed = json.loads(mark_metadata(raw, None))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike: not what featstore wrote
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise CorruptChunk(f"{field}/zarr.json of {version.ref} is not a JSON object; the version is damaged: "
+                           "delete and recompute it.", version=version.ref, array=field, chunk=f"{field}/zarr.json")
     return parsed
 
 
