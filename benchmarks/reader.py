@@ -175,7 +175,7 @@ def workers_footprint(ds: Any, epochs: int = EPOCHS) -> tuple[int, float]:
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, timeout=300)
     if isinstance(ds, featstore.FeatureDataset):
         secs = train_light(featstore_batches(ds, loader), epochs)
-        folder = ds._process().memory.folder if ds.options.cache else None
+        folder = ds.process_reads().memory.folder if ds.options.cache else None
     else:
         secs = train_light(lambda e: ((b["features"], b["logits"], b["target"]) for b in loader), epochs)
         folder = None
@@ -338,7 +338,7 @@ def run_reader(n: int, repeats: int, workdir: str, endpoint: str | None, say: An
             r["s3_read_s"] = float(np.median([p["read_s"] for p in r["s3_pairs"]]))
             r["s3_read_cpu_s"] = float(np.median([p["read_cpu_s"] for p in r["s3_pairs"]]))
             # which client the reader's GETs went through (obstore unless FEATSTORE_S3_CLIENT=s3fs)
-            r["s3_client"] = "obstore" if s3ds._process().storage._s3_getter() is not None else "s3fs"
+            r["s3_client"] = "obstore" if s3ds.process_reads().storage._s3_getter() is not None else "s3fs"
             r["s3_stored_bytes"] = _bytes(s3v)
             with _env("FEATSTORE_S3_CLIENT", "s3fs"):  # the reader as it was: every GET through s3fs
                 r["s3fs_read_s"], _ = read_only(featstore_batches(s3v.dataset(batch_size=BATCH, seed=0)))
@@ -501,7 +501,7 @@ NOTES = (
     "- *Local byte rate*: a shuffled epoch gathers random rows into every batch, a whole-file read "
     "copies sequentially; the *reference* row gathers the same batches from the in-memory tensor. "
     "featstore maps each array's shard objects back to back into one reserved address range per "
-    "process (`featstore/read/_arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
+    "process (`featstore/read/shards/_arena.py`; no read, no decode for raw arrays) and gathers a batch of an "
     "array with one `torch.index_select` over it, straight from the page cache; each chunk's crc32c "
     "is checked once per mapping. The *shard-by-shard* row is the numpy gather it replaced "
     "(`FEATSTORE_ARENA=0`, also what non-Linux systems use). The in-memory reference indexes as a "

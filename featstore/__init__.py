@@ -31,14 +31,14 @@ _LAZY = {
     "Teacher": "featstore.online", "advise": "featstore.online", "Advice": "featstore.online",
     "Costs": "featstore.online", "Workload": "featstore.online",
     "StatefulLoader": "featstore.stateful",
-    "mix": "featstore.read", "Stream": "featstore.read", "MixtureDataset": "featstore.read",
+    "mix": "featstore.read", "Stream": "featstore.read", "Join": "featstore.read",
+    "MixtureDataset": "featstore.read",  # deprecated: FeatureDataset (featstore.read warns)
 }
 
 if TYPE_CHECKING:
     from featstore.codecs import Tokens
     from featstore.compute import ComputeOptions, ComputeReport
-    from featstore.read import (FeatureDataset, MixtureDataset, ReaderOptions, Stream, clear_disk_cache,
-                                list_disk_cache, mix)
+    from featstore.read import FeatureDataset, Join, ReaderOptions, Stream, clear_disk_cache, list_disk_cache, mix
     from featstore.stateful import StatefulLoader
     from featstore.store import FeatureStore, Version, open_store
     from featstore.online import Advice, Costs, Teacher, Workload, advise
@@ -52,7 +52,8 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later uses are plain attribute reads
+    if name != "MixtureDataset":  # a deprecated name warns at every use
+        globals()[name] = value  # later uses are plain attribute reads
     return value
 
 
@@ -65,8 +66,8 @@ __all__ = [
     "ComputeOptions", "ComputeReport", "ConditionalWritesUnsupported", "CorruptChunk", "DatasetMismatch",
     "DeviceSetupError",
     "DistributedSetupError", "EmptyDataset", "FeatstoreError", "FeatstoreWarning", "FeatureDataset", "FeatureStore",
-    "FingerprintWarning", "IncompatibleFormat", "InvalidInput", "InvalidName", "list_disk_cache", "mix",
-    "MissingInputKey", "MixtureDataset", "NondeterministicAugment", "NonFiniteOutput", "open_store",
+    "FingerprintWarning", "IncompatibleFormat", "InvalidInput", "InvalidName", "Join", "list_disk_cache", "mix",
+    "MissingInputKey", "NondeterministicAugment", "NonFiniteOutput", "open_store",
     "OutputMismatch", "ReaderOptions", "SourceMismatch", "StatefulLoader", "StoreConflict", "Stream", "StoreFull",
     "StoreNotFound", "StorePermissionDenied", "StoreUnavailable", "Tokens", "Version", "VersionNotFound", "Views",
     "VersionsMisaligned", "__version__",

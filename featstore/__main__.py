@@ -2,7 +2,7 @@
 
 import sys
 
-from featstore.cli._main import main
+from featstore.cli import main
 
 if __name__ == "__main__":  # imported (the docs build reads every module): not run
     sys.exit(main())

@@ -4,6 +4,6 @@ Dask imports this module and calls :func:`dask_setup`; the page, its plugin and 
 collector live in :mod:`featstore.monitor`.
 """
 
-from featstore.monitor._dashboard import FeatstorePlugin, dask_setup, featstore_doc, install, plugin_of, runs_html
+from featstore.monitor import FeatstorePlugin, dask_setup, featstore_doc, install, plugin_of, runs_html
 
 __all__ = ["FeatstorePlugin", "dask_setup", "featstore_doc", "install", "plugin_of", "runs_html"]

@@ -3,6 +3,7 @@ an MLP (Model B). Importable, so tests, examples and benchmarks use the same wor
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from distributed.deploy import Cluster as DaskCluster
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(Dataset[dict[str, torch.Tensor]]):
     """Deterministic random images with a label that depends on them (so B can learn).
 
     Items are ``{"input": float32 [3, S, S], "target": int64}``; item ``i`` is the same in
@@ -65,7 +66,8 @@ def model_b(features: int = 128, classes: int = 10, hidden: int = 256) -> nn.Mod
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-def _train_epochs(net: nn.Module, batches, epochs: int, set_epoch=None) -> float:
+def _train_epochs(net: nn.Module, batches: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], epochs: int,
+                  set_epoch: Callable[[int], None] | None = None) -> float:
     """Train ``net`` on ``batches()`` for some epochs; return the last epoch's accuracy."""
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
@@ -136,7 +138,7 @@ def run_demo(root: str = "./featstore-demo", n: int = 20000, epochs: int = 3, ba
     torch.manual_seed(1)
     net = model_b()
 
-    def online():
+    def online() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for b in inputs:
             with torch.inference_mode():
                 f = frozen(b["input"])["features"].half().float()

@@ -8,6 +8,7 @@ and what to do next. This module imports nothing from featstore.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 
 class FeatstoreError(Exception):
@@ -65,7 +66,7 @@ class SourceMismatch(InvalidInput):
             index = int(found.group(1)) if found else None
         self.index = index
 
-    def __reduce__(self):  # keep ``index`` across process boundaries (DataLoader workers, Dask)
+    def __reduce__(self) -> tuple[type[SourceMismatch], tuple[str, int | None]]:  # ``index`` kept across processes
         return type(self), (self.args[0] if self.args else "", self.index)
 
 
@@ -83,7 +84,7 @@ class VersionsMisaligned(InvalidInput):
         super().__init__(message)
         self.differs = tuple(differs)
 
-    def __reduce__(self):  # keep ``differs`` across process boundaries (DataLoader workers, Dask)
+    def __reduce__(self) -> tuple[type[VersionsMisaligned], tuple[str, tuple[str, ...]]]:  # ``differs`` kept too
         return (type(self), (self.args[0], self.differs))
 
 
@@ -173,7 +174,8 @@ class CorruptChunk(FeatstoreError, IOError):
                    "damaged: run `featstore verify` to list every bad object, then delete and "
                    "recompute the version.", version=version, array=array, chunk=chunk)
 
-    def __reduce__(self):  # keep the fields across process boundaries (DataLoader workers, Dask)
+    def __reduce__(self) -> tuple[Callable[[str, str, str, str], CorruptChunk], tuple[str, str, str, str]]:
+        # keep the fields across process boundaries (DataLoader workers, Dask)
         return (_rebuild_corrupt, (self.args[0], self.version, self.array, self.chunk))
 
 

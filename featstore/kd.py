@@ -24,18 +24,27 @@ their supports plus one uniform tail, exactly).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
 
-from featstore.distill._ensemble import Ensemble, Teacher, ensemble, most_confident
+from featstore.distill import Ensemble, Member, ensemble, most_confident
 from featstore.errors import InvalidInput
-from featstore.codecs._sparse import sparse_weights
-from featstore.distill._teachers import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows,
-                                         real_rows, reverse_kl_rows, row_mean, sparse_parts)
+from featstore.codecs import sparse_weights
+from featstore.distill import (TeacherRows, check_rule, check_temperature, kl_rows, output_form, read_rows, real_rows,
+                               reverse_kl_rows, row_mean, sparse_parts)
 
-__all__ = ["DIRECTIONS", "Ensemble", "Teacher", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident",
+__all__ = ["DIRECTIONS", "Ensemble", "Member", "TeacherRows", "densify", "ensemble", "kd_loss", "most_confident",
            "sparse_kl"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Teacher":  # one name, one class: featstore.Teacher is the teacher in the loop
+        warnings.warn("featstore.kd.Teacher is now featstore.kd.Member (one teacher of an ensemble); "
+                      "featstore.Teacher is Model A in the training loop.", DeprecationWarning, stacklevel=2)
+        return Member
+    raise AttributeError(f"module 'featstore.kd' has no attribute {name!r}")
 
 
 def _ensemble_args(what: str, name: object, rule: str | None) -> None:

@@ -20,9 +20,9 @@ What it handles, so the training script does not:
 - **Mid-epoch checkpoints.** The loaders are :class:`featstore.StatefulLoader`\\ s (torchdata
   ``StatefulDataLoader``\\ s), which Lightning checkpoints; the resumed run reads the rest of the
   epoch, each sample once, on any number of devices and DataLoader workers with the same global
-  batch (``docs/elastic.md``). Lightning fetches one batch ahead of the training step, so the state
-  a checkpoint takes is the loader's as it was before that batch (:class:`StatefulLoader`): the
-  resumed run starts with the batch the interrupted one had fetched but not trained on.
+  batch (``docs/elastic.md``). The datasets know their length (the batches each rank yields with the
+  loader's workers: the data module tells them), so Lightning counts the steps right
+  (``estimated_stepping_batches``, learning-rate schedules) and fetches nothing ahead of the step.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # the type checker reads the `lightning` extra's package
     from lightning.pytorch import LightningDataModule
 
     from featstore._user_types import FieldKey, MapDataset
-    from featstore.storage._base import StorageOptions
-    from featstore.versions._views import Augment
+    from featstore.storage import StorageOptions
+    from featstore.versions import Augment
 else:
     try:
         from lightning.pytorch import LightningDataModule
@@ -146,10 +146,11 @@ class FeatureDataModule(LightningDataModule):
     def _dataset(self, which: str) -> FeatureDataset:
         if which not in self.datasets:
             options = self.options if which == "train" else self.val_options
-            source = self._sources[which]
-            self.datasets[which] = FeatureDataset(self._version(which), options=options) if source is None else \
-                FeatureDataset(self._version(which), options=options, source=source, augment=self._augment,
-                               source_fields=self._source_fields, source_id=self._source_id)
+            source, workers = self._sources[which], self.loader.num_workers
+            self.datasets[which] = self._version(which).dataset(options=options, num_workers=workers) \
+                if source is None else self._version(which).dataset(
+                    options=options, num_workers=workers, source=source, augment=self._augment,
+                    source_fields=self._source_fields, source_id=self._source_id)
         return self.datasets[which]
 
     def train_dataloader(self) -> StatefulLoader:
@@ -159,7 +160,7 @@ class FeatureDataModule(LightningDataModule):
         ds.set_epoch(trainer.current_epoch if trainer is not None else 0)
         return StatefulLoader(ds, batch_size=None, **self.loader.kwargs())
 
-    def val_dataloader(self) -> StatefulLoader | list:
+    def val_dataloader(self) -> StatefulLoader | list[StatefulLoader]:
         """The validation loader (an empty list without ``val``: Lightning then skips validation)."""
         if "val" not in self.refs:
             return []

@@ -10,10 +10,10 @@ and the functions that turn a batch's flat token rows into padded ones (see
 ([0, 1, 3], [2, 1])
 """
 
-from featstore.codecs._ragged import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START,
-                                      RaggedRows, RaggedWindow, Tokens, attention_mask, batch_mask, concat_rows,
-                                      gather_rows, offsets, pack, pad_sequences, pad_value, padded, token_layout)
-from featstore.codecs._vocabulary import Vocabulary, vocabulary_digest
+from featstore.codecs import (LENGTHS, OFFSETS, RAGGED_FORMS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, RaggedRows,
+                              RaggedWindow, Tokens, attention_mask, batch_mask, concat_rows, gather_rows, offsets, pack,
+                              pad_sequences, pad_value, padded, token_layout)
+from featstore.codecs import Vocabulary, vocabulary_digest
 
 __all__ = ["LENGTHS", "OFFSETS", "RAGGED_FORMS", "TOKEN_FIELDS", "TOKEN_LENGTH", "TOKEN_START", "RaggedRows",
            "RaggedWindow", "Tokens", "attention_mask", "batch_mask", "concat_rows", "gather_rows", "offsets", "pack",

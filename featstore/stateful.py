@@ -20,16 +20,17 @@ Two differences from the plain ``StatefulDataLoader``:
   has fetched and not yet given to the training step (to know which batch is the last), so a
   plain ``StatefulDataLoader`` checkpointed between two steps resumes *after* that batch:
   measured, 50 of 400 samples (one batch per rank) never trained after a mid-epoch
-  ``fit(ckpt_path=...)``. This loader's :meth:`~StatefulLoader.state_dict` is the one from
-  before the batch it yielded last (at an epoch's end nothing is held back). In a plain loop,
-  then, the state taken after a step resumes with the batch that step trained on: take it before
-  fetching the next batch, as Lightning does, or resume one batch on.
+  ``fit(ckpt_path=...)``. Lightning does not fetch ahead from a loader whose length it knows,
+  and featstore's readers have one (``len(ds)``: the batches this rank yields), so their state is
+  the loader's own. Over a dataset without a length, this loader's
+  :meth:`~StatefulLoader.state_dict` is the one from before the batch it yielded last (at an
+  epoch's end nothing is held back), as Lightning needs it then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sized
+from typing import Any, Protocol, cast
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -41,8 +42,9 @@ _SNAPSHOT, _WORKERS, _DATASET = "_snapshot", "_worker_snapshots", "dataset_state
 
 
 class StatefulLoader(StatefulDataLoader):
-    """A torchdata ``StatefulDataLoader`` whose featstore states resume under another split,
-    and whose state is the one from before the batch it yielded last (see the module docstring).
+    """A torchdata ``StatefulDataLoader`` whose featstore states resume under another split, and
+    whose state, over a dataset without a length, is the one from before the batch it yielded
+    last (see the module docstring).
 
     Use it wherever you would use ``StatefulDataLoader(dataset, batch_size=None, ...)``;
     :class:`featstore.lightning.FeatureDataModule` does.
@@ -51,11 +53,13 @@ class StatefulLoader(StatefulDataLoader):
     def __iter__(self) -> _Tracked:
         it = super().__iter__()
         self._before_last: dict[str, Any] | None = None
-        return _Tracked(self, it)
+        # a dataset with a length: Lightning fetches nothing ahead, the loader's state is right as it is
+        return _Tracked(self, it, hold=not isinstance(self.dataset, Sized))
 
     def state_dict(self) -> dict[str, Any]:
         held = getattr(self, "_before_last", None)
-        return held if held is not None else super().state_dict()
+        # torchdata's state_dict is untyped (torchdata ships no type information)
+        return held if held is not None else cast("dict[str, Any]", super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict``; a featstore dataset's state with its epoch's progress resumes
@@ -68,24 +72,17 @@ class StatefulLoader(StatefulDataLoader):
         super().load_state_dict({})  # the loader itself starts afresh: the dataset knows the rest
 
     def _rank_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """The dataset's rank-level state with progress, or None where torchdata restores it."""
+        """The dataset's rank-level state with progress (the dataset makes it of its saved
+        states: ``state_from_workers``), or None where torchdata restores it as saved."""
         convert: Callable[[list[dict[str, Any]]], dict[str, Any] | None] | None = getattr(
             self.dataset, "state_from_workers", None)
         if convert is None or not state:
             return None
         if _SNAPSHOT in state:
             workers = state[_SNAPSHOT].get(_WORKERS) or {}
-            got = convert([w.get(_DATASET) or {} for w in workers.values()])
-        else:
-            got = state.get(_DATASET)
-        return got if isinstance(got, dict) and _has_progress(got) else None
-
-
-def _has_progress(state: dict[str, Any]) -> bool:
-    if "progress" in state:
-        return True
-    teachers = state.get("teachers")  # a MultiTeacherDataset's: one state per teacher
-    return isinstance(teachers, dict) and bool(teachers) and all(_has_progress(t) for t in teachers.values())
+            return convert([w.get(_DATASET) or {} for w in workers.values()])
+        own = state.get(_DATASET)
+        return convert([own]) if isinstance(own, dict) else None
 
 
 class _LoaderIterator(Protocol):
@@ -97,15 +94,18 @@ class _LoaderIterator(Protocol):
 
 
 class _Tracked:
-    """The iterator of a :class:`StatefulLoader`: keeps the state from before each batch."""
+    """The iterator of a :class:`StatefulLoader`: keeps the state from before each batch (``hold``: over
+    a dataset without a length, whose loader Lightning fetches one batch ahead of the step)."""
 
-    def __init__(self, loader: StatefulLoader, it: _LoaderIterator) -> None:
-        self.loader, self.it = loader, it
+    def __init__(self, loader: StatefulLoader, it: _LoaderIterator, hold: bool) -> None:
+        self.loader, self.it, self.hold = loader, it, hold
 
     def __iter__(self) -> _Tracked:
         return self
 
     def __next__(self) -> object:
+        if not self.hold:
+            return next(self.it)
         before = StatefulDataLoader.state_dict(self.loader)
         try:
             batch = next(self.it)

@@ -12,29 +12,30 @@ Each class holds the objects that do the work: a :class:`FeatureStore` its
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from featstore.compute._request import ComputeCall, keywords_of
+from featstore._keywords import keywords_of, own_keywords_of
+from featstore.compute import ComputeCall
 from featstore.errors import InvalidInput
-from featstore.format._manifests import Manifest
+from featstore.format import Manifest
 from featstore.storage import Storage, backend_for
-from featstore.storage._base import StorageOptions
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion, verify_version
-from featstore.versions._views import view_seed
+from featstore.storage import StorageOptions
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion, verify_version
+from featstore.read import ReadKeywords
+from featstore.versions import view_seed
 
 if TYPE_CHECKING:  # the reader imports torch and the driver Dask: both only when used
     import torch
 
-    from featstore.compute._content import ComputeReport
+    from featstore.compute import ComputeReport
     from zarr.abc.store import Store as ZarrStore
 
-    from featstore.online._teacher import Teacher
-    from featstore.read._dataset import FeatureDataset
-    from featstore.read._multiread import MultiTeacherDataset
-    from featstore.versions._committed import Index
-    from featstore.versions._export import Exported
+    from featstore.online import Teacher
+    from featstore.read import FeatureDataset
+    from featstore.versions import Exported, Index
 
 
 class Version:
@@ -76,8 +77,10 @@ class Version:
     def __getitem__(self, index: Index) -> dict[str, torch.Tensor]:
         """Random access: ``v[i]``, ``v[a:b]``, ``v[[rows]]`` give a dict of tensors (one per
         array) plus ``index``; ``v[view, rows]`` reads view ``view`` of a version with views
-        (and adds ``view``)."""
-        return self._stored[index]
+        (and adds ``view``). Read through the reader's sources (:func:`featstore.read.version_rows`)."""
+        from featstore.read import version_rows
+
+        return version_rows(self._stored, index)
 
     @property
     def report(self) -> ComputeReport | None:
@@ -153,14 +156,14 @@ class Version:
     @property
     def views_of(self) -> str | None:
         """``"name@id"`` of the version whose views this one was computed on (``views_of=``), or None."""
-        from featstore.versions._alignment import views_of
+        from featstore.versions import views_of
 
         return views_of(self._stored)
 
     # -- reading ------------------------------------------------------------------------
     def load(self) -> dict[str, torch.Tensor]:
         """The whole version in RAM as tensors (the classic in-memory cache, from the store)."""
-        return self._stored[0:len(self)]
+        return self[0:len(self)]
 
     def verify(self, progress: bool = False) -> list[str]:
         """Read every shard of every array and compare it with the digest recorded at compute
@@ -171,15 +174,17 @@ class Version:
         """
         return verify_version(self._stored, progress)
 
-    def dataset(self, **options: Any) -> FeatureDataset:
-        """A :class:`~featstore.FeatureDataset` over this version; ``options`` are the reader's
-        keywords (:class:`ReaderOptions`' fields, ``rank``, ``source``, ...), checked by it.
+    @own_keywords_of(ReadKeywords)
+    def dataset(self, **keywords: Any) -> FeatureDataset:
+        """A :class:`~featstore.FeatureDataset` over this version; the keywords are every
+        reader's (:class:`~featstore.read.ReadKeywords`: :class:`ReaderOptions`' fields,
+        ``rank``, ``source``, ...), checked by it.
 
         >>> ds = store.open("cnn-a/train@best").dataset(batch_size=256, seed=0)
         """
-        from featstore.read._dataset import FeatureDataset
+        from featstore.read import FeatureDataset, Stream, read_call
 
-        return FeatureDataset(self._stored, **options)
+        return FeatureDataset.of([Stream(self)], read_call(keywords), mixture=False)
 
     def zarr_store(self) -> ZarrStore:
         """A read-only Zarr store of this version's group (this view's, after :meth:`view`),
@@ -193,7 +198,7 @@ class Version:
         >>> group["features"][:10].shape
         (10, 512)
         """
-        from featstore.versions._keys import group_store
+        from featstore.versions import group_store
 
         v = self._stored
         if v.manifest.bases:
@@ -213,7 +218,7 @@ class Version:
         >>> store.open("cnn-a/train-grown").export("/data/grown.zarr")
         Exported(url='/data/grown.zarr', objects=48, bytes=50331648, shards_checked=48)
         """
-        from featstore.versions._export import export_version
+        from featstore.versions import export_version
 
         options = dict(storage_options or {}) or None
         if not progress:
@@ -229,6 +234,19 @@ class Version:
 
 #: What names a version at the face: ``"name"`` (its newest), ``"name@tag"``, ``"name@<id>"``, or a Version.
 VersionRef = str | Version
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetKeywords(ReadKeywords):
+    """``store.dataset``'s keywords: every reader's, and the teacher in the loop.
+
+    Attributes:
+        teacher: ``featstore.Teacher(model=A, dataset=ds, ...)``: Model A run in the consuming
+            process (the version ``store.compute`` would make of the same arguments), and with
+            ``Teacher(fill=True)`` stored as it is computed (see :mod:`featstore.online`).
+    """
+
+    teacher: Teacher | None = None
 
 
 class FeatureStore:
@@ -282,24 +300,19 @@ class FeatureStore:
         ``views_of=`` takes K and the seed from that version; ``augment=`` (a function cannot be
         read back from a store) must be the same function, and is given alone, without a warning.
         """
-        from featstore.compute._driver import run_compute
+        from featstore.compute import run_compute
 
         done = run_compute(self.catalog, name, ComputeCall(*args, **keywords))
         return Version(done.version, done.report)
 
-    @overload
-    def dataset(self, ref: VersionRef, *, teacher: Teacher | None = None, **options: Any) -> FeatureDataset: ...
-
-    @overload
-    def dataset(self, ref: Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
-                teacher: None = None, **options: Any) -> MultiTeacherDataset: ...
-
-    def dataset(self, ref: VersionRef | Mapping[str, VersionRef] | list[VersionRef] | tuple[VersionRef, ...], *,
-                teacher: Teacher | None = None, **options: Any) -> FeatureDataset | MultiTeacherDataset:
-        """A torch ``IterableDataset`` over one committed version (pinned at this call), or over
-        several aligned ones read on the same rows: a dict ``{label: ref}`` or a list (labels
-        ``t0``, ``t1``, ...) gives a :class:`~featstore.read.MultiTeacherDataset`, whose
-        batches hold each teacher's arrays as ``"<label>/<array>"``.
+    @keywords_of(DatasetKeywords, first="ref: a version (``\"name\"``, ``\"name@tag\"``, ``\"name@<id>\"``, a "
+                                          ":class:`Version`), or several teachers' (``{label: ref}`` or a list).")
+    def dataset(self, ref: VersionRef | Mapping[str, VersionRef] | Sequence[VersionRef], **keywords: Any
+                ) -> FeatureDataset:
+        """A :class:`~featstore.FeatureDataset` (a torch ``IterableDataset``) over one committed
+        version (pinned at this call), or over several aligned ones read on the same rows: a dict
+        ``{label: ref}`` or a list (labels ``t0``, ``t1``, ...), whose batches hold each
+        teacher's arrays as ``"<label>/<array>"``.
 
         ``teacher=featstore.Teacher(model=A, dataset=ds, ...)`` with a feature set's name: the
         same batches with Model A run in the consuming process (online), and with
@@ -307,8 +320,7 @@ class FeatureStore:
         :mod:`featstore.online`).
 
         ``source=train_set`` (with ``augment=fn`` for a version with views) adds the student's
-        own input to every batch, augmented exactly as Model A saw it; see
-        :class:`~featstore.read.ViewReading`.
+        own input to every batch, augmented exactly as Model A saw it; see :class:`~featstore.read.Join`.
 
         >>> ds = store.dataset("cnn-a/train", batch_size=256, shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
@@ -316,22 +328,21 @@ class FeatureStore:
         >>> ds = store.dataset({"a": "teacher-a/train", "b": "teacher-b/train"})  # "a/logits", "b/logits"
         >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
         """
-        from featstore.read._dataset import FeatureDataset
+        from featstore.read import FeatureDataset, Stream, read_call
 
+        teacher = keywords.pop("teacher", None)
+        call = read_call(keywords)
         if teacher is not None:
             if not isinstance(ref, str):
                 raise InvalidInput("with teacher=, name the feature set (a str): the teacher decides the version.")
             from featstore.online import online_dataset
 
-            return online_dataset(self.catalog, ref, teacher, public=Version, **options)
-
-        if isinstance(ref, Mapping) or isinstance(ref, (list, tuple)):
-            from featstore.read._multiread import MultiTeacherDataset
-
-            if isinstance(ref, Mapping):
-                return MultiTeacherDataset({label: self.catalog.open(r) for label, r in ref.items()}, **options)
-            return MultiTeacherDataset([self.catalog.open(r) for r in ref], **options)
-        return FeatureDataset(self.catalog.open(ref), **options)
+            return online_dataset(self.catalog, ref, teacher, call, public=Version)
+        if isinstance(ref, (str, Version)):
+            return FeatureDataset.of([Stream(self.open(ref))], call, mixture=False)
+        if isinstance(ref, Mapping):
+            return FeatureDataset.of([Stream({label: self.open(r) for label, r in ref.items()})], call, mixture=False)
+        return FeatureDataset.of([Stream([self.open(r) for r in ref])], call, mixture=False)
 
     # -- listing, resolving, tags, delete, gc (the catalog's) -----------------------------
     def open(self, ref: VersionRef) -> Version:

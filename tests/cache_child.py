@@ -54,7 +54,7 @@ def rank(root: str, ref: str, r: int, sync: str) -> None:
 
 def main(root: str, ref: str, mode: str) -> None:
     ds = featstore.open_store(root).dataset(ref, batch_size=16, seed=3, cache="memory", cache_bytes=2**24)
-    print(ds._process().memory.folder, flush=True)
+    print(ds.process_reads().memory.folder, flush=True)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, timeout=120)
     it = iter(loader)
     next(it)

@@ -14,6 +14,8 @@
   then ``fit(ckpt_path=...)`` from that checkpoint to the end of epoch 1.
 - ``python -m tests.lightning_child resume-on-1 STORE REF OUT``: that checkpoint resumed on one
   device (another split: elastic resume), into ``OUT/second-1``.
+- ``python -m tests.lightning_child resume-fixture STORE REF OUT CKPT``: a checkpoint an older
+  featstore saved (tests/data/states-*/lightning) resumed on one device, into ``OUT/resumed``.
 
 Each rank writes the indices its training steps saw, per epoch (and loader).
 """
@@ -126,8 +128,23 @@ def resume_on_one_device(store: str, ref: str, out: str) -> None:
         Recorder(os.path.join(out, "second-1")), datamodule=dm, ckpt_path=os.path.join(out, "mid.ckpt"))
 
 
+def resume_fixture(store: str, ref: str, out: str, ckpt: str) -> None:
+    """A checkpoint an older featstore saved (tests/data/make_resume_states.py: 1 device, 2
+    persistent workers, batch 16, seed 5) resumed to the end of epoch 1, into ``OUT/resumed``."""
+    from featstore.lightning import FeatureDataModule, LoaderOptions
+
+    dm = FeatureDataModule(store, train=ref, batch_size=16, seed=5,
+                           loader=LoaderOptions(num_workers=2, persistent_workers=True))
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, max_epochs=2, enable_checkpointing=False).fit(
+        Recorder(os.path.join(out, "resumed")), datamodule=dm, ckpt_path=ckpt)
+
+
 def main(strategy: str, store: str, ref: str, out: str, steps: str | None = None) -> None:
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging, in this script only
+    if strategy == "resume-fixture":  # here ``steps`` is the checkpoint's path
+        os.makedirs(os.path.join(out, "resumed"), exist_ok=True)
+        return resume_fixture(store, ref, out, str(steps))
     if strategy == "resume-on-1":
         os.makedirs(os.path.join(out, "second-1"), exist_ok=True)
         return resume_on_one_device(store, ref, out)

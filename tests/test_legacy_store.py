@@ -86,7 +86,7 @@ def _check(store: featstore.FeatureStore) -> None:
     seen = torch.cat([b["index"] for b in DataLoader(v.dataset(batch_size=7, seed=3), batch_size=None,
                                                        num_workers=2)])
     assert sorted(seen.tolist()) == list(range(len(v)))
-    assert v.dataset(batch_size=40, shuffle=False)._process().shard_format("features") is not None
+    assert v.dataset(batch_size=40, shuffle=False).process_reads().shard_format("features") is not None
 
 
 def test_legacy_local_store_opens_verifies_and_reads(tmp_path):

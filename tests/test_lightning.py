@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from featstore.versions import stored
 
@@ -120,3 +121,39 @@ def test_torchrun_ranks_from_the_environment_and_the_process_group(version, tmp_
         for epoch in (0, 1):
             _check_split(ranks, f"{epoch}/{case}", f"torchrun {case} epoch {epoch}")
         assert ranks[0][f"0/{case}"] != ranks[0][f"1/{case}"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers,drop_last,per_epoch", [(0, False, 14), (2, False, 14), (2, True, 12)])
+def test_estimated_stepping_batches_and_a_one_cycle_schedule_count_the_readers_batches(version, workers, drop_last,
+                                                                                      per_epoch):
+    """len() of the data module's loader is the batches the reader yields (400 samples, batch 30:
+    14 in one process; 2 workers of 200: 7 each, 6 each with drop_last), so Lightning's
+    estimated_stepping_batches is the run's steps and a OneCycleLR sized by it steps to its end."""
+    import lightning.pytorch as pl
+
+    from featstore.lightning import FeatureDataModule, LoaderOptions
+
+    class Counting(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.steps = torch.nn.Linear(8, 1), 0
+
+        def training_step(self, batch, i):
+            self.steps += 1
+            return self.lin(batch["features"].float()).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            total = self.trainer.estimated_stepping_batches
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.OneCycleLR(
+                opt, max_lr=0.1, total_steps=total), "interval": "step"}}
+
+    dm = FeatureDataModule(stored(version).storage.url, train=version.ref, batch_size=30, seed=1, drop_last=drop_last,
+                           loader=LoaderOptions(num_workers=workers))
+    model = Counting()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)  # OneCycleLR raises if stepped past total_steps
+    assert trainer.estimated_stepping_batches == model.steps == 2 * per_epoch
+    assert len(dm.train_dataloader()) == per_epoch

@@ -55,7 +55,7 @@ class Factory:
     def __call__(self) -> Any:
         return resolve(self.path)()
 
-    def __reduce__(self) -> tuple[Callable, tuple[str]]:
+    def __reduce__(self) -> tuple[Callable[[str], object], tuple[str]]:
         return (Factory, (self.path,))
 
     def __repr__(self) -> str:
@@ -89,7 +89,7 @@ class FactoryDataset:
         getitems = getattr(self.dataset, "__getitems__", None)
         return list(getitems(indices)) if getitems else [self.dataset[i] for i in indices]
 
-    def __reduce__(self) -> tuple[Callable, tuple[str]]:
+    def __reduce__(self) -> tuple[Callable[[str], object], tuple[str]]:
         return (FactoryDataset, (self.factory.path,))
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from featstore.compute._options import ComputeOptions
+from featstore.compute import ComputeOptions
 from featstore.errors import (ClusterUnavailable, ComputeFailed, ConditionalWritesUnsupported, CorruptChunk,
                               DeviceSetupError, DistributedSetupError, FeatstoreError, FeatstoreWarning,
                               IncompatibleFormat, InvalidInput, StoreConflict, StoreFull, StoreNotFound,
@@ -359,7 +359,7 @@ def _describe(text: str | None) -> str:
     return textwrap.fill(" ".join((text or "").split()), 88)
 
 
-def _first_line(fn: Callable) -> str:
+def _first_line(fn: Callable[..., object]) -> str:
     """A subcommand's one-line help: its docstring's first sentence."""
     return " ".join((fn.__doc__ or "").split()).split(". ")[0].rstrip(".")
 

@@ -27,7 +27,8 @@ class Codec:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype a reader gets back."""
-        return getattr(torch, self.dtype_name)
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
 
     def encode(self, values: torch.Tensor) -> np.ndarray:
         """Turn A's output (any float dtype, any device) into the stored numpy array.

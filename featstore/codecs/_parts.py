@@ -444,9 +444,11 @@ def assemble(arrays: Mapping[str, Any], batch: dict[str, torch.Tensor]) -> dict[
 def unpadded(part: str, stored: np.ndarray) -> np.ndarray:
     """The stored entries of one part that are not padding (for the manifest's statistics)."""
     if part == "ids" and stored.dtype.kind == "u":
-        return stored[stored != np.iinfo(stored.dtype).max]
+        kept: np.ndarray = stored[stored != np.iinfo(stored.dtype).max]
+        return kept
     if part == "values":
-        return stored[np.isfinite(stored)]
+        finite: np.ndarray = stored[np.isfinite(stored)]
+        return finite
     if part == "counts":
         return stored[stored > 0]
     return stored.reshape(-1)

@@ -221,7 +221,8 @@ def gather_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     ends = np.cumsum(lengths)
     shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
-    return np.arange(total, dtype=np.int64) + shift
+    rows: np.ndarray = np.arange(total, dtype=np.int64) + shift
+    return rows
 
 
 def padded(flat: torch.Tensor, lengths: torch.Tensor, pad: float | int = 0) -> torch.Tensor:

@@ -7,7 +7,7 @@ JSON numbers, so it travels in receipts and manifests as is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
@@ -66,12 +66,12 @@ def max_abs_error(codec: Codec, stored: np.ndarray, values: torch.Tensor) -> flo
     return float(err.max()) if err.numel() else 0.0
 
 
-def merge_stats(a: dict | None, b: dict) -> dict:
+def merge_stats(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
     """Combine two :func:`value_stats` results."""
     if a is None:
         return dict(b)
 
-    def pick(f, x, y):
+    def pick(f: Callable[[float, float], float], x: float | None, y: float | None) -> float | None:
         return y if x is None else x if y is None else f(x, y)
 
     return {
@@ -86,7 +86,7 @@ def merge_stats(a: dict | None, b: dict) -> dict:
     }
 
 
-def finalize_stats(s: dict) -> dict:
+def finalize_stats(s: dict[str, Any]) -> dict[str, Any]:
     """Add the mean and drop the running sum."""
     out = {k: v for k, v in s.items() if k not in ("sum", "finite")}
     out["mean"] = s["sum"] / s["finite"] if s["finite"] else None
@@ -95,9 +95,9 @@ def finalize_stats(s: dict) -> dict:
     return out
 
 
-def summarize(per_shard: Iterable[Mapping[str, dict[str, Any]]], arrays: Iterable[str]) -> dict[str, dict]:
+def summarize(per_shard: Iterable[Mapping[str, dict[str, Any]]], arrays: Iterable[str]) -> dict[str, dict[str, Any]]:
     """The manifest's statistics: every shard's statistics of each array, merged and finalised."""
-    merged: dict[str, dict | None] = {a: None for a in arrays}
+    merged: dict[str, dict[str, Any] | None] = {a: None for a in arrays}
     for stats in per_shard:
         for a in merged:
             merged[a] = merge_stats(merged[a], stats[a])

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: import
     from featstore.compute._cluster import Cluster as Cluster, connect as connect
     from featstore.compute._decision import ComputePlan as ComputePlan, decide as decide
     from featstore.compute._devices import worker_devices as worker_devices
-    from featstore.compute._driver import commit_run as commit_run, compute as compute
+    from featstore.compute._content import ComputeReport as ComputeReport
+    from featstore.compute._driver import commit_run as commit_run, compute as compute, run_compute as run_compute
     from featstore.compute._extends import DatasetPrefix as DatasetPrefix
     from featstore.compute._layout import choose_layout as choose_layout
     from featstore.compute._malloc import tuned as tuned
@@ -28,7 +29,6 @@ if TYPE_CHECKING:  # the names as the type checker sees them (at runtime: import
                                             IN_PROCESS as IN_PROCESS)
     from featstore.compute._runners import (DaskRunner as DaskRunner, InProcessRunner as InProcessRunner,
                                             ShardRunner as ShardRunner)
-    from featstore.compute._content import ComputeReport as ComputeReport
     from featstore.compute._shard_rows import (compute_shard as compute_shard, shard_batches as shard_batches,
                                                ShardRows as ShardRows, Inputs as Inputs, read_inputs as read_inputs)
     from featstore.compute._shard_task import probe as probe, run_shards as run_shards, worker_model as worker_model
@@ -39,7 +39,7 @@ _NAMES = {
     "ComputeOptions": "_options", "OBJECT_STORE_SHARD_BYTES": "_options", "LOCAL_SHARD_BYTES": "_options",
     "ComputeRequest": "_request", "ComputeCall": "_request", "IN_PROCESS": "_request",
     "ComputePlan": "_decision", "decide": "_decision", "choose_layout": "_layout",
-    "compute": "_driver", "commit_run": "_driver",
+    "compute": "_driver", "commit_run": "_driver", "run_compute": "_driver",
     "ShardRunner": "_runners", "DaskRunner": "_runners", "InProcessRunner": "_runners",
     "TaskSpec": "_task_spec", "Probe": "_task_spec", "ArrayProbe": "_task_spec",
     "probe": "_shard_task", "run_shards": "_shard_task", "worker_model": "_shard_task",

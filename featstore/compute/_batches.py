@@ -9,7 +9,7 @@ from typing import TypeAlias
 
 import torch
 
-from featstore.codecs._topk import TopK
+from featstore.codecs import TopK
 from featstore.errors import (FeatstoreError, InvalidInput, MissingInputKey, OutputMismatch)
 from featstore._user_code import describe, user_error
 from featstore._user_types import Collate, FieldKey, Item

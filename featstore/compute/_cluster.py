@@ -20,13 +20,13 @@ import sys
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 
 from featstore.errors import ClusterUnavailable, InvalidInput
 from featstore.compute._devices import GPU, ClusterPlan, gpu_worker_specs, plan_cluster, visible_gpu_ids
-from featstore.monitor._events import PAGE, PLUGIN
+from featstore.monitor import PAGE, PLUGIN
 from featstore.compute._dask_logs import quiet_task_failures
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def start(plan: ClusterPlan) -> Cluster:
     return Cluster(c, [cluster, c], in_process=not plan.processes)
 
 
-def _local_cluster(plan: ClusterPlan, n: int, resources: dict | None, common: dict) -> Any:
+def _local_cluster(plan: ClusterPlan, n: int, resources: dict[str, int] | None, common: dict[str, Any]) -> Any:
     """The embedded cluster object of ``plan``'s kind (not yet connected to)."""
     from distributed import LocalCluster
 
@@ -224,12 +224,13 @@ def _has_plugin(client: Client) -> bool:
         return False
 
 
-def workers(client: Client) -> dict[str, dict]:
-    """The scheduler's view of every worker."""
+def workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The scheduler's view of every worker (distributed types it as a plain dict)."""
     try:
-        return client.scheduler_info(n_workers=-1)["workers"]
+        info = client.scheduler_info(n_workers=-1)
     except TypeError:  # older distributed lists every worker by default
-        return client.scheduler_info()["workers"]
+        info = client.scheduler_info()
+    return cast("dict[str, dict[str, Any]]", info["workers"])
 
 
 def task_resources(client: Client) -> dict[str, int] | None:

@@ -40,11 +40,11 @@ from featstore.compute._decision import ComputePlan
 from featstore.compute._extends import reuse
 from featstore.compute._shard_rows import read_inputs
 from featstore.errors import FingerprintWarning, InvalidInput
-from featstore.format._keys import shard_digest
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion
-from featstore.versions._digests import DIGEST_FIELD, content_digest, item_digest
-from featstore.versions._fingerprints import dataset_fingerprint, fingerprint, sample_positions
+from featstore.format import shard_digest
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion
+from featstore.versions import DIGEST_FIELD, content_digest, item_digest
+from featstore.versions import dataset_fingerprint, fingerprint, sample_positions
 
 log = logging.getLogger("featstore")
 

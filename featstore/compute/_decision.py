@@ -15,24 +15,22 @@ from featstore._json import JSONObject
 from featstore._user_types import FieldKey, Item, MapDataset
 
 from featstore.errors import EmptyDataset, InvalidInput, VersionsMisaligned
-from featstore.versions._alignment import LINK, Alignment, adopt_views, check_views_of, link
-from featstore.versions._fingerprints import (dataset_digest, dataset_fingerprint, describe_key, fingerprint,
-                                              model_digest, sampled_digest)
-from featstore.format._arrays import chunk_label
-from featstore.format._keys import RESERVED_FIELDS
-from featstore.format._manifests import (ArraySpec, ArrayStats, Base, Layout, Manifest, ShardReceipt, ViewsSpec,
-                                        check_spread)
+from featstore.versions import LINK, Alignment, adopt_views, check_views_of, link
+from featstore.versions import (dataset_digest, dataset_fingerprint, describe_key, fingerprint, model_digest,
+                                sampled_digest)
+from featstore.format import chunk_label
+from featstore.format import RESERVED_FIELDS
+from featstore.format import ArraySpec, ArrayStats, Base, Layout, Manifest, ShardReceipt, ViewsSpec, check_spread
 from featstore._allowed_names import check_name
-from featstore.codecs._ragged import TOKEN_FIELDS
-from featstore.versions._digests import DIGEST_FIELD
+from featstore.codecs import TOKEN_FIELDS
+from featstore.versions import DIGEST_FIELD
 from featstore.compute._batches import collate_batch
 from featstore._user_code import dataset_length, read_item
-from featstore.codecs._statistics import summarize
+from featstore.codecs import summarize
 from featstore.compute._extends import Growth, plan_growth
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion
-from featstore.versions._views import (SEED_FIELD, SEED_POLICY, VIEW_FIELD, Augment, Views, check_replayable, replay,
-                                      view_seed)
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion
+from featstore.versions import SEED_FIELD, SEED_POLICY, VIEW_FIELD, Augment, Views, check_replayable, replay, view_seed
 
 from featstore.compute._options import ComputeOptions
 from featstore.compute._request import ComputeRequest, normalize_keep, outputs_asked, ragged_outputs

@@ -41,7 +41,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from featstore.errors import DeviceSetupError
 
@@ -328,7 +328,7 @@ def _describe_worker(dask_worker: Worker) -> DeviceReport:
 
 def worker_devices(client: Client) -> dict[str, DeviceReport]:
     """:func:`describe` of every worker of ``client``'s cluster, by worker address."""
-    return client.run(_describe_worker)
+    return cast("dict[str, DeviceReport]", client.run(_describe_worker))  # distributed's run() is untyped
 
 
 @contextlib.contextmanager

@@ -29,18 +29,19 @@ from featstore.compute._content import (ComputeReport, cheap_here, check_content
                                         trusted)
 from featstore.compute._decision import ComputePlan, decide
 from featstore.compute._layout import choose_layout
-from featstore.compute._request import ComputeCall, keywords_of
+from featstore._keywords import keywords_of
+from featstore.compute._request import ComputeCall
 from featstore.compute._runners import Group, ShardRunner, Unit, runner_for
 from featstore.compute._shard_task import REUSED, release_models
 from featstore.compute._task_spec import Probe, TaskSpec
 from featstore.compute._windows import may_group, window_rows
-from featstore.format._manifests import ShardReceipt
-from featstore.monitor._events import Event, is_event, run_started
-from featstore.monitor._run_state import RunState
-from featstore.versions._catalog import Catalog
-from featstore.versions._commits import Claim
-from featstore.versions._committed import StoredVersion
-from featstore.versions._digests import DIGEST_FIELD, content_digest
+from featstore.format import ShardReceipt
+from featstore.monitor import Event, is_event, run_started
+from featstore.monitor import RunState
+from featstore.versions import Catalog
+from featstore.versions import Claim
+from featstore.versions import StoredVersion
+from featstore.versions import DIGEST_FIELD, content_digest
 
 __all__ = ["choose_layout", "commit_run", "compute", "run_compute"]  # choose_layout: imported from here by tests
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from featstore._json import JSONObject
 from featstore._user_types import Item, MapDataset
 from featstore.errors import DatasetMismatch, IncompatibleFormat, InvalidInput
-from featstore.versions._fingerprints import sampled_digest
-from featstore.format._manifests import ArraySpec, ArrayStats, Base, Layout, ShardReceipt
-from featstore.codecs._statistics import NONFINITE_KEPT, summarize
-from featstore.versions._committed import StoredVersion
+from featstore.versions import sampled_digest
+from featstore.format import ArraySpec, ArrayStats, Base, Layout, ShardReceipt
+from featstore.codecs import NONFINITE_KEPT, summarize
+from featstore.versions import StoredVersion
 
 #: Fingerprint parts a child must share with its parent (all but the dataset's identity).
 #: Fingerprint parts a child must share with its parent (``collate`` and ``tokens`` only where

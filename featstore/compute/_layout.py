@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from featstore.codecs._chunking import MIN_SHARE, dividing_chunk, nearest_multiples
-from featstore.codecs._dense import keep_codec, output_codec
-from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import MIN_SHARD_TOKENS, TOKEN_LENGTH, TOKEN_START, token_layout
+from featstore.codecs import MIN_SHARE, dividing_chunk, nearest_multiples
+from featstore.codecs import keep_codec, output_codec
+from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs import MIN_SHARD_TOKENS, TOKEN_LENGTH, TOKEN_START, token_layout
 from featstore.compute._options import MIN_SHARDS, default_shard_bytes
 from featstore.compute._task_spec import Probe
 from featstore.errors import InvalidInput, OutputMismatch
 from featstore._user_types import FieldKey
-from featstore.format._arrays import choose_compression
-from featstore.format._manifests import ArraySpec, Layout
-from featstore.versions._digests import DIGEST_BYTES, DIGEST_FIELD
-from featstore.versions._views import SEED_FIELD
+from featstore.format import choose_compression
+from featstore.format import ArraySpec, Layout
+from featstore.versions import DIGEST_BYTES, DIGEST_FIELD
+from featstore.versions import SEED_FIELD
 
 if TYPE_CHECKING:
     from featstore.compute._decision import ComputePlan

@@ -108,14 +108,14 @@ class ComputeOptions:
     group_by_length: bool = True
 
     def __post_init__(self) -> None:
-        from featstore.format import _arrays, _manifests  # zarr is imported where options are checked, not for --help
+        from featstore.format import check_compression, check_spread  # zarr: where options are checked, not for --help
 
-        _arrays.check_compression(self.compression)
+        check_compression(self.compression)
         if isinstance(self.connect_timeout, bool) or not isinstance(self.connect_timeout, (int, float)) \
                 or not self.connect_timeout > 0:
             raise InvalidInput(f"connect_timeout must be a positive number of seconds, got {self.connect_timeout!r}.")
         try:
-            _manifests.check_spread(self.spread_prefixes)
+            check_spread(self.spread_prefixes)
         except ValueError as exc:
             raise InvalidInput(f"{exc}; pick the number of prefixes your read rate needs (docs/scale.md, "
                                "'Requests per S3 prefix'), or leave it out for one.") from None

@@ -5,7 +5,7 @@ the shard tasks run, ``client=``) and :class:`featstore.Teacher` (Model A in the
 device, ``fill``). A new compute option is one field here, then its use.
 
 ``store.compute`` and :func:`featstore.compute.compute` take :class:`ComputeCall`'s keywords
-through :func:`keywords_of`: type checkers (a ``ParamSpec``), ``help()``, ``inspect.signature``
+through :func:`featstore._keywords.keywords_of`: type checkers (a ``ParamSpec``), ``help()``, ``inspect.signature``
 and the API pages (``__signature__``, and the ``Args:`` made from the class's ``Attributes:``)
 all see every keyword with its type and default, from this one declaration.
 
@@ -15,28 +15,27 @@ Imports neither torch nor Dask: the store's face imports it to build ``compute``
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import sys
-import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 from featstore._allowed_names import check_field
-from featstore.codecs._parts import check_output_codec
-from featstore.codecs._ragged import Tokens
+from featstore._keywords import inherit_attributes
+from featstore.codecs import check_output_codec
+from featstore.codecs import Tokens
 from featstore.compute._options import ComputeOptions
 from featstore.errors import InvalidInput
 from featstore._user_types import FieldKey, MapDataset, ModelSpec
-from featstore.versions._views import Augment, Views, views_arguments
+from featstore.versions import Augment, Views, views_arguments
 
 if TYPE_CHECKING:  # torch and Dask only where a compute runs
     from distributed import Client
     from distributed.deploy import Cluster as DaskCluster
 
-    from featstore.versions._catalog import Ref
+    from featstore.versions import Ref
 
 #: ``client="in-process"``: the shard tasks run in the calling process, one after the other,
 #: without Dask (see :class:`ComputeCall`).
@@ -88,20 +87,6 @@ def caller_stacklevel() -> int:
 def _ours(filename: str) -> bool:
     """Whether a frame is featstore's, or the ``__init__`` and ``replace`` of a dataclass."""
     return filename in ("<string>", dataclasses.__file__) or os.path.abspath(filename).startswith(_PACKAGE + os.sep)
-
-
-def split_attributes(doc: str) -> tuple[str, list[str], str]:
-    """A docstring cut around its ``Attributes:`` section: the text before, the section's lines
-    (dedented), the text after."""
-    lines = inspect.cleandoc(doc).splitlines()
-    if "Attributes:" not in lines:
-        return "\n".join(lines), [], ""
-    i = j = lines.index("Attributes:")
-    while j + 1 < len(lines) and (lines[j + 1].startswith(" ") or (
-            not lines[j + 1] and j + 2 < len(lines) and lines[j + 2].startswith(" "))):
-        j += 1
-    return "\n".join(lines[:i]).rstrip(), textwrap.dedent("\n".join(lines[i + 1:j + 1])).splitlines(), \
-        "\n".join(lines[j + 1:]).strip()
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,10 +171,7 @@ class ComputeRequest:
         """A kind of request (``store.compute``'s call, a teacher) documents every keyword it
         takes: the request's attributes first, then its own (one declaration, one text)."""
         super().__init_subclass__(**kwargs)
-        before, own, after = split_attributes(cls.__dict__.get("__doc__") or "")
-        inherited = split_attributes(cls.__mro__[1].__doc__ or "")[1]
-        cls.__doc__ = (before + "\n\nAttributes:\n" + textwrap.indent("\n".join(inherited + own), "    ")
-                       + (f"\n\n{after}" if after else ""))
+        inherit_attributes(cls)
 
     def __post_init__(self) -> None:
         """The checks that need no dataset and no store (the rest: :func:`~featstore.compute.decide`)."""
@@ -250,28 +232,3 @@ class ComputeCall(ComputeRequest):
     """
 
     client: Client | DaskCluster | str | None = field(default=None, kw_only=True)
-
-
-P = ParamSpec("P")
-R = TypeVar("R")
-S = TypeVar("S")
-
-
-def keywords_of(cls: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[Concatenate[S, str, P], R]]:
-    """Declare ``fn(first, name, *args, **keywords)`` as taking ``cls``'s keywords after ``name``:
-    for type checkers (``cls``'s constructor's parameters, through a ``ParamSpec``), for
-    ``help()``, ``inspect.signature`` and the API pages (``__signature__``, and an ``Args:``
-    section made from ``cls``'s ``Attributes:``). ``fn`` builds ``cls(*args, **keywords)``."""
-    def declare(fn: Callable[..., R]) -> Callable[Concatenate[S, str, P], R]:
-        own = inspect.signature(fn)
-        first_two = list(own.parameters.values())[:2]
-        keywords = list(inspect.signature(cls).parameters.values())
-        # inspect.signature reads __signature__; typeshed declares no such attribute on a callable
-        fn.__signature__ = own.replace(parameters=first_two + keywords)  # type: ignore[attr-defined]
-        if isinstance(cls, type):
-            entries = [f"{first_two[1].name}: the feature set (``\"resnet50/imagenet-train\"``).",
-                       *split_attributes(cls.__doc__ or "")[1]]
-            args = textwrap.indent("\n".join(entries), "    ")
-            fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{args}"
-        return cast("Callable[Concatenate[S, str, P], R]", fn)  # the signature is cls's, as set above
-    return declare

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from featstore._json import JSONObject
 from featstore._user_types import MapDataset, ModelSpec
@@ -32,11 +32,11 @@ from featstore.compute._request import IN_PROCESS, ComputeCall
 from featstore.compute._shard_task import REUSED, probe, run_shards
 from featstore.compute._task_spec import Probe, TaskSpec
 from featstore.errors import ComputeFailed, FeatstoreError
-from featstore.format._manifests import ShardReceipt
-from featstore.monitor._events import TOPIC, Event, run_ended
-from featstore.versions._keys import version_key, view_key
-from featstore.versions._committed import StoredVersion
-from featstore.versions._receipts import ReceiptRuns
+from featstore.format import ShardReceipt
+from featstore.monitor import TOPIC, Event, run_ended
+from featstore.versions import version_key, view_key
+from featstore.versions import StoredVersion
+from featstore.versions import ReceiptRuns
 
 if TYPE_CHECKING:
     from distributed import Future
@@ -195,7 +195,7 @@ class DaskRunner:
             print(f"featstore: progress page at {page}" if page else "featstore: for featstore's dashboard page, "
                   "start the scheduler with `dask scheduler --preload featstore.dashboard`", file=sys.stderr)
             self.client = self.cluster.client
-            self._inputs: dict[str, Future] = {}  # "model", "dataset": scattered on first use
+            self._inputs: dict[str, Future[Any]] = {}  # "model", "dataset": scattered on first use
             self.resources = task_resources(self.client)
         except BaseException:
             self.cluster.close()
@@ -204,11 +204,11 @@ class DaskRunner:
         self.serial_forward = self.cluster.serial_forward
 
     @property
-    def inputs(self) -> list[Future]:
+    def inputs(self) -> list[Future[Any]]:
         """Model A and the dataset on every worker (futures), sent once for every task."""
         return [self._scattered("model"), self._scattered("dataset")]
 
-    def _scattered(self, what: str) -> Future:
+    def _scattered(self, what: str) -> Future[Any]:
         """``what`` (``"model"`` or ``"dataset"``) on every worker, scattered on first use (a
         content check that finds nothing changed never sends Model A)."""
         if what not in self._inputs:

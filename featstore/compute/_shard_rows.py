@@ -18,8 +18,8 @@ import torch
 
 from featstore._user_code import describe, read_items, user_error
 from featstore._user_types import Item, MapDataset
-from featstore.codecs._ragged import TOKEN_LENGTH, batch_mask, pack
-from featstore.codecs._statistics import merge_stats
+from featstore.codecs import TOKEN_LENGTH, batch_mask, pack
+from featstore.codecs import merge_stats
 from featstore.compute._batches import TOKEN_MASK, Output, as_outputs, collate_batch
 from featstore.compute._shard_writing import (ShardBuffers, StoredRows, check_batch, device_stage, encode_batch,
                                               encodes_on_device, finish_buffers, shard_buffers, tokens_per_shard,
@@ -27,9 +27,9 @@ from featstore.compute._shard_writing import (ShardBuffers, StoredRows, check_ba
 from featstore.compute._task_spec import TaskSpec
 from featstore.compute._transfer import HostBatch, Offloader, pin, to_device
 from featstore.errors import FeatstoreError
-from featstore.format._manifests import ArrayStats
-from featstore.versions._digests import DIGEST_FIELD, item_digests
-from featstore.versions._views import SEED_FIELD, ViewDataset, view_seeds
+from featstore.format import ArrayStats
+from featstore.versions import DIGEST_FIELD, item_digests
+from featstore.versions import SEED_FIELD, ViewDataset, view_seeds
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,22 +32,21 @@ import zarr
 
 from featstore._json import JSONObject
 from featstore._user_types import MapDataset, ModelSpec
-from featstore.monitor._events import DeviceInfo, Event, batch_done, shard_started, shard_written
+from featstore.monitor import DeviceInfo, Event, batch_done, shard_started, shard_written
 from featstore.compute._malloc import tuned as tuned_allocator
-from featstore.codecs._dense import (keep_codec, output_codec)
+from featstore.codecs import keep_codec, output_codec
 from featstore.compute._devices import task_device
 from featstore.errors import InvalidInput
-from featstore.format._arrays import zstd_saving
-from featstore.format._keys import chunk_key
-from featstore.format._manifests import ShardReceipt
-from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec
-from featstore.codecs._ragged import TOKEN_START, pack, pack_topk
-from featstore.codecs._topk import TopK
+from featstore.format import zstd_saving
+from featstore.format import chunk_key
+from featstore.format import ShardReceipt
+from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec
+from featstore.codecs import TOKEN_START, TopK, pack, pack_topk
 from featstore.compute._transfer import HostBatch, Offloader
 from featstore._user_code import build_model
-from featstore.versions._keys import object_key
-from featstore.versions._receipts import read_receipts
-from featstore.versions._views import ViewDataset
+from featstore.versions import object_key
+from featstore.versions import read_receipts
+from featstore.versions import ViewDataset
 
 from featstore.compute._batches import TOKEN_MASK
 from featstore.compute._shard_rows import BatchSpan, ShardRows, collate_inputs, forward, read_inputs
@@ -186,7 +185,7 @@ def _shard_event(report: _Reporter, receipt: ShardReceipt, nbytes: int) -> Event
         max((float(s.get("max_abs_error", 0.0)) for s in stats.values()), default=0.0))
 
 
-def _write_checked_shard(batch_jobs: list[Future], arrays: dict[str, zarr.Array], rows: ShardRows,
+def _write_checked_shard(batch_jobs: list[Future[Any]], arrays: dict[str, zarr.Array[Any]], rows: ShardRows,
                          report: _Reporter) -> ShardReceipt:
     """Write a shard only if every one of its batches was checked and stored: the write thread
     keeps running jobs after one fails, and a shard with a failed batch (NaN, a shape change)
@@ -299,10 +298,10 @@ def _run_shards(spec: TaskSpec, net: torch.nn.Module, dataset: MapDataset, shard
     dev_info = device_info()
     with ThreadPoolExecutor(1, thread_name_prefix="featstore-write") as pool, \
             ThreadPoolExecutor(1, thread_name_prefix="featstore-fetch") as fetcher:
-        waiting: deque[Future] = deque()  # batch, window and shard jobs on the write thread, in order
-        writes: deque[Future] = deque()
+        waiting: deque[Future[Any]] = deque()  # batch, window and shard jobs on the write thread, in order
+        writes: deque[Future[Any]] = deque()
         shard_rows: dict[int, ShardRows] = {}  # the shards being computed, started at their first batch
-        jobs: dict[int, list[Future]] = {}  # per shard, the write thread's jobs that store its rows
+        jobs: dict[int, list[Future[Any]]] = {}  # per shard, the write thread's jobs that store its rows
         nxt = _in_task_context(fetcher, "fetch", fetch_window, spec, dataset, windows[0], cuda)
         try:
             for k, window in enumerate(windows):

@@ -7,24 +7,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 import zarr
 
-from featstore.codecs._dense import (Codec, codec_by_name, finite_rows, largest_finite, unrepresentable)
+from featstore.codecs import Codec, codec_by_name, finite_rows, largest_finite, unrepresentable
 from featstore.errors import (ComputeFailed, InvalidInput, NonFiniteOutput,
                               OutputMismatch)
-from featstore.format._arrays import open_for_write
-from featstore.format._keys import shard_digest
-from featstore.format._manifests import ArrayStats, ShardReceipt
-from featstore.codecs._parts import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, offsets, pack, pack_topk
-from featstore.codecs._topk import TopK
-from featstore.codecs._statistics import NONFINITE_KEPT, max_abs_error, value_stats
-from featstore.versions._keys import group_store
-from featstore.versions._receipts import write_receipt
+from featstore.format import open_for_write
+from featstore.format import shard_digest
+from featstore.format import ArrayStats, ShardReceipt
+from featstore.codecs import PartsCodec, is_parts_codec, part_array, parts_codec, unpadded
+from featstore.codecs import TOKEN_LENGTH, TOKEN_START, TopK, offsets, pack, pack_topk
+from featstore.codecs import NONFINITE_KEPT, max_abs_error, value_stats
+from featstore.versions import group_store
+from featstore.versions import write_receipt
 from featstore.compute._task_spec import TaskSpec
 from featstore._json import json_list
 
@@ -124,7 +123,7 @@ def _encode_dense(spec: TaskSpec, name: str, codec: Codec, t: torch.Tensor,
     return arr, s
 
 
-def open_arrays(spec: TaskSpec) -> dict[str, zarr.Array]:
+def open_arrays(spec: TaskSpec) -> dict[str, zarr.Array[Any]]:
     """The claimed version's Zarr arrays (of ``spec``'s view), opened for :func:`write_shard`."""
     try:
         return open_for_write(group_store(spec.storage, spec.key, spec.layout.spread, read_only=False), spec.arrays)
@@ -167,7 +166,7 @@ def finish_buffers(spec: TaskSpec, index: int, buffers: ShardBuffers | StoredRow
     return {name: buf for name, buf in buffers.items() if isinstance(buf, np.ndarray)}
 
 
-def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array], index: int,
+def write_shard(spec: TaskSpec, arrays: dict[str, zarr.Array[Any]], index: int,
                 buffers: ShardBuffers | StoredRows, stats: dict[str, ArrayStats]) -> ShardReceipt:
     """Store shard ``index``'s rows (``buffers``, as :class:`~featstore.compute.ShardRows` built
     them) into ``arrays``, then its receipt (digests and ``stats``): the receipt is written last,

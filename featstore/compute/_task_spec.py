@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from featstore.format._manifests import ArraySpec, Layout
-from featstore.codecs._ragged import Tokens
-from featstore.monitor._events import TOPIC
+from featstore.format import ArraySpec, Layout
+from featstore.codecs import Tokens
+from featstore.monitor import TOPIC
 from featstore.storage import Storage
 from featstore._user_types import Collate, FieldKey
-from featstore.versions._digests import DIGEST_FIELD
-from featstore.versions._keys import version_key, view_key
-from featstore.versions._views import SEED_FIELD, Augment
+from featstore.versions import DIGEST_FIELD
+from featstore.versions import version_key, view_key
+from featstore.versions import SEED_FIELD, Augment
 
 if TYPE_CHECKING:
     from featstore.compute._decision import ComputePlan

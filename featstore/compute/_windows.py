@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from featstore._user_types import Item, MapDataset
-from featstore.codecs._parts import is_parts_codec, parts_codec
+from featstore.codecs import is_parts_codec, parts_codec
 from featstore.compute._batches import select
 from featstore.compute._shard_rows import Inputs, collate_inputs, read_inputs
 from featstore.compute._shard_writing import want_shape
@@ -114,8 +114,8 @@ def window_rows(spec: TaskSpec) -> int:
     def elements(shape: tuple[int, ...]) -> int:
         return int(np.prod(shape, dtype=np.int64))
 
-    row = sum(elements(want_shape(spec, n)) * getattr(torch, spec.dtypes.get(n, "float32")).itemsize
-              for n in spec.outputs)
+    itemsize = {n: int(getattr(torch, spec.dtypes.get(n, "float32")).itemsize) for n in spec.outputs}  # torch: Any
+    row = sum(elements(want_shape(spec, n)) * itemsize[n] for n in spec.outputs)
     row += sum(elements(a.shape) * np.dtype(a.dtype).itemsize for a in spec.arrays.values() if a.source != "output")
     batches = max(1, min(GROUP_BATCHES, WINDOW_BYTES // max(1, row * spec.batch_size)))
     return batches * spec.batch_size

@@ -70,8 +70,8 @@ def most_confident(teachers: Sequence[TeacherRows]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Teacher:
-    """One teacher of an ensemble: its label, the batch-like mapping holding its output, the
+class Member:
+    """One member (teacher) of an ensemble: its label, the batch-like mapping holding its output, the
     output's name in it, and its reconstruction rule (None: the form's default)."""
 
     label: str
@@ -94,7 +94,7 @@ class Ensemble:
         select: the per-row rule of ``"select"``.
     """
 
-    teachers: tuple[Teacher, ...]
+    teachers: tuple[Member, ...]
     how: str
     weights: tuple[float, ...]
     select: SelectRule | None = None
@@ -327,12 +327,12 @@ def ensemble(source: Any, names: str | Sequence[str] | None = None, *, how: str 
     if len(set(labels)) < len(labels):
         raise InvalidInput(f"teachers {labels} repeat a name: give each teacher once.")
     rule_of = [None] * len(found) if rules is None else _per_teacher(rules, labels, "rules")
-    teachers = tuple(Teacher(label, b, n, r) for (label, b, n), r in zip(found, rule_of, strict=True))
+    teachers = tuple(Member(label, b, n, r) for (label, b, n), r in zip(found, rule_of, strict=True))
     _check_rows(teachers)
     return Ensemble(teachers, how, _weights(how, weights, labels), select)
 
 
-def _check_rows(teachers: Sequence[Teacher]) -> None:
+def _check_rows(teachers: Sequence[Member]) -> None:
     """Every teacher's output exists and covers the same rows (shape, per-token offsets)."""
     shapes = {t.label: lead_shape(t.batch, t.name) for t in teachers}
     if len(set(shapes.values())) > 1:
@@ -352,7 +352,7 @@ def _check_rows(teachers: Sequence[Teacher]) -> None:
             check_rule(form, t.rule)
 
 
-def _real_rows(teachers: Sequence[Teacher]) -> torch.Tensor | None:
+def _real_rows(teachers: Sequence[Member]) -> torch.Tensor | None:
     """The real rows shared by every teacher whose batch carries lengths (padded per-token outputs)."""
     masks = [(t.label, m) for t in teachers if (m := real_rows(t.batch, t.name)) is not None]
     for label, m in masks[1:]:

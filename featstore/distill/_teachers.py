@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from featstore.errors import InvalidInput
-from featstore.codecs._sparse import RULES, sparse_weights
+from featstore.codecs import RULES, sparse_weights
 
 #: How a batch carries an output: dense logits, sparse parts (top-k / top-p), sampled ids with counts.
 FORMS = ("dense", "sparse", "sample")

@@ -10,20 +10,35 @@ quick commands (``featstore list``, ``info``, ...) never need.
 from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
-from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, SERVED_SOURCES, ArraySpec, Base,
-                                         Layout, Manifest, ShardReceipt, ShardRecords, ViewsSpec)
-from featstore.format._objects import Pending, ReceiptRun
-from featstore.format._keys import chunk_key, shard_digest
+from featstore.format._keys import (RESERVED_FIELDS, SPREAD_FOLDER, VIEWS_GROUP, chunk_key, logical_key, mark_metadata,
+                                    shard_digest, spread_folder, spread_key, view_path)
+from featstore.format._manifests import (RECORDS_PER_OBJECT, SCHEMA, SCHEMA_VERSION, SERVED_SOURCES, ArraySpec,
+                                         ArrayStats, Base, Layout, Manifest, ShardReceipt, ShardRecords, ViewsSpec,
+                                         check_spread, decode_records, encode_records, newer_manifest)
+from featstore.format._objects import Pending, ReceiptRun, gc_mark_json, ref_json, ref_target, tag_json, tag_target
 
-if TYPE_CHECKING:
-    from featstore.format._arrays import SpreadStore, create_arrays, open_array
-    from featstore.format._shard_decoder import decode_shard_rows, shard_format, shard_index
+if TYPE_CHECKING:  # zarr's: imported when first asked for
+    from featstore.format._arrays import (MetadataStore, SpreadStore, check_array_metadata, check_compression,
+                                          choose_compression, chunk_label, consolidate, consolidated_groups,
+                                          create_arrays, create_views_group, open_array, open_for_write, zstd_saving)
+    from featstore.format._shard_decoder import (ChunkRef, ShardFormat, decode_shard_rows, mapped_chunks, shard_format,
+                                                 shard_index, shard_index_bytes, shard_intact)
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "SpreadStore": "_arrays", "create_arrays": "_arrays", "open_array": "_arrays",
-    "decode_shard_rows": "_shard_decoder", "shard_format": "_shard_decoder", "shard_index": "_shard_decoder"})
+_LAZY = {name: "_arrays" for name in (
+    "MetadataStore", "SpreadStore", "check_array_metadata", "check_compression", "choose_compression", "chunk_label",
+    "consolidate", "consolidated_groups", "create_arrays", "create_views_group", "open_array", "open_for_write",
+    "zstd_saving")}
+_LAZY.update({name: "_shard_decoder" for name in (
+    "ChunkRef", "ShardFormat", "decode_shard_rows", "mapped_chunks", "shard_format", "shard_index",
+    "shard_index_bytes", "shard_intact")})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-__all__ = ["RECORDS_PER_OBJECT", "SCHEMA", "SCHEMA_VERSION", "SERVED_SOURCES",
-           "ArraySpec", "Base", "Layout", "Manifest", "Pending",
-           "ReceiptRun", "ShardReceipt", "ShardRecords", "SpreadStore", "ViewsSpec", "chunk_key", "create_arrays",
-           "decode_shard_rows", "open_array", "shard_digest", "shard_format", "shard_index"]
+__all__ = ["RECORDS_PER_OBJECT", "RESERVED_FIELDS", "SCHEMA", "SCHEMA_VERSION", "SERVED_SOURCES", "SPREAD_FOLDER",
+           "VIEWS_GROUP", "ArraySpec", "ArrayStats", "Base", "ChunkRef", "Layout", "Manifest", "MetadataStore",
+           "Pending", "ReceiptRun", "ShardFormat", "ShardReceipt", "ShardRecords", "SpreadStore", "ViewsSpec",
+           "check_array_metadata", "check_compression", "check_spread", "choose_compression", "chunk_key",
+           "chunk_label", "consolidate", "consolidated_groups", "create_arrays", "create_views_group", "decode_records",
+           "decode_shard_rows", "encode_records", "gc_mark_json", "logical_key", "mapped_chunks", "mark_metadata",
+           "newer_manifest", "open_array", "open_for_write", "ref_json", "ref_target", "shard_digest", "shard_format",
+           "shard_index", "shard_index_bytes", "shard_intact", "spread_folder", "spread_key", "tag_json", "tag_target",
+           "view_path", "zstd_saving"]

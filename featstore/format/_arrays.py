@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import zarr
@@ -174,7 +174,7 @@ def consolidated_groups(views: int | None) -> list[str]:
     return [*(view_path(v) for v in range(views)), VIEWS_GROUP, ""]
 
 
-def open_for_write(store: Store, fields: Iterable[str]) -> dict[str, zarr.Array]:
+def open_for_write(store: Store, fields: Iterable[str]) -> dict[str, zarr.Array[Any]]:
     """The version's arrays, ready for whole-shard writes."""
     # write_empty_chunks is a runtime setting, lost on reopen: without it an all-fill-value shard
     # is never stored, and a committed version must hold every shard object.
@@ -354,7 +354,7 @@ class SpreadStore(zarr.storage.WrapperStore[Store]):
 
 
 def open_array(store: Store, field: str, spec: ArraySpec, layout: Layout, where: str,
-               raw_metadata: Callable[[], bytes | None]) -> zarr.Array:
+               raw_metadata: Callable[[], bytes | None]) -> zarr.Array[Any]:
     """Open one stored array for reading, its metadata checked before any chunk is decoded.
 
     ``raw_metadata()`` returns the raw ``zarr.json`` bytes (or None): read only when zarr

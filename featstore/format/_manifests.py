@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeAlias
 
-from featstore.codecs._dense import codec_by_name
+from featstore.codecs import codec_by_name
 from featstore.errors import FeatstoreError, IncompatibleFormat
 from featstore._allowed_names import check_name, check_version_id
 from featstore._json import JSON, JSONObject, json_list, json_object
-from featstore.codecs._parts import check_array_name, check_part, is_parts_codec, part_array
+from featstore.codecs import check_array_name, check_part, is_parts_codec, part_array
 from featstore._lazy import np  # imported on first use: the quick commands never need it
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from featstore.errors import CorruptChunk
 from featstore._lazy import np  # imported on first use: the quick commands never need it
@@ -54,7 +54,7 @@ class ShardFormat:
         return self.chunk_rows * self.row_bytes + 4
 
 
-def shard_format(array: zarr.Array) -> ShardFormat | None:
+def shard_format(array: zarr.Array[Any]) -> ShardFormat | None:
     """The :class:`ShardFormat` of ``array``, or None when it is not featstore's exact layout."""
     try:
         from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec

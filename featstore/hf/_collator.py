@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class DistillCollator:
     pad_to_multiple_of: int | None = None
     index: bool = False
 
-    def __call__(self, features: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not features:
             raise InvalidInput("DistillCollator got an empty batch.")
         lost = [k for k in ("target_token_ids", "target_logprobs") if k not in features[0]]

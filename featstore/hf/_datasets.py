@@ -14,13 +14,19 @@ with the Trainer's defaults. The collator still refuses samples that lost them, 
 
 **Where the rows come from.** A dataset reads its teacher rows through one seam,
 :class:`StoredRows` (``rows(indices) -> TokenRows``): a version's stored rows, checked against
-the student's tokenizer and temperature first. A teacher run in the loop will read through the
-same seam.
+the student's tokenizer and temperature first, read by featstore's one row path
+(:func:`featstore.read.rows_of`: the process's sources of the version, decoded chunks kept).
+
+**Mixtures.** ``SoftLabels(featstore.mix([(code, 0.7), (prose, 0.3)], epoch_size=N), [code_texts,
+prose_texts], ...)`` is a map-style dataset over the mixture's epoch: its ``N`` samples are the
+ones the mixture's plan draws of each version (:meth:`featstore.FeatureDataset.samples`), each
+joined with its own version's texts, every version checked against the student's tokenizer and
+temperature. The Trainer's sampler shuffles them and shards them over ranks, as for one version.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -28,18 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from featstore.codecs._parts import assemble
-from featstore.codecs._ragged import TOKEN_LENGTH, TOKEN_START, gather_rows
+from featstore.codecs import RaggedRows, assemble
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.hf._identity import SoftLabelSpec, check_soft_labels, vocabulary
-from featstore.read._views import check_source
-from featstore.versions import StoredVersion, stored
-from featstore.versions._committed import HasStoredVersion
-from featstore.versions import InputCheck
+from featstore.read import FeatureDataset, ProcessReads, check_source, rows_of
+from featstore.versions import HasStoredVersion, InputCheck, StoredVersion, stored
 
 
 @dataclass(frozen=True)
-class Sample(Mapping):
+class Sample(Mapping[str, Any]):
     """One sample as :class:`DistillCollator` reads it (a mapping, not a dict: see the module)."""
 
     input_ids: torch.Tensor  # [T] int64
@@ -75,14 +78,14 @@ class TokenRows:
 
 
 class StoredRows:
-    """A version's per-token soft labels, read by sample index.
+    """A version's per-token soft labels, read by sample index through featstore's one row path
+    (:func:`featstore.read.rows_of`).
 
-    Stored rows (ids and 8-bit levels: ~100 B a token at K=50) are read a whole Zarr chunk at a
-    time (the unit zstd decodes anyway) and kept, in this process, up to ``cache_bytes`` (least
-    recently used out): a map-style dataset's batches are random samples, and a batch that
-    decoded a chunk for each sample and kept nothing would spend its time in zstd. The per-sample
-    ``token_start``/``token_length`` are read once (12 B a sample). The version's tokenizer and
-    temperature are checked against the student's first
+    Stored rows (ids and 8-bit levels: ~100 B a token at K=50) are decoded a whole inner chunk
+    at a time (the unit zstd decodes anyway) and kept, in this process, up to ``cache_bytes``
+    (least recently used out): a map-style dataset's batches are random samples, and a batch
+    that decoded a chunk for each sample and kept nothing would spend its time in zstd. The
+    version's tokenizer and temperature are checked against the student's first
     (:func:`~featstore.hf._identity.check_soft_labels`).
     """
 
@@ -90,121 +93,137 @@ class StoredRows:
                  cache_bytes: int = 2**30) -> None:
         self.version = version = stored(version)
         self.spec: SoftLabelSpec = check_soft_labels(version, output, vocabulary(tokenizer), temperature)
-        arrays = version.manifest.arrays
-        self.parts = tuple(n for n, a in arrays.items() if a.output == output)
-        n = len(version)
-        self.starts = version.read_rows(TOKEN_START, 0, n).astype(np.int64)
-        self.lengths = version.read_rows(TOKEN_LENGTH, 0, n).astype(np.int64)
-        self.per_shard, self.chunk = arrays[self.parts[0]].tokens  # token rows a shard owns, rows a chunk holds
-        spp = version.manifest.layout.samples_per_shard
-        self.written = np.bincount(np.arange(n) // spp, weights=self.lengths).astype(np.int64)  # rows per shard
+        self.parts = tuple(n for n, a in version.manifest.arrays.items() if a.output == output)
         self.cache_bytes = cache_bytes
-        self._chunks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        self._held = 0
+        self._reads: ProcessReads | None = None
 
     def __len__(self) -> int:
         return len(self.version)
 
-    def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker starts with an empty cache
-        return {**self.__dict__, "_chunks": OrderedDict(), "_held": 0}
+    def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker opens its own reads, its cache empty
+        return {**self.__dict__, "_reads": None}
 
-    def _read_chunk(self, c: int) -> dict[str, np.ndarray]:
-        """Every stored part of token chunk ``c`` (read once, then from the cache)."""
-        if c in self._chunks:
-            self._chunks.move_to_end(c)
-            return self._chunks[c]
-        lo = c * self.chunk
-        shard = lo // self.per_shard
-        hi = min(lo + self.chunk, shard * self.per_shard + int(self.written[shard]))
-        got = {p: self.version.token_rows(p, shard, lo, hi) for p in self.parts}
-        self._chunks[c] = got
-        self._held += sum(a.nbytes for a in got.values())
-        while len(self._chunks) > 1 and self._held > self.cache_bytes:
-            self._held -= sum(a.nbytes for a in self._chunks.popitem(last=False)[1].values())
-        return got
+    @property
+    def reads(self) -> ProcessReads:
+        """This process's reads of the version (its own after a fork)."""
+        if self._reads is None or self._reads.pid != os.getpid():
+            self._reads = ProcessReads(self.version, self.parts, chunk_bytes=max(1, self.cache_bytes))
+        return self._reads
 
     def rows(self, indices: np.ndarray) -> TokenRows:
         """The rows of samples ``indices`` (in that order), ids int64 and float32 log-probs."""
-        idx = np.asarray(indices, dtype=np.int64)
-        lengths = self.lengths[idx]
-        rows = gather_rows(self.starts[idx], lengths)
-        chunk = rows // self.chunk
+        got = rows_of(self.reads, np.asarray(indices, dtype=np.int64))
         specs = self.version.manifest.arrays
-        stored = {p: np.empty((len(rows), *specs[p].shape), dtype=specs[p].dtype) for p in self.parts}
-        for c in np.unique(chunk):
-            at = np.flatnonzero(chunk == c)
-            for p, a in self._read_chunk(int(c)).items():
-                stored[p][at] = a[rows[at] - c * self.chunk]
-        batch = assemble(specs, {p: self.version.decode(p, a) for p, a in stored.items()})
+        parts = {p: got[p] for p in self.parts}
+        lengths = next(iter(parts.values()))
+        assert isinstance(lengths, RaggedRows)  # per-token parts
+        batch = assemble(specs, {p: self.version.decode(p, r.flat) for p, r in parts.items()
+                                 if isinstance(r, RaggedRows)})
         name = self.spec.output
-        return TokenRows(batch[f"{name}.ids"], batch[f"{name}.values"].float(), lengths)
+        return TokenRows(batch[f"{name}.ids"], batch[f"{name}.values"].float(), lengths.lengths.astype(np.int64))
 
 
-class SoftLabels(torch.utils.data.Dataset):
+class SoftLabels(torch.utils.data.Dataset[Sample]):
     """A version's per-token soft labels joined with the token ids they were computed on: a
     map-style dataset for ``transformers.Trainer`` (its sampler shards the indices over DDP
     ranks, so each rank reads only its own samples, and a checkpoint resumes mid-epoch exactly).
 
     Args:
-        version: the committed version (``store.open(ref)``) holding per-token soft labels.
-        dataset: the dataset it was computed on (:class:`TokenizedTexts` or any map-style
-            dataset whose items hold ``input_key``); checked against the version's length and
-            sampled content digest at once, and every item as it is read against the input
-            digest stored for its row (:class:`~featstore.SourceMismatch` naming the item).
-        tokenizer: the student's tokenizer; the version must have been computed with the same
+        source: the committed version (``store.open(ref)``) holding per-token soft labels; or a
+            reader over several such versions (``featstore.mix([(a, 0.7), (b, 0.3)],
+            epoch_size=N, seed=0)``): then the dataset's samples are the mixture's epoch (see
+            the module docstring).
+        dataset: the dataset the version was computed on (:class:`TokenizedTexts` or any
+            map-style dataset whose items hold ``input_key``), checked against the version's
+            length and sampled content digest at once, and every item as it is read against the
+            input digest stored for its row (:class:`~featstore.SourceMismatch` naming the item);
+            a mixture: one per stream, in order.
+        tokenizer: the student's tokenizer; every version must have been computed with the same
             vocabulary and special tokens, else :class:`~featstore.SourceMismatch` names what differs.
-        temperature: the temperature the student distils at; must be the stored one.
+        temperature: the temperature the student distils at; must be every version's stored one.
         output: the soft-label output's name.
         input_key: the item's token ids; ``labels_key``: the item's labels (None: the token ids,
             every position trained).
-        cache_bytes: the stored rows (about 100 B a token at K=50) kept in each process, whole
-            chunks at a time, least recently used out (:class:`StoredRows`).
+        cache_bytes: the decoded rows (about 100 B a token at K=50) kept in each process per
+            version, whole chunks at a time, least recently used out (:class:`StoredRows`).
+        epoch: a mixture's epoch whose samples the dataset holds.
 
     >>> train = SoftLabels(store.open("smollm2/docs"), data, tokenizer=tok, temperature=1.0)
     >>> train[0]["target_logprobs"].shape      # [tokens, K]
     """
 
-    def __init__(self, version: StoredVersion | HasStoredVersion, dataset: Any, *, tokenizer: Any,
+    def __init__(self, source: StoredVersion | HasStoredVersion | FeatureDataset, dataset: Any, *, tokenizer: Any,
                  temperature: float, output: str = "logits", input_key: str = "input_ids",
-                 labels_key: str | None = None, cache_bytes: int = 2**30) -> None:
-        self.teacher = StoredRows(version, output, tokenizer, temperature, cache_bytes)
-        check_source(self.teacher.version, dataset, what="the dataset")
-        self.dataset = dataset
-        self.inputs = InputCheck.of(self.teacher.version)  # each item read is checked against its row
+                 labels_key: str | None = None, cache_bytes: int = 2**30, epoch: int = 0) -> None:
+        if isinstance(source, FeatureDataset):
+            versions = [s.members[0].version for s in source.streams]
+            if any(len(s.members) > 1 for s in source.streams):
+                raise InvalidInput("SoftLabels reads one teacher's soft labels per stream; give a mixture of versions, "
+                                   "not several teachers on the same rows.")
+            datasets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
+            samples = source.samples(epoch)
+        else:
+            versions, datasets = [stored(source)], [dataset]
+            samples = [np.arange(len(versions[0]), dtype=np.int64)]
+        if len(datasets) != len(versions):
+            raise InvalidInput(f"give one dataset per stream: {len(versions)} versions, {len(datasets)} datasets.")
+        self.teachers = [StoredRows(v, output, tokenizer, temperature, cache_bytes) for v in versions]
+        for t, d in zip(self.teachers, datasets, strict=True):
+            check_source(t.version, d, what="the dataset")
+        self.datasets = datasets
+        self.inputs = [InputCheck.of(t.version) for t in self.teachers]  # each item read is checked against its row
+        # sample i of the dataset: stream stream[i], that stream's sample index[i]
+        self.stream = np.concatenate([np.full(len(x), k, dtype=np.int64) for k, x in enumerate(samples)])
+        self.index = np.concatenate(samples).astype(np.int64)
         self.input_key, self.labels_key = input_key, labels_key
 
+    @property
+    def teacher(self) -> StoredRows:
+        """The first (or only) version's rows."""
+        return self.teachers[0]
+
+    @property
+    def dataset(self) -> Any:
+        """The first (or only) version's dataset."""
+        return self.datasets[0]
+
     def __len__(self) -> int:
-        return len(self.teacher)
+        return len(self.index)
 
     def __getitem__(self, index: int) -> Sample:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        """A batch's samples in one read of the store (``DataLoader`` calls this with a batch's
-        indices), in the order asked."""
+        """A batch's samples in one read of the store per version (``DataLoader`` calls this with
+        a batch's indices), in the order asked."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"indices out of range for {len(self)} samples")
-        items = [self.dataset[int(i)] for i in idx]
-        if self.inputs is not None:
-            self.inputs.check(idx, items, "the dataset")
-        order = np.argsort(idx, kind="stable")  # reading in store order touches each chunk once
-        rows = self.teacher.rows(idx[order])
-        starts = np.concatenate([[0], np.cumsum(rows.lengths)])
         out: list[Sample | None] = [None] * len(idx)
-        for pos, i in enumerate(idx[order]):
-            a, b = int(starts[pos]), int(starts[pos + 1])
-            out[order[pos]] = self._sample(int(i), items[order[pos]], rows.ids[a:b], rows.logprobs[a:b])
-        return out  # type: ignore[return-value]
+        for k in np.unique(self.stream[idx]).tolist():
+            at = np.flatnonzero(self.stream[idx] == k)
+            at = at[np.argsort(self.index[idx[at]], kind="stable")]  # in store order: each chunk read once
+            samples = self.index[idx[at]]
+            items = [self.datasets[k][s] for s in samples.tolist()]
+            check = self.inputs[k]
+            if check is not None:
+                check.check(samples, items, "the dataset")
+            rows = self.teachers[k].rows(samples)
+            starts = np.concatenate([[0], np.cumsum(rows.lengths)])
+            for pos, (i, sample) in enumerate(zip(at.tolist(), samples.tolist(), strict=True)):
+                a, b = int(starts[pos]), int(starts[pos + 1])
+                out[i] = self._sample(k, int(idx[i]), sample, items[pos], rows.ids[a:b], rows.logprobs[a:b])
+        return out  # type: ignore[return-value]  # every position was filled above
 
-    def _sample(self, index: int, item: Any, ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
+    def _sample(self, k: int, index: int, sample: int, item: Any, ids: torch.Tensor, logprobs: torch.Tensor
+                ) -> Sample:
         input_ids = torch.as_tensor(item[self.input_key], dtype=torch.long).reshape(-1)
         if len(input_ids) != len(ids):
-            raise SourceMismatch(f"sample {index} has {len(input_ids)} token ids in the dataset but {len(ids)} "
-                                 f"rows of soft labels in {self.teacher.version.ref}: they do not align. Read the "
-                                 "version with the dataset (and tokenization) it was computed on.")
+            raise SourceMismatch(f"sample {sample} has {len(input_ids)} token ids in the dataset but {len(ids)} "
+                                 f"rows of soft labels in {self.teachers[k].version.ref}: they do not align. Read "
+                                 "the version with the dataset (and tokenization) it was computed on.")
         labels = input_ids if self.labels_key is None else torch.as_tensor(item[self.labels_key], dtype=torch.long)
-        return Sample(input_ids, labels, ids, logprobs, index, self.teacher.spec.temperature)
+        return Sample(input_ids, labels, ids, logprobs, index, self.teachers[k].spec.temperature)
 
     @property
     def spec(self) -> SoftLabelSpec:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from featstore._user_types import EngineIdentity
-from featstore.codecs._topk import TopK
+from featstore.codecs import TopK
 from featstore.errors import InvalidInput, OutputMismatch
 
 #: The files of a model folder whose bytes are its weights and architecture (the tokenizer's

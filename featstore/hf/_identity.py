@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from featstore.codecs._parts import is_parts_codec, parts_codec
-from featstore.codecs._vocabulary import Vocabulary, vocabulary_digest
+from featstore.codecs import is_parts_codec, parts_codec
+from featstore.codecs import Vocabulary, vocabulary_digest
 from featstore.errors import InvalidInput, SourceMismatch
 
 #: The special tokens that can stand in a stored sequence. The pad token is left out: padding is

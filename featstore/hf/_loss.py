@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from featstore import kd
-from featstore.codecs._sparse import sparse_weights
-from featstore.distill._fused import FusedKD
+from featstore.codecs import sparse_weights
+from featstore.distill import FusedKD
 from featstore.errors import InvalidInput, SourceMismatch
 from featstore.hf._collator import TARGETS, TEMPERATURE
 
@@ -169,5 +169,6 @@ def _fused_loss(logits: torch.Tensor, inputs: Mapping[str, Any], how: Distillati
     predicted = target != -100
     count = predicted.sum().clamp(min=1) if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
     lm_coef = predicted.float() * ((1.0 - how.alpha) / count.to(torch.float32))
-    return FusedKD.apply(logits.reshape(-1, vocab), ids.clamp(min=0), ids >= 0, w, tail, kd_coef,
-                         target.clamp(min=0), lm_coef, t)
+    loss: torch.Tensor = FusedKD.apply(logits.reshape(-1, vocab), ids.clamp(min=0), ids >= 0, w, tail, kd_coef,
+                                       target.clamp(min=0), lm_coef, t)  # torch's Function.apply: untyped
+    return loss

@@ -19,12 +19,12 @@ import torch
 if TYPE_CHECKING:  # transformers is imported where it is used (featstore.hf imports without it)
     from transformers import PreTrainedModel
 
-from featstore.codecs._ragged import Tokens, attention_mask
+from featstore.codecs import Tokens, attention_mask
 from featstore.errors import InvalidInput
 from featstore.hf._identity import vocabulary
 
 
-class TokenizedTexts(torch.utils.data.Dataset):
+class TokenizedTexts(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """Texts tokenized once, truncated to ``max_tokens``: item ``i`` is ``{"input_ids":
     LongTensor [L_i]}``. The dataset a version is computed on and its student reads (the
     student's inputs are joined from it by index, checked against the version's digest).
@@ -65,7 +65,8 @@ class CausalLMLogits(torch.nn.Module):
         self.model = model
 
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=x["ids"], attention_mask=x["attention_mask"].long()).logits.float()
+        logits: torch.Tensor = self.model(input_ids=x["ids"], attention_mask=x["attention_mask"].long()).logits
+        return logits.float()  # a transformers model's output: untyped to mypy
 
 
 def teacher_tokens(tokenizer: Any, max_tokens: int, name: str | None = None) -> Tokens:
@@ -91,4 +92,5 @@ def student_from(teacher: PreTrainedModel, num_hidden_layers: int = 2, seed: int
     cfg.update(num_hidden_layers=num_hidden_layers, dtype="float32", **changes)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).train()
+    student: PreTrainedModel = AutoModelForCausalLM.from_config(config).train()  # transformers' Auto class: Any
+    return student

@@ -32,11 +32,11 @@ from featstore.errors import InvalidInput
 if TYPE_CHECKING:  # the advisor's arithmetic imports none of them (torch, Dask, zarr)
     import torch
 
-    from featstore.format._manifests import Layout
+    from featstore.format import Layout
     from featstore.online._teacher import Teacher
     from featstore.storage import Storage
     from featstore.store import FeatureStore
-    from featstore.versions._committed import StoredVersion
+    from featstore.versions import StoredVersion
 
 #: Model B's step on one batch, timed by :func:`measure` (what it returns is ignored).
 Student = Callable[["dict[str, torch.Tensor]"], object]

@@ -1,7 +1,7 @@
 """Fill as you train: the shards an online reader computes become the version.
 
 Every (rank, DataLoader worker) consumer reads one contiguous span of the epoch's shard order
-(:mod:`featstore.read._assignment`). A shard's first row lies in exactly one consumer's span: that consumer
+(:mod:`featstore.read.plans._assignment`). A shard's first row lies in exactly one consumer's span: that consumer
 *owns* the shard for the epoch (:func:`owned`) and is the only one that writes it, with the
 writer's own shard write (:mod:`featstore.compute._shard_writing`: the same arrays, crc32c and receipts as
 ``store.compute``). A consumer that reads only the tail of a shard another one
@@ -29,10 +29,10 @@ from featstore.errors import ComputeFailed
 from featstore.online._teacher import Planned
 from featstore.read import Piece
 from featstore.storage import Storage
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import StoredVersion
-from featstore.versions._keys import view_key
-from featstore.versions._receipts import finished_shards
+from featstore.versions import Catalog
+from featstore.versions import StoredVersion
+from featstore.versions import view_key
+from featstore.versions import finished_shards
 
 log = logging.getLogger("featstore")
 

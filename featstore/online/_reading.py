@@ -1,5 +1,7 @@
 """Online mode: Model A runs in the consuming process and the reader yields the stored reader's
 batches; with ``fill=True`` the shards it computes become the version (:mod:`featstore.online._fill`).
+The reader is the one :class:`~featstore.FeatureDataset`; its stream's rows come from
+:class:`ComputedRows` (a :class:`~featstore.read.RowsFrom`) instead of the stored version.
 
 ``store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=A, dataset=ds,
 outputs={"features": "float16"}))`` plans the version ``store.compute`` would make of the same
@@ -31,46 +33,45 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 import zarr
 
+from featstore._user_code import read_items
+from featstore.codecs import TOKEN_LENGTH, RaggedRows, RaggedWindow
 from featstore.compute import compute_shard, open_arrays, shard_batches, worker_model, write_shard
 from featstore.errors import InvalidInput
 from featstore.online._fill import FillState, ShardUnit, ShardWrites, owned, try_commit
 from featstore.online._inputs import InputPrefetch
 from featstore.online._teacher import Planned, Teacher, plan_teacher
-from featstore.ragged import TOKEN_LENGTH, RaggedRows, RaggedWindow
-from featstore.read import (Epoch, FeatureDataset, Piece, ProcessReads, ShardSource, UniformShards, Window, WindowRead,
-                            WindowRows, dropped_pieces)
-from featstore.versions._catalog import Catalog
-from featstore.versions._committed import HasStoredVersion, StoredVersion
-from featstore.versions._keys import receipt_key, view_key
-from featstore.versions import InputCheck
-from featstore._user_code import read_items
+from featstore.read import (Epoch, FeatureDataset, Join, ProcessReads, ReadCall, RowsFrom, ShardSource, Span,
+                            SpanRead, SpanRows, Stream)
+from featstore.read.plans import Piece, UniformShards, dropped_pieces
+from featstore.read.shards import sample_tokens
+from featstore.versions import Catalog, HasStoredVersion, InputCheck, StoredVersion, receipt_key, view_key
 
 #: What the face gives to turn the committed version into the user's (:class:`featstore.Version`).
 PublicVersion = Callable[[StoredVersion], HasStoredVersion]
 
 
-def piece_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
+def computed_tokens(rows: dict[str, np.ndarray], fields: Sequence[str], piece: Piece) -> dict[str, RaggedRows]:
     """The token rows of ``piece``'s samples in each per-token array of ``fields``, from the
     rows of its shard as :func:`~featstore.compute.compute_shard` gives them (each per-token
-    array the shard's token rows, sample after sample)."""
+    array the shard's token rows, sample after sample): cut by the one per-token slicing,
+    :func:`featstore.read.shards.sample_tokens`."""
     if not fields:
         return {}
-    counts = rows[TOKEN_LENGTH]
-    lengths, first = counts[piece.lo:piece.hi], int(counts[:piece.lo].sum(dtype=np.int64))
-    last = first + int(lengths.sum(dtype=np.int64))
-    return {f: RaggedRows(rows[f][first:last], lengths) for f in fields}
+    counts = rows[TOKEN_LENGTH].astype(np.int64)
+    starts = np.cumsum(counts) - counts  # in the shard's token rows, as compute stores them
+    return sample_tokens(fields, starts[piece.lo:piece.hi], counts[piece.lo:piece.hi], lambda f, at: rows[f][at])
 
 
 class ComputedSource(ShardSource):
-    """Where an online reader's rows come from (the :class:`~featstore.read._sources.ShardSource`
-    of :class:`OnlineDataset`, one per process): Model A computes each window's shards, whole,
+    """Where an online reader's rows come from (the :class:`~featstore.read.shards._sources.ShardSource`
+    of a teacher in the loop, one per process): Model A computes each window's shards, whole,
     in the consuming thread, a window at a time as the batches need it. With ``fill``, the
     shards this consumer owns are written (:class:`ShardWrites`), those already stored are read,
     and once every shard of the epoch's view is stored the epoch reads the stored version's own
@@ -79,7 +80,7 @@ class ComputedSource(ShardSource):
     def __init__(self, planned: Planned, reads: ProcessReads) -> None:
         self.planned, self.reads, self.fields = planned, reads, reads.fields  # fields: ShardSource's
         self.ragged = tuple(f for f in self.fields if planned.version.manifest.arrays[f].ragged)  # per-token
-        self.writers: dict[int | None, dict[str, zarr.Array]] = {}  # view -> the zarr arrays written
+        self.writers: dict[int | None, dict[str, zarr.Array[Any]]] = {}  # view -> the zarr arrays written
         self.fill, self.writes, self.inputs = FillState(), ShardWrites(), InputPrefetch(planned.spec.digests)
         self.owned_left: set[int] = set()  # this iteration's shards to write, not yet written
         self.stored: list[ShardSource] | None = None  # this epoch reads the stored version's sources
@@ -108,7 +109,7 @@ class ComputedSource(ShardSource):
     def begin(self, epoch: Epoch) -> None:
         version, view = self.planned.version, self.reads.viewing.view
         self.spec = replace(self.planned.spec, view=view, storage=self.reads.storage)
-        self.seen = self.planned.seen(view, epoch.number, self.reads.options.seed)  # this epoch's view, or fresh draws
+        self.seen = self.planned.seen(view, epoch.number, epoch.seed)  # this epoch's view, or fresh draws
         self.stored, self.owned_left = None, set()
         if self.filling:
             self.fill.refresh(self.reads.storage, version, [view])
@@ -120,11 +121,11 @@ class ComputedSource(ShardSource):
         # the shards this consumer writes this epoch (once all are, it tries the commit at once),
         # and A's batches, which are read a batch ahead
         n, ranges = len(version), []
-        for window in epoch.windows:
-            self.owned_left |= {p.shard for p, own in zip(window.pieces, owned(window.pieces, window.at, n),
+        for span in epoch.spans:
+            self.owned_left |= {p.shard for p, own in zip(span.pieces, owned(span.pieces, span.at, n),
                                                            strict=True) if own}
-        for window in epoch.todo:
-            ranges += [r for p in window.pieces if not self.fill.holds(view, p.shard)
+        for span in epoch.todo:
+            ranges += [r for p in span.pieces if not self.fill.holds(view, p.shard)
                        for r in shard_batches(self.spec, p.shard)]
         self.dropped = self._dropped(epoch) if self.filling else []
         self.owned_left |= set(self.dropped)
@@ -132,13 +133,13 @@ class ComputedSource(ShardSource):
         ranges += [r for shard in self.dropped for r in shard_batches(self.spec, shard)]
         self.inputs.plan(self.seen, ranges)
 
-    def read(self, window: Window, reads: Executor) -> WindowRead:
+    def read(self, span: Span, reads: Executor) -> SpanRead:
         if self.stored is not None:
-            return WindowRead.joined([s.read(window, reads) for s in self.stored])
-        return WindowRead([], lambda: self._window_rows(window))  # computed when its batches are cut
+            return SpanRead.joined([s.read(span, reads) for s in self.stored])
+        return SpanRead([], lambda: self._span_rows(span))  # computed when its batches are cut
 
-    def near(self, windows: Sequence[Window]) -> bool:
-        return self.stored is None or all(s.near(windows) for s in self.stored)
+    def near(self, spans: Sequence[Span]) -> bool:
+        return self.stored is None or all(s.near(spans) for s in self.stored)
 
     def end(self, finished: bool) -> None:
         if self.stored is not None:
@@ -167,20 +168,20 @@ class ComputedSource(ShardSource):
         if epoch.partition != "drop" or epoch.consumer != epoch.consumers - 1:
             return []
         layout = self.planned.version.manifest.layout
-        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=self.reads.options.seed,
-                              epoch=epoch.number, shuffle=self.reads.options.shuffle, consumers=epoch.consumers)
+        tail = dropped_pieces(UniformShards(layout.n_samples, layout.samples_per_shard), seed=epoch.seed,
+                              epoch=epoch.number, shuffle=epoch.shuffle, consumers=epoch.consumers)
         return [p.shard for p in tail if p.lo == 0]
 
-    def _window_rows(self, window: Window) -> dict[str, WindowRows]:
-        """One window's rows of every read array, in window order: the per-sample arrays into
+    def _span_rows(self, span: Span) -> dict[str, SpanRows]:
+        """One span's rows of every read array, in window order: the per-sample arrays into
         window buffers, the per-token ones as each piece's token rows (what the stored version's
         per-token source gives)."""
         specs = self.planned.version.manifest.arrays
         dense = [f for f in self.fields if f not in self.ragged]
-        arrays = {f: np.empty((window.size, *specs[f].shape), dtype=specs[f].dtype) for f in dense}
+        arrays = {f: np.empty((span.size, *specs[f].shape), dtype=specs[f].dtype) for f in dense}
         tokens: dict[str, list[RaggedRows]] = {f: [] for f in self.ragged}
         off, view = 0, self.spec.view
-        for piece, own in zip(window.pieces, owned(window.pieces, window.at, len(self.planned.version)), strict=True):
+        for piece, own in zip(span.pieces, owned(span.pieces, span.at, len(self.planned.version)), strict=True):
             out = {f: arrays[f][off:off + piece.size] for f in dense}
             off += piece.size
             write = self.filling and own
@@ -191,12 +192,12 @@ class ComputedSource(ShardSource):
                 self._check_stored(piece)
                 for f in dense:
                     self.reads.read_rows(f, piece.shard, piece.lo, piece.hi, out[f])
-                got = self.reads.read_tokens(self.ragged, piece) if self.ragged else {}
+                got = self.reads.read_tokens(self.ragged, [piece]) if self.ragged else {}
             else:
                 rows = self._computed(piece.shard, write=write)
                 for f in dense:
                     out[f][...] = rows[f][piece.lo:piece.hi]
-                got = piece_tokens(rows, self.ragged, piece)
+                got = computed_tokens(rows, self.ragged, piece)
             for f in self.ragged:
                 tokens[f].append(got[f])
         return {**arrays, **{f: RaggedWindow(parts) for f, parts in tokens.items()}}
@@ -236,56 +237,35 @@ class ComputedSource(ShardSource):
         return False
 
 
-class OnlineDataset(FeatureDataset):
-    """A :class:`~featstore.FeatureDataset` whose rows Model A computes as it reads (see
-    :mod:`featstore.online`); with ``Teacher(fill=True)`` it also writes and commits them.
-    Everything but where the rows come from is the stored reader's: its source is a
-    :class:`ComputedSource`.
+class ComputedRows(RowsFrom):
+    """Where a teacher in the loop's rows come from: in each process, a :class:`ComputedSource`
+    of the planned version (picklable: DataLoader workers make their own)."""
 
-    >>> ds = store.dataset("cnn-a/train", batch_size=256, teacher=featstore.Teacher(model=a, dataset=train_set))
-    >>> ds.version.id == store.compute("cnn-a/train", model=a, dataset=train_set).id
-    True
-    """
-
-    def __init__(self, planned: Planned, *, public: PublicVersion | None = None, **options: Any) -> None:
+    def __init__(self, planned: Planned, public: PublicVersion | None = None) -> None:
         """``public``: wraps what :meth:`committed` returns (the face passes :class:`featstore.Version`)."""
-        self._planned = planned
-        self._public = public
-        super().__init__(planned.version, sources=partial(_computed_sources, planned), **options)
-        if planned.teacher.fresh and planned.plan.n != len(planned.teacher.dataset):
-            raise InvalidInput("the teacher's dataset changed length while it was planned.")
+        self.planned, self.public = planned, public
+
+    def sources(self, reads: ProcessReads) -> list[ShardSource]:
+        return [ComputedSource(self.planned, reads)]
 
     @property
-    def teacher(self) -> Teacher:
-        return self._planned.teacher
+    def online(self) -> bool:
+        return True
 
-    @property
-    def filling(self) -> bool:
-        return self._planned.teacher.fill
-
-    def committed(self) -> StoredVersion | HasStoredVersion | None:
+    def committed(self, storage_reads: ProcessReads) -> StoredVersion | HasStoredVersion | None:
         """The filled version once committed (None before, and always without ``fill``)."""
-        if not self.filling:
+        if not self.planned.teacher.fill:
             return None
-        v = Catalog(self._process().storage).committed(self.version.name, self.version.id)
-        return v if v is None or self._public is None else self._public(v)
-
-    def __repr__(self) -> str:
-        mode = "fill" if self.filling else "online"
-        return f"OnlineDataset({mode}, {self.version.name}@{self.version.id}, {self.options})"
+        v = Catalog(storage_reads.storage).committed(self.planned.version.name, self.planned.version.id)
+        return v if v is None or self.public is None else self.public(v)
 
 
-def _computed_sources(planned: Planned, reads: ProcessReads) -> list[ShardSource]:
-    """An online reader's :data:`~featstore.read._dataset.SourceFactory`, given ``planned`` (a
-    picklable partial)."""
-    return [ComputedSource(planned, reads)]
-
-
-def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: PublicVersion | None = None,
-                   **options: Any) -> FeatureDataset:
-    """``store.dataset(name, teacher=...)``: an :class:`OnlineDataset`, or with ``fill`` a plain
-    :class:`~featstore.FeatureDataset` over the version once it is committed. ``public`` wraps
-    the version :meth:`OnlineDataset.committed` returns (the face passes :class:`featstore.Version`)."""
+def online_dataset(catalog: Catalog, name: str, teacher: Teacher, call: ReadCall, *,
+                   public: PublicVersion | None = None) -> FeatureDataset:
+    """``store.dataset(name, teacher=...)``: a :class:`~featstore.FeatureDataset` whose rows Model A
+    computes as it reads (with ``fill``, writing and committing them), or over the version once
+    it is committed. ``public`` wraps the versions the reader gives back (the face passes
+    :class:`featstore.Version`)."""
     if not isinstance(teacher, Teacher):
         raise InvalidInput("teacher= takes featstore.Teacher(model=..., dataset=..., outputs={...}).")
     if "@" in name:
@@ -293,10 +273,14 @@ def online_dataset(catalog: Catalog, name: str, teacher: Teacher, *, public: Pub
                            "teacher's arguments decide the version.")
     planned = plan_teacher(catalog, name, teacher)
     if isinstance(planned, StoredVersion):
-        if "source" in options or InputCheck.of(planned) is None:
-            return FeatureDataset(planned, **options)
+        if call.join is not None or InputCheck.of(planned) is None:
+            return FeatureDataset.of([Stream(planned if public is None else public(planned))], call, mixture=False)
         # a join that adds no field: every row is checked against the teacher's item it was computed from
         views = planned.manifest.views
-        return FeatureDataset(planned, source=teacher.dataset, source_fields=[],
-                              augment=None if views is None else teacher.view_augment, **options)
-    return OnlineDataset(planned, public=public, **options)
+        join = Join(teacher.dataset, None if views is None else teacher.view_augment, [])
+        return FeatureDataset.of([Stream(planned if public is None else public(planned), join=join)], call,
+                                 mixture=False)
+    if planned.teacher.fresh and planned.plan.n != len(planned.teacher.dataset):
+        raise InvalidInput("the teacher's dataset changed length while it was planned.")
+    version = planned.version if public is None else public(planned.version)
+    return FeatureDataset.of([Stream(version, rows=ComputedRows(planned, public))], call, mixture=False)

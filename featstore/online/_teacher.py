@@ -17,10 +17,10 @@ import torch
 from featstore._user_types import MapDataset
 from featstore.compute import ComputePlan, ComputeRequest, TaskSpec, decide, probe
 from featstore.errors import DeviceSetupError, InvalidInput
-from featstore.versions._catalog import Catalog
-from featstore.versions._commits import Claim
-from featstore.versions._committed import StoredVersion
-from featstore.versions._views import ViewDataset, fresh_view
+from featstore.versions import Catalog
+from featstore.versions import Claim
+from featstore.versions import StoredVersion
+from featstore.versions import ViewDataset, fresh_view
 
 
 @dataclass(frozen=True, eq=False)

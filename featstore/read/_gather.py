@@ -1,169 +1,215 @@
-"""How a batch takes its rows from a window (the reader's innermost loop).
+"""How a batch takes its rows from a slice's windows (the reader's innermost loop).
 
-A window's arrays are either buffers (decoded rows, in window order), :class:`RaggedWindow`
-(per-token rows), or rows left where they lie: :class:`InPlace` (per-shard arrays on mapped
-objects or in the shared cache, gathered shard by shard with numpy) and :class:`ArenaRows`
-(every shard of the window mapped into one :class:`~featstore.read.Arena`, so a batch of an
-array is one ``torch.index_select``: docs/benchmarks.md measures a shuffled read-only epoch
-1.85x faster than with the numpy gather). Batches are always copies: nothing a caller keeps points into a mapping.
+A slice of a plan's window has each stream's rows read into that stream's window arrays
+(:mod:`featstore.read.shards`), and a yield order (:func:`~featstore.read.plans.slice_rows`):
+for each position, its stream (``streams``) and its row among that stream's rows read
+(``local``). A batch yields its rows grouped by stream (stream 0's first), each stream's in
+yield order, with each row's stream beside them.
+
+With one stream (one version, or several teachers on the same rows) a batch is its window's rows
+at the batch's positions: a slice (unshuffled) or one gather per array, the rows of in-place
+arrays located once per batch for all of them (:func:`~featstore.read.shards.window_rows`).
+
+With several, :class:`SliceRows` does once per slice what does not depend on the batch, so that
+a batch costs about what one stream's does (one gather per array):
+
+- per slice, for each array whose rows all the versions' windows can address jointly, one array
+  for the whole slice in yield order: the unit offsets of windows mapped into the same arena
+  (:class:`~featstore.read.shards._gather.ArenaRows` that :meth:`~featstore.read.shards._gather.ArenaRows.shares_rows`),
+  or the rows themselves when they are at most :data:`JOINT_ROW_BYTES` (the sample index, a
+  label: copying them costs what an offset would);
+- per slice too, the order batches yield its rows (:func:`batch_grouped`: each batch grouped by
+  version, one vectorised stable sort of small integer labels for all its batches);
+- per batch, for each joint array a slice of it (and for arena rows one ``index_select``, as for
+  one version); any other array (decoded window buffers, rows gathered shard by shard, windows in
+  different arenas) is gathered stream by stream into one preallocated buffer, never joined from
+  pieces; per-token arrays stream by stream, their rows joined.
 """
 
 from __future__ import annotations
 
+
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from featstore.read._arena import Arena, Slot
-from featstore.format._shard_decoder import ShardFormat
-from featstore.read._assignment import Piece
-from featstore.codecs._ragged import RaggedRows, RaggedWindow
+from featstore.codecs import RaggedRows, RaggedWindow
+from featstore.read.plans import run_starts
+from featstore.read.shards import ArenaRows, BatchRows, SpanRows, window_rows
 
-def window_rows(arrays: dict[str, WindowRows], order: np.ndarray | None, drop: int, a: int,
-                b: int) -> dict[str, BatchRows]:
-    """Rows ``[a, b)`` of a window in epoch order: a slice, or one gather through ``order``;
-    fields left in place (:class:`InPlace`, :class:`ArenaRows`) are gathered straight into the
-    batch."""
-    pos = np.arange(drop + a, drop + b) if order is None else order[a:b]
-    groups = None
-    out: dict[str, BatchRows] = {}
-    for k, v in arrays.items():
-        if isinstance(v, ArenaRows | RaggedWindow):
-            out[k] = v.take(pos)
-        elif isinstance(v, InPlace) and order is None:
-            out[k] = v.span(drop + a, drop + b)
-        elif isinstance(v, InPlace):
-            groups = groups if groups is not None else v.groups(pos)
-            out[k] = v.take(groups, len(pos))
-        else:
-            out[k] = v[drop + a:drop + b] if order is None else v[pos]
-    return out
+#: Rows at most this wide (bytes) are copied into one joint array per slice, like offsets.
+JOINT_ROW_BYTES = 8
 
 
-class _Pieces:
-    """Window positions -> (piece, row in the piece's shard) for a window's pieces."""
+@dataclass(frozen=True)
+class _Joint:
+    """One array's rows of every stream, addressed jointly in the slice's yield order: unit
+    offsets into ``arena``'s rows, or (``arena`` None) the rows themselves."""
 
-    def __init__(self, pieces: tuple[Piece, ...]) -> None:
-        sizes = np.array([p.size for p in pieces], dtype=np.int64)
-        self.ends = np.cumsum(sizes)
-        self.starts = self.ends - sizes
-        self.los = np.array([p.lo for p in pieces], dtype=np.int64)
-
-    def shard_rows(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pid = np.searchsorted(self.ends, pos, side="right")
-        return pid, pos - self.starts[pid] + self.los[pid]
+    values: np.ndarray
+    arena: ArenaRows | None
 
 
-@dataclass(frozen=True, slots=True)
-class PieceRows:
-    """The rows a batch takes from one piece of a window: at batch positions ``slots`` (None:
-    the whole batch, in order), rows ``row`` of chunks ``chunk`` of the piece's shard."""
+@dataclass(frozen=True)
+class Rows:
+    """A batch's rows (or part of one) grouped by stream, and each row's stream."""
 
-    piece: int
-    slots: np.ndarray | None
-    chunk: np.ndarray
-    row: np.ndarray
+    arrays: dict[str, BatchRows]
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
 
 
-class InPlace(_Pieces):
-    """One field of a window left where it lies: piece ``i``'s rows are rows ``lo_i..`` of
-    ``sources[i]``, a ``(chunks, chunk_rows, *row)`` array on a mapped shard object or a shard
-    in the shared cache. A batch gathers its rows from there: one copy, as from a tensor."""
+class SliceRows:
+    """One slice's rows of every stream in yield order (see the module docstring).
 
-    def __init__(self, sources: list[np.ndarray], pieces: tuple[Piece, ...], chunk_rows: int) -> None:
-        super().__init__(pieces)
-        self.sources, self.chunk_rows = sources, chunk_rows
+    ``arrays``: each stream's window arrays for the slice (None: the slice reads none of it);
+    ``streams``/``local``: each yielded position's stream and its row among that stream's rows
+    read (``local`` None: one stream, its rows in read order from row ``drop``, unshuffled)."""
 
-    def groups(self, pos: np.ndarray) -> list[PieceRows]:
-        """Window positions -> the rows each piece gives (computed once per batch: every
-        in-place field of the window shares them)."""
-        pid, rows = self.shard_rows(pos)
-        chunk, row = np.divmod(rows, self.chunk_rows)
-        if len(pid) == 0 or pid[0] == pid[-1] and (pid == pid[0]).all():
-            return [PieceRows(int(pid[0]) if len(pid) else 0, None, chunk, row)]
-        slots = np.argsort(pid, kind="stable")
-        bounds = np.searchsorted(pid[slots], np.arange(len(self.sources) + 1))
-        return [PieceRows(p, sel, chunk[sel], row[sel]) for p in range(len(self.sources))
-                if len(sel := slots[bounds[p]:bounds[p + 1]])]
+    def __init__(self, arrays: Sequence[Mapping[str, SpanRows] | None], streams: np.ndarray,
+                 local: np.ndarray | None, held: int, batch_size: int, drop: int = 0) -> None:
+        """``held``: rows of the batch being filled when the slice starts (its first batch takes
+        ``batch_size - held`` rows of the slice, the later ones ``batch_size``)."""
+        self.arrays, self.drop = arrays, drop
+        present = [a for a in arrays if a is not None]
+        self.fields = tuple(present[0]) if present else ()
+        self.single = len(arrays) == 1
+        self.n = len(streams)
+        if self.single:  # one stream: its own order, no grouping
+            self.labels, self.local = streams, local
+            self.joint: dict[str, _Joint] = {}
+            return
+        assert local is not None
+        # the slice's positions in the order batches yield them: grouped by stream in each batch
+        order = batch_grouped(streams.astype(np.min_scalar_type(max(len(arrays) - 1, 0))), held, batch_size)
+        self.labels = streams[order]
+        self.local = local[order]
+        self.joint = {f: j for f in self.fields if (j := _joint([None if a is None else a[f] for a in arrays],
+                                                                   self.labels, self.local)) is not None}
 
-    def span(self, lo: int, hi: int) -> np.ndarray:
-        """Window rows ``[lo, hi)`` in order: one block copy per chunk they cross (an unshuffled
-        batch reads sequentially, not row by row)."""
-        first = self.sources[0]
-        out = np.empty((hi - lo, *first.shape[2:]), dtype=first.dtype)
-        at = lo
-        while at < hi:
-            p = int(np.searchsorted(self.ends, at, side="right"))
-            stop = min(hi, int(self.ends[p]))
-            row = at - int(self.starts[p]) + int(self.los[p])
-            while at < stop:
-                c, r = divmod(row, self.chunk_rows)
-                k = min(stop - at, self.chunk_rows - r)
-                out[at - lo:at - lo + k] = self.sources[p][c, r:r + k]
-                at, row = at + k, row + k
+    def rows(self, a: int, b: int) -> Rows:
+        """Rows ``[a, b)`` of the slice in yield order (a batch, or the part of one in this slice:
+        ``[a, b)`` must be one of the batches :meth:`__init__` grouped by)."""
+        labels = self.labels[a:b]
+        if self.single:
+            window = self.arrays[0]
+            assert window is not None
+            return Rows(window_rows(dict(window), self.local, self.drop, a, b), labels.astype(np.int64))
+        assert self.local is not None
+        out: dict[str, BatchRows] = {}
+        bounds = np.searchsorted(labels, np.arange(len(self.arrays) + 1))
+        local = self.local[a:b]
+        for f in self.fields:
+            j = self.joint.get(f)
+            if j is None:
+                out[f] = self._by_stream(f, local, bounds)
+            elif j.arena is None:
+                out[f] = j.values[a:b].copy()  # a batch never shares memory with the slice
+            else:
+                out[f] = j.arena.take_offsets(j.values[a:b])
+        return Rows(out, labels.astype(np.int64))
+
+    def _by_stream(self, field: str, local: np.ndarray, bounds: np.ndarray) -> BatchRows:
+        """One array's rows, stream by stream (``local[bounds[k]:bounds[k + 1]]``: stream
+        ``k``'s), gathered into one buffer (per-token rows: joined)."""
+        runs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(self.arrays)) if bounds[k] < bounds[k + 1]]
+        if not runs:  # no rows: the array's empty rows, of its dtype and shape
+            first = next(a[field] for a in self.arrays if a is not None)
+            return window_rows({field: first}, local, 0, 0, 0)[field]
+        parts: list[RaggedRows] = []
+        out: np.ndarray | None = None
+        for k, lo, hi in runs:
+            window = self.arrays[k]
+            assert window is not None  # a stream with rows in the slice was read
+            v = window[field]
+            if len(runs) == 1:
+                return window_rows({field: v}, local, 0, 0, len(local))[field]
+            if isinstance(v, np.ndarray):  # straight into the buffer: no copy in between
+                if out is None:
+                    out = np.empty((len(local), *v.shape[1:]), dtype=v.dtype)
+                np.take(v, local[lo:hi], axis=0, out=out[lo:hi])
+                continue
+            got = window_rows({field: v}, local[lo:hi], 0, 0, hi - lo)[field]
+            if isinstance(got, RaggedRows):
+                parts.append(got)
+                continue
+            if out is None:
+                out = np.empty((len(local), *got.shape[1:]), dtype=got.dtype)
+            out[lo:hi] = got
+        if parts:
+            return RaggedRows.concat(parts)
+        assert out is not None
         return out
 
-    def take(self, groups: list[PieceRows], n: int) -> np.ndarray:
-        """The ``n`` rows of a batch, from :meth:`groups` of its window positions."""
-        if len(groups) == 1 and groups[0].slots is None:
-            g = groups[0]
-            return self.sources[g.piece][g.chunk, g.row]
-        first = self.sources[groups[0].piece]
-        out = np.empty((n, *first.shape[2:]), dtype=first.dtype)
-        for g in groups:
-            out[g.slots] = self.sources[g.piece][g.chunk, g.row]
-        return out
+
+def batch_grouped(labels: np.ndarray, held: int, batch_size: int) -> np.ndarray:
+    """The positions of a slice whose rows have stream ``labels``, in the order batches yield
+    them: each batch's rows (the first batch's ``batch_size - held``, then ``batch_size`` each)
+    grouped by stream, stably. One stable sort per row of a ``[batches, batch_size]`` view (small
+    integer labels: radix sorts), not one call per batch."""
+    n = len(labels)
+    first = min(n, (batch_size - held) if held else 0)
+    order = np.empty(n, dtype=np.int64)
+    order[:first] = np.argsort(labels[:first], kind="stable")
+    whole = (n - first) // batch_size * batch_size
+    if whole:
+        grid = np.argsort(labels[first:first + whole].reshape(-1, batch_size), axis=1, kind="stable")
+        grid += (first + np.arange(0, whole, batch_size))[:, None]
+        order[first:first + whole] = grid.ravel()
+    order[first + whole:] = first + whole + np.argsort(labels[first + whole:], kind="stable")
+    return order
 
 
-class ArenaRows(_Pieces):
-    """One array of a window whose shards are held in an :class:`Arena`: ``slots[i]`` holds
-    piece ``i``'s shard, ``fmt.chunk_rows``-row chunks back to back (``stored``: an uncompressed
-    stored object, each chunk followed by its crc32c; else a decoded shard of the shared cache).
-    A batch's rows are one ``index_select`` of their unit offsets in the arena. :meth:`release`
-    lets the arena reuse the slots once the window is consumed."""
-
-    def __init__(self, arena: Arena, slots: list[Slot], pieces: tuple[Piece, ...], fmt: ShardFormat,
-                 stored: bool) -> None:
-        super().__init__(pieces)
-        self.arena, self.slots, self.fmt = arena, slots, fmt
-        self.dtype = np.dtype(fmt.dtype)
-        row_bytes = fmt.row_bytes
-        stride = fmt.stored_stride if stored else fmt.chunk_rows * row_bytes
-        # rows are addressed in the largest unit every offset is a multiple of
-        unit = next(u for u in (8, 4, 2, 1) if stride % u == 0 and row_bytes % u == 0)
-        base = np.array([s.index * (arena.slot_bytes // unit) for s in slots], dtype=np.int64)
-        # every window row's offset, once per window: a batch is then one lookup and one copy
-        pid, rows = self.shard_rows(np.arange(int(self.ends[-1]) if len(pieces) else 0))
-        chunk, row = np.divmod(rows, fmt.chunk_rows)
-        self.offsets = base[pid] + chunk * (stride // unit) + row * (row_bytes // unit)
-        self.src = arena.rows(unit, row_bytes // unit)
-
-    def take(self, pos: np.ndarray) -> np.ndarray:
-        """Window rows ``pos`` (in that order) as a new array."""
-        return self.take_offsets(self.offsets[pos])
-
-    def take_offsets(self, offsets: np.ndarray) -> np.ndarray:
-        """The rows at these unit offsets (from :attr:`offsets`, of this window or of another
-        that :meth:`shares_rows` with it) as a new array: one ``index_select``."""
-        rows = torch.index_select(self.src, 0, torch.from_numpy(offsets)).numpy()
-        return rows.view(self.dtype).reshape(len(offsets), *self.fmt.row_shape)
-
-    def shares_rows(self, other: ArenaRows) -> bool:
-        """Whether ``other``'s offsets address the same rows view of the same arena with the same
-        row format, so that one ``index_select`` can take rows of both windows."""
-        return (self.src is other.src and self.dtype == other.dtype
-                and tuple(self.fmt.row_shape) == tuple(other.fmt.row_shape))
-
-    def release(self) -> None:
-        """Give the slots back (once; the rows gathered before stay valid: they are copies)."""
-        slots, self.slots = self.slots, []
-        for s in slots:
-            self.arena.unpin(s)
+def joined(parts: list[Rows], streams: int) -> Rows:
+    """A batch made of parts from consecutive slices (of ``streams`` streams), its rows grouped
+    by stream again (stream 0's rows of every part first, each stream's in yield order)."""
+    if len(parts) == 1:
+        return parts[0]
+    labels = np.concatenate([p.labels for p in parts])
+    arrays = {f: _concat([p.arrays[f] for p in parts]) for f in parts[0].arrays}
+    if streams == 1:
+        return Rows(arrays, labels)
+    order = np.argsort(labels, kind="stable")
+    return Rows({f: _taken(v, order) for f, v in arrays.items()}, labels[order])
 
 
-#: One array of a window as a source hands it over: decoded rows in window order, rows left
-#: where they lie (:class:`InPlace`, :class:`ArenaRows`), or per-token rows.
-WindowRows = np.ndarray | InPlace | ArenaRows | RaggedWindow
-#: One array of a batch: its rows, or with per-token arrays each sample's token rows.
-BatchRows = np.ndarray | RaggedRows
+def _concat(parts: list[BatchRows]) -> BatchRows:
+    """Rows of consecutive parts, one after another."""
+    ragged = [p for p in parts if isinstance(p, RaggedRows)]
+    if ragged:
+        return RaggedRows.concat(ragged)
+    return np.concatenate([p for p in parts if isinstance(p, np.ndarray)])
+
+
+def _taken(rows: BatchRows, order: np.ndarray) -> BatchRows:
+    """``rows`` in ``order``."""
+    if isinstance(rows, RaggedRows):
+        return RaggedWindow([rows]).take(order)
+    taken: np.ndarray = rows[order]
+    return taken
+
+
+def _joint(rows: list[SpanRows | None], labels: np.ndarray, local: np.ndarray) -> _Joint | None:
+    """One array of every stream's window, addressed jointly for the slice (None: it cannot be).
+    Each stream's offsets (or rows) are laid end to end, stream 0's first, so that the slice's
+    are one gather at (the stream's start + its local row): no pass per stream."""
+    present = [v for v in rows if v is not None]
+    first = present[0]
+    if isinstance(first, ArenaRows) and all(isinstance(v, ArenaRows) and first.shares_rows(v) for v in present):
+        return _Joint(_gathered([v.offsets if isinstance(v, ArenaRows) else None for v in rows], labels, local), first)
+    if isinstance(first, np.ndarray) and first.dtype.itemsize * int(np.prod(first.shape[1:])) <= JOINT_ROW_BYTES \
+            and all(isinstance(v, np.ndarray) and v.dtype == first.dtype and v.shape[1:] == first.shape[1:]
+                    for v in present):
+        return _Joint(_gathered([v if isinstance(v, np.ndarray) else None for v in rows], labels, local), None)
+    return None
+
+
+def _gathered(parts: list[np.ndarray | None], labels: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Row ``local[i]`` of ``parts[labels[i]]`` for every ``i`` (a stream whose part is None
+    has no rows in the slice)."""
+    starts = run_starts([0 if p is None else len(p) for p in parts])
+    rows: np.ndarray = np.concatenate([p for p in parts if p is not None])[starts[labels] + local]
+    return rows

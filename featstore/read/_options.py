@@ -1,15 +1,46 @@
-"""The reader's options: :class:`ReaderOptions` (batches, shuffle windows, caches, ranks, views'
-join...), checked once when a dataset is built.
+"""The reader's keywords, declared once: :class:`ReaderOptions` (batches, shuffle windows, caches,
+views, per-token form), and :class:`ReadKeywords`, every keyword a reader takes (the options, and
+the rank, the DataLoader workers, the source join, a mixture's epoch size), checked once when a
+reader is made (:func:`read_call`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
-from featstore.codecs._ragged import RAGGED_FORMS
+from featstore._keywords import given, inherit_attributes
+from featstore._user_types import FieldKey, MapDataset
+from featstore.codecs import RAGGED_FORMS
 from featstore.errors import InvalidInput
-from featstore.read._assignment import PARTITIONS
-from featstore.read._cache import DiskCacheOptions
+from featstore.read.plans import PARTITIONS
+from featstore.read.shards import DiskCacheOptions
+from featstore.versions import Augment
+
+#: ``source_fields=``: the source item's fields to join (a list of keys, or batch name -> key).
+SourceFields = Sequence[FieldKey] | Mapping[str, FieldKey] | None
+
+@dataclass(frozen=True)
+class Join:
+    """The student's own input beside A's stored outputs: each row's ``source[index]``,
+    augmented with that row's seed (the view's with views, else one drawn from the reader's
+    seed, the epoch and the index), checked to be the dataset the version was computed on.
+
+    Attributes:
+        source: the map-style dataset the version was computed on.
+        augment: with views, the function they were computed with (the joined input is then
+            the view A saw); without, a fresh augmentation of the student's input each epoch.
+        fields: the item's fields to join (None: all of a dict item but those the batch holds,
+            ``input`` for a tensor, ``field<i>`` for a tuple), or batch name -> key.
+        source_id: the ``dataset_id`` the version was computed with, if it was.
+    """
+
+    source: MapDataset
+    augment: Augment | None = None
+    fields: SourceFields = None
+    source_id: str | None = None
+
 
 #: ``ReaderOptions.cache``: decoded shards in shared memory, remote objects on local disk, or both.
 CACHES = ("memory", "disk", "memory+disk")
@@ -31,7 +62,8 @@ class ReaderOptions:
         shuffle_window: samples permuted together (spans several chunks and shards); None:
             four shards.
         prefetch: shard pieces read ahead, concurrently.
-        fields: the arrays to read (None: all but the views' ``view_seed``).
+        fields: the arrays to read (None: all but the views' ``view_seed``); with several
+            teachers, ``{label: [arrays]}`` reads other arrays of each (a teacher left out reads all).
         cache: ``"memory"`` keeps decoded shards in shared memory (``/dev/shm``), one copy for
             every DataLoader worker and rank on the machine: once the version fits, later epochs
             read no storage and decode nothing. Uncompressed arrays of a local store are not
@@ -69,7 +101,7 @@ class ReaderOptions:
     partition: str | None = None
     shuffle_window: int | None = None
     prefetch: int = 4
-    fields: tuple[str, ...] | None = None
+    fields: tuple[str, ...] | Mapping[str, tuple[str, ...]] | None = None
     cache: str | None = None
     cache_bytes: int | None = None
     cache_dir: str | None = None
@@ -79,6 +111,7 @@ class ReaderOptions:
     ragged: str = "flat"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", _fields(self.fields))  # lists as tuples: states compare them
         if self.ragged not in RAGGED_FORMS:
             raise InvalidInput(f"ragged must be one of {RAGGED_FORMS}, got {self.ragged!r}.")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -112,3 +145,84 @@ class ReaderOptions:
             return None
         budget = self.cache_bytes if self.cache == "disk" else self.disk_bytes
         return DiskCacheOptions(self.cache_dir, budget, self.disk_policy)
+
+
+def _fields(value: object) -> tuple[str, ...] | dict[str, tuple[str, ...]] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Mapping):
+        return {str(k): _fields(v) for k, v in value.items()}  # type: ignore[misc]  # a label's arrays: a tuple
+    if isinstance(value, Sequence):
+        return tuple(str(f) for f in value)
+    raise InvalidInput(f"fields must be a list of array names (or {{teacher label: [arrays]}}), got {value!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadKeywords(ReaderOptions):
+    """Every keyword a reader takes (``store.dataset``, ``featstore.mix``, ``Version.dataset``,
+    :class:`~featstore.FeatureDataset`): :class:`ReaderOptions`' fields, and the ones below.
+
+    Attributes:
+        options: the :class:`ReaderOptions` to start from (the keywords given override its fields).
+        rank: this process's DDP rank; ``world_size``: the ranks. None: found when each epoch's
+            iteration starts (``torch.distributed``, else ``RANK``/``WORLD_SIZE``).
+        world_size: see ``rank``.
+        num_workers: the DataLoader workers per rank that will read it: what ``len()`` counts
+            this rank's batches with, and what ``state_dict()`` records. None: as many as the last
+            iteration had (0 before one).
+        source: the dataset to join to every row (the student's input, beside A's outputs; see
+            :class:`~featstore.read.Join`); ``augment``, ``source_fields``, ``source_id``: the join's.
+            A mixture's streams each take their own :class:`~featstore.read.Join`.
+        augment: see ``source``.
+        source_fields: see ``source``.
+        source_id: see ``source``.
+        epoch_size: a mixture's samples per epoch with proportions (None: the streams' sizes summed).
+    """
+
+    options: ReaderOptions | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    num_workers: int | None = None
+    source: MapDataset | None = None
+    augment: Augment | None = None
+    source_fields: SourceFields = None
+    source_id: str | None = None
+    epoch_size: int | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A reader's entry with keywords of its own (``store.dataset``: ``teacher``) documents them all."""
+        super().__init_subclass__(**kwargs)
+        inherit_attributes(cls)
+
+
+#: The fields of :class:`ReaderOptions` (the rest of :class:`ReadKeywords` is the reader's own).
+OPTION_FIELDS = tuple(f.name for f in fields(ReaderOptions))
+
+
+@dataclass(frozen=True)
+class ReadCall:
+    """A reader's keywords, checked and grouped: its options, placement, DataLoader workers, join
+    (of its one stream) and a mixture's epoch size."""
+
+    options: ReaderOptions
+    rank: int | None = None
+    world_size: int | None = None
+    num_workers: int | None = None
+    join: Join | None = None
+    epoch_size: int | None = None
+
+
+def read_call(keywords: dict[str, Any], cls: type[ReadKeywords] = ReadKeywords) -> ReadCall:
+    """The :class:`ReadCall` of the keywords a reader was given (checked by ``cls``: an unknown
+    keyword is a ``TypeError``, a bad option :class:`InvalidInput`)."""
+    k = given(cls, keywords)
+    options = replace(k.options or ReaderOptions(), **{f: v for f, v in keywords.items() if f in OPTION_FIELDS})
+    if k.source is None and (k.augment is not None or k.source_fields is not None or k.source_id is not None):
+        raise InvalidInput("augment=, source_fields= and source_id= need source= (the dataset to join).")
+    join = None if k.source is None else Join(k.source, k.augment, k.source_fields, k.source_id)
+    if k.num_workers is not None and (isinstance(k.num_workers, bool) or not isinstance(k.num_workers, int)
+                                      or k.num_workers < 0):
+        raise InvalidInput(f"num_workers must be an int >= 0 (the DataLoader's), got {k.num_workers!r}.")
+    return ReadCall(options, k.rank, k.world_size, k.num_workers, join, k.epoch_size)

@@ -1,103 +1,81 @@
 """The reader's part of augmented views: the view each epoch reads, and the source join.
 
-:class:`ViewReading` is what :class:`~featstore.read.FeatureDataset` adds for a version with
-views (one view per epoch, batches carrying ``"view"``) and for ``source=`` (the student's own
-input beside A's stored outputs, checked against the version's dataset first). The arithmetic
-is in :mod:`featstore.versions` (pure); this module binds it to a :class:`Version`.
+:class:`StreamViews` is what a reader's stream adds for a version with views (one view per
+epoch, batches carrying ``"view"``) and for a join (:class:`~featstore.read.Join`: the student's
+own input beside A's stored outputs, checked against the version's dataset first). The
+arithmetic is in :mod:`featstore.versions` (pure); this module binds it to a stream's version.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
+import numpy as np
 import torch
 
 from featstore._json import JSONObject
-from featstore._user_types import FieldKey, MapDataset
+from featstore._user_types import MapDataset
 from featstore.errors import InvalidInput, SourceMismatch
-from featstore.read._options import ReaderOptions
-from featstore.versions._fingerprints import dataset_digest, describe_key, sample_positions
-from featstore.versions._committed import StoredVersion
-from featstore.versions import InputCheck
-from featstore.versions._views import (VIEW_FIELD, Augment, SourceJoin, check_view_mode, epoch_seeds, epoch_view,
-                                       normalize_fields, view_seeds)
-
-#: ``source_fields=``: the source item's fields to join (a list of keys, or batch name -> key).
-SourceFields = Sequence[FieldKey] | Mapping[str, FieldKey] | None
+from featstore.read._options import Join
+from featstore.versions import (InputCheck, SourceJoin, StoredVersion, check_view_mode, dataset_digest, describe_key,
+                                epoch_seeds, epoch_view, normalize_fields, sample_positions, view_seeds)
 
 
-class ViewReading:
-    """What a :class:`FeatureDataset` adds for views and for the source join, in one place.
+class StreamViews:
+    """The view a stream reads each epoch, and its join, in one place.
 
-    Per epoch it picks the view to read (:meth:`start_epoch`: :attr:`reading` is the version
-    bound to that view) and completes each batch (:meth:`add`): ``"view"``, and with
-    ``source`` the student's input, rebuilt as ``augment(source[index], generator)`` with that
-    row's seed: the view's seed with views (the pixels A saw), else a fresh seed per
-    (reader seed, epoch, index). ``source_fields`` picks the item's fields (None: all of a dict
-    item but those the batch already holds, ``input`` for a tensor, ``field<i>`` for a tuple).
-    Before any batch, ``source`` must match the dataset the version was computed on (its length
-    and sampled content digest, or ``source_id`` where the version was computed with
-    ``dataset_id``), and with views ``augment`` must be the one the version was computed with;
-    then each item joined must be the one its row was computed from (the version's input
-    digests, where it stores them): :class:`SourceMismatch` if not, naming the item.
+    Per epoch it picks the view to read (:meth:`start_epoch`: :attr:`view`, which the stream's
+    reads of every teacher follow) and joins the student's input to rows (:meth:`joined`):
+    ``augment(source[index], generator)`` with that row's seed: the view's seed with views (the
+    pixels A saw), else a fresh seed per (reader seed, epoch, index). Before any batch, the
+    join's ``source`` must match the dataset the version was computed on (its length and sampled
+    content digest, or ``source_id`` where the version was computed with ``dataset_id``), and with
+    views ``augment`` must be the one the version was computed with; then each item joined must be
+    the one its row was computed from (the version's input digests, where it stores them):
+    :class:`SourceMismatch` if not, naming the item.
     """
 
-    def __init__(self, version: StoredVersion, options: ReaderOptions, source: MapDataset | None,
-                 augment: Augment | None, source_fields: SourceFields, source_id: str | None) -> None:
+    def __init__(self, version: StoredVersion, mode: str | int | None, seed: int, join: Join | None) -> None:
         self.version = version
-        self.mode = check_view_mode(options.view, version.views)
-        self.seed = options.seed
+        self.mode = check_view_mode(mode, version.views)
+        self.seed = seed
         self.view: int | None = None
-        self.reading = version
         self.epoch = 0
         self.join: SourceJoin | None = None
         self.start_epoch(0)  # bound to a view from the start (shard formats are read from it)
-        if source is None:
-            if augment is not None or source_fields is not None:
-                raise InvalidInput("augment= and source_fields= need source= (the dataset to join).")
+        if join is None:
             return
-        check_source(version, source, source_id)
+        check_source(version, join.source, join.source_id)
         views = version.manifest.views
         if views is not None:
-            if augment is None:
+            if join.augment is None:
                 raise InvalidInput(f"{version.ref} holds augmented views: pass augment= (the function it "
                                    "was computed with) so the joined input is the view A saw.")
-            if describe_key(augment) != views.augment:
+            if describe_key(join.augment) != views.augment:
                 raise SourceMismatch(f"augment is not the function {version.ref} was computed with (its "
                                      "source differs); pass that same function, or recompute the views.")
-        self.join = SourceJoin(source, augment, normalize_fields(source_fields), InputCheck.of(version))
+        self.join = SourceJoin(join.source, join.augment, normalize_fields(join.fields), InputCheck.of(version))
 
     def start_epoch(self, epoch: int) -> None:
-        """Pick this epoch's view (and the version bound to it)."""
+        """Pick this epoch's view."""
         self.epoch = epoch
         views = self.version.views
         if self.mode is not None and views is not None:  # a mode is set exactly when there are views
             self.view = epoch_view(views, self.mode, self.seed, epoch)
-            self.reading = self.version.view(self.view)
 
-    def add(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``"view"`` and the joined source fields. With ``source_fields=None`` the item's fields
-        the batch already holds (a kept ``target``) are left out; a named field that clashes
-        with a stored one is refused."""
-        if self.view is not None:
-            batch[VIEW_FIELD] = torch.full(batch["index"].shape, self.view, dtype=torch.int64)
+    def joined(self, index: np.ndarray) -> dict[str, torch.Tensor]:
+        """The joined fields of rows ``index`` (empty without a join)."""
         if self.join is None:
-            return batch
-        index = batch["index"].numpy()
+            return {}
         seeds = None
         if self.join.augment is not None:
             views = self.version.manifest.views
             seeds = (epoch_seeds(self.seed, self.epoch, index) if self.view is None or views is None
                      else view_seeds(views.seed, self.view, index))
-        joined = self.join.rows(index, seeds)
-        clash = sorted(set(joined) & set(batch))
-        if self.join.fields is None:
-            joined = {k: t for k, t in joined.items() if k not in batch}
-        elif clash:
-            raise InvalidInput(f"source fields {clash} clash with the batch's stored fields; rename them "
-                               "with source_fields={'new_name': key}.")
-        batch.update(joined)
-        return batch
+        return self.join.rows(index, seeds)
+
+    @property
+    def names_fields(self) -> bool:
+        """Whether the join names its fields (then one that clashes with a stored array is refused)."""
+        return self.join is not None and self.join.fields is not None
 
 
 def check_source(version: StoredVersion, source: MapDataset, source_id: str | None = None,

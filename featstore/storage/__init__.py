@@ -12,7 +12,7 @@ Backends: :class:`LocalStorage` (local files), :class:`FsspecStorage` (any fsspe
 from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
-from featstore.storage._base import SECRET_OPTIONS, Storage, backend_for, redact
+from featstore.storage._base import SECRET_OPTIONS, Storage, StorageOptions, backend_for, redact
 from featstore.storage._errors import backend_errors
 from featstore.storage._fsspec import FsspecStorage
 from featstore.storage._local import LocalStorage
@@ -26,5 +26,5 @@ if TYPE_CHECKING:
 # featstore.storage (every quick command does) does not import zarr.
 __getattr__, __dir__ = lazy_exports(__name__, {"BackendErrorStore": "_zarr_errors"})
 
-__all__ = ["SECRET_OPTIONS", "S3_MAX_ATTEMPTS", "BackendErrorStore", "FsspecStorage", "LocalStorage", "S3Getter",
-           "S3Storage", "Storage", "backend_errors", "backend_for", "redact", "s3_options"]
+__all__ = ["S3_MAX_ATTEMPTS", "SECRET_OPTIONS", "BackendErrorStore", "FsspecStorage", "LocalStorage", "S3Getter",
+           "S3Storage", "Storage", "StorageOptions", "backend_errors", "backend_for", "redact", "s3_options"]

@@ -59,7 +59,7 @@ class FsspecStorage(Storage, protocols=("*",)):
             # absent. Drop the cached listings on the way first (local, no request).
             self.fs.invalidate_cache(path)
             try:
-                return self.fs.cat_file(path)
+                return bytes(self.fs.cat_file(path))  # fsspec is untyped
             except FileNotFoundError:
                 return None
 
@@ -69,7 +69,7 @@ class FsspecStorage(Storage, protocols=("*",)):
         with backend_errors(self.url):
             self.fs.invalidate_cache(path)
             try:
-                return self.fs.cat_file(path, start=start, end=stop)
+                return bytes(self.fs.cat_file(path, start=start, end=stop))
             except FileNotFoundError:
                 return None
 

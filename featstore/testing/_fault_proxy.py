@@ -39,7 +39,9 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from http.server import BaseHTTPRequestHandler
 
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
@@ -83,7 +85,7 @@ class Rule:
     first: int = 0
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False)
-    _left: dict = field(init=False, repr=False, default_factory=dict)
+    _left: dict[tuple[object, ...], list[Any]] = field(init=False, repr=False, default_factory=dict)
     _dealt: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
@@ -91,7 +93,7 @@ class Rule:
         assert set(self.kinds) <= set(KINDS), self.kinds
         self._rng = random.Random(self.seed)
 
-    def take(self, op: str, ident: tuple) -> str | None:
+    def take(self, op: str, ident: tuple[object, ...]) -> str | None:
         """The fault for this attempt of request ``ident``, or None (called under the proxy lock)."""
         if op not in self.ops or (self.path and not re.search(self.path, f"{ident[1]}?{ident[2]}")):
             return None
@@ -106,7 +108,7 @@ class Rule:
         if left[0] == 0:
             return None
         left[0] -= left[0] > 0
-        return left[1]
+        return str(left[1])
 
 
 class FaultProxy:
@@ -120,18 +122,19 @@ class FaultProxy:
         self.stall = stall
         self.rules: list[Rule] = []
         self.lock = threading.Lock()
-        self.requests: collections.Counter = collections.Counter()  # by op
-        self.faults: collections.Counter = collections.Counter()  # by (kind, op)
-        self.attempts: collections.Counter = collections.Counter()  # by request identity
-        self.forwarded: collections.Counter = collections.Counter()  # by op, reached the server
-        self.clients: collections.Counter = collections.Counter()  # by (op, path, client): who sent it
+        self.requests: collections.Counter[str] = collections.Counter()  # by op
+        self.faults: collections.Counter[tuple[str, str]] = collections.Counter()  # by (kind, op)
+        self.attempts: collections.Counter[tuple[object, ...]] = collections.Counter()  # by request identity
+        self.forwarded: collections.Counter[str] = collections.Counter()  # by op, reached the server
+        # by (op, path, client): who sent it
+        self.clients: collections.Counter[tuple[str, str, str]] = collections.Counter()
         #: stalled attempts, by request identity: the client hung up before the stall ended (its
         #: read timeout), or the stall ran its full length (the client waited it out)
-        self.abandoned: collections.Counter = collections.Counter()
-        self.waited_out: collections.Counter = collections.Counter()
+        self.abandoned: collections.Counter[tuple[object, ...]] = collections.Counter()
+        self.waited_out: collections.Counter[tuple[object, ...]] = collections.Counter()
         self.retries = 0  # attempts that repeat a request whose previous attempt was faulted
-        self._faulted: set = set()
-        self._owner: dict = {}  # request identity -> the one rule that faults it
+        self._faulted: set[tuple[object, ...]] = set()
+        self._owner: dict[tuple[object, ...], Rule] = {}  # request identity -> the one rule that faults it
         self._stop = threading.Event()
         self._server: socketserver.ThreadingTCPServer | None = None
 
@@ -146,7 +149,7 @@ class FaultProxy:
             daemon_threads = True
             allow_reuse_address = True
 
-            def handle_error(self, request, client_address):  # resets are the point: be quiet
+            def handle_error(self, request: object, client_address: object) -> None:  # resets are the point: be quiet
                 pass
 
         self._server = Server(("127.0.0.1", 0), Handler)
@@ -188,7 +191,7 @@ class FaultProxy:
         """Attempts that repeated a request right after a fault on it (the client's retries)."""
         return self.retries
 
-    def fault_for(self, op: str, ident: tuple) -> str | None:
+    def fault_for(self, op: str, ident: tuple[object, ...]) -> str | None:
         with self.lock:
             self.requests[op] += 1
             self.attempts[ident] += 1
@@ -213,7 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     owner: FaultProxy
 
-    def log_message(self, *args) -> None:  # quiet
+    def log_message(self, *args: object) -> None:  # quiet
         pass
 
     def _body(self) -> bytes:
@@ -356,7 +359,7 @@ def client_of(user_agent: str) -> str:
     return "botocore" if "botocore" in user_agent.lower() else user_agent
 
 
-def wait_until(cond, timeout: float = 30.0, step: float = 0.05) -> bool:
+def wait_until(cond: Callable[[], object], timeout: float = 30.0, step: float = 0.05) -> bool:
     """Poll ``cond`` until true or ``timeout`` seconds passed (a hang guard, not a timing test)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -90,13 +90,13 @@ def free_ports(n: int) -> list[int]:
 class SeaweedFS:
     """One ``weed server -s3`` process on loopback; ``endpoint`` is its S3 URL once started."""
 
-    def __init__(self, root: str | os.PathLike, access_key: str, secret_key: str, *,
+    def __init__(self, root: str | os.PathLike[str], access_key: str, secret_key: str, *,
                  ready_timeout: float = 120.0, weed: str | None = None) -> None:
         self.root = Path(root)
         self._keys = (access_key, secret_key)  # kept in memory and in the root's s3.json only
         self.ready_timeout = ready_timeout
         self.weed = weed or find_weed()
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.ports: dict[str, int] = {}
 
     def __repr__(self) -> str:  # never the keys

@@ -15,21 +15,31 @@ import warnings
 from typing import TYPE_CHECKING
 
 from featstore._lazy import lazy_exports
-from featstore.versions._catalog import Catalog
+from featstore.versions._alignment import LINK, Alignment, adopt_views, check_aligned, check_views_of, link, views_of
+from featstore.versions._catalog import Catalog, Ref
 from featstore.versions._commits import Claim, Commits
-from featstore.versions._committed import StoredVersion, missing_data_error, stored, verify_version
-from featstore.versions._digests import DIGEST_FIELD, InputCheck, content_digest, item_digest, item_digests
-from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, receipt_key, tag_key,
-                                      version_key, view_key)
-from featstore.versions._receipts import (compact_receipts, finished_shards, forget_receipts, read_receipts, run_key,
-                                          write_receipt)
-from featstore.versions._views import SEED_POLICY, Views, epoch_seeds, epoch_view, replay, view_seed, view_seeds
+from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored, verify_version
+from featstore.versions._digests import (DIGEST_BYTES, DIGEST_FIELD, InputCheck, content_digest, item_digest,
+                                         item_digests)
+from featstore.versions._keys import (GC_MARK, IO_THREADS, MANIFEST, PENDING, RUN_EVERY, group_store, object_key,
+                                      receipt_key, tag_key, version_key, view_key)
+from featstore.versions._receipts import (ReceiptRuns, compact_receipts, finished_shards, forget_receipts,
+                                          read_receipts, run_key, write_receipt)
+from featstore.versions._views import (SEED_FIELD, SEED_POLICY, VIEW_FIELD, Augment, SourceJoin, ViewDataset, Views,
+                                       check_replayable, check_view_mode, epoch_seeds, epoch_view, fresh_view,
+                                       normalize_fields, replay, view_seed, view_seeds, views_arguments)
 
 if TYPE_CHECKING:
+    from featstore.versions._committed import Index as Index
     from featstore.versions._export import Exported, export_version, verify_export
+    from featstore.versions._fingerprints import (dataset_digest, dataset_fingerprint, describe_key, fingerprint,
+                                                  model_digest, sample_positions, sampled_digest)
 
-_lazy, __dir__ = lazy_exports(__name__, {"Exported": "_export", "export_version": "_export",
-                                         "verify_export": "_export"})
+# The export imports zarr, the fingerprints numpy: imported when first asked for.
+_LAZY = {"Exported": "_export", "export_version": "_export", "verify_export": "_export"}
+_LAZY.update({name: "_fingerprints" for name in ("dataset_digest", "dataset_fingerprint", "describe_key", "fingerprint",
+                                                 "model_digest", "sample_positions", "sampled_digest")})
+_lazy, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def __getattr__(name: str) -> object:
@@ -40,10 +50,13 @@ def __getattr__(name: str) -> object:
     return _lazy(name)
 
 
-__all__ = ["DIGEST_FIELD", "GC_MARK", "IO_THREADS", "MANIFEST", "PENDING", "RUN_EVERY", "SEED_POLICY", "Catalog",
-           "Claim",
-           "Commits", "Exported", "InputCheck", "StoredVersion", "Views", "compact_receipts", "content_digest",
-           "epoch_seeds", "epoch_view", "export_version", "finished_shards", "forget_receipts", "item_digest",
-           "item_digests", "missing_data_error", "read_receipts", "receipt_key", "replay", "run_key", "stored",
-           "tag_key", "verify_export", "verify_version", "version_key", "view_key", "view_seed", "view_seeds",
-           "write_receipt"]
+__all__ = ["DIGEST_BYTES", "DIGEST_FIELD", "GC_MARK", "IO_THREADS", "LINK", "MANIFEST", "PENDING", "RUN_EVERY",
+           "SEED_FIELD", "SEED_POLICY", "VIEW_FIELD", "Alignment", "Augment", "Catalog", "Claim", "Commits",
+           "Exported", "HasStoredVersion", "InputCheck", "ReceiptRuns", "Ref", "SourceJoin", "StoredVersion",
+           "ViewDataset", "Views", "adopt_views", "check_aligned", "check_replayable", "check_view_mode",
+           "check_views_of", "compact_receipts", "content_digest", "dataset_digest", "dataset_fingerprint",
+           "describe_key", "epoch_seeds", "epoch_view", "export_version", "fingerprint", "finished_shards",
+           "forget_receipts", "fresh_view", "group_store", "item_digest", "item_digests", "link", "missing_data_error",
+           "model_digest", "normalize_fields", "object_key", "read_receipts", "receipt_key", "replay", "run_key",
+           "sample_positions", "sampled_digest", "stored", "tag_key", "verify_export", "verify_version", "version_key",
+           "view_key", "view_seed", "view_seeds", "views_arguments", "views_of", "write_receipt"]

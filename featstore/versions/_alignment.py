@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from featstore._json import JSON, JSONObject
 from featstore.errors import InvalidInput, VersionsMisaligned
-from featstore.format._manifests import Manifest, ViewsSpec
+from featstore.format import Manifest, ViewsSpec
 from featstore.versions._committed import StoredVersion
 from featstore.versions._views import Augment
 

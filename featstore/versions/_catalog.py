@@ -30,9 +30,9 @@ import logging
 import time
 
 from featstore.errors import FeatstoreError, IncompatibleFormat, InvalidInput, VersionNotFound
-from featstore.format._keys import logical_key
-from featstore.format._manifests import newer_manifest
-from featstore.format._objects import tag_json, tag_target
+from featstore.format import logical_key
+from featstore.format import newer_manifest
+from featstore.format import tag_json, tag_target
 from featstore._allowed_names import check_name, check_tag, is_version_id
 from featstore.storage import Storage
 from featstore.versions._keys import MANIFEST, REFS, ref_key, split_version_key, spread_roots, tag_key, version_key

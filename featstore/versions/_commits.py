@@ -12,10 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from featstore.errors import ComputeFailed, CorruptChunk, IncompatibleFormat, StoreConflict, VersionNotFound
-from featstore.format._keys import chunk_key
+from featstore.format import chunk_key
 from featstore._json import JSONObject, canonical_json, load_json
-from featstore.format._manifests import ArraySpec, Base, Layout, Manifest, ShardReceipt, ShardRecords
-from featstore.format._objects import Pending, gc_mark_json, ref_json, ref_target
+from featstore.format import ArraySpec, Base, Layout, Manifest, ShardReceipt, ShardRecords
+from featstore.format import Pending, gc_mark_json, ref_json, ref_target
 from featstore.storage import Storage
 from featstore.versions._keys import (GC_MARK, MANIFEST, PENDING, RECEIPTS, REFS, group_store, ref_key,
                                       spread_homes, stored_objects, version_key, view_key)
@@ -89,7 +89,7 @@ class Commits:
                 "(%d, %d)", key, claimed.layout.samples_per_shard, claimed.layout.spread,
                 layout.samples_per_shard, layout.spread)
         if views is not None:
-            from featstore.format._arrays import create_views_group  # zarr: only where a run writes
+            from featstore.format import create_views_group  # zarr: only where a run writes
 
             create_views_group(group_store(self.storage, key, claimed.layout.spread, read_only=False))
             units = {(v, i) for v in range(views) for i in self._prepare(view_key(key, v), claimed.layout, adopted)}
@@ -105,7 +105,7 @@ class Commits:
         A receipt whose shard objects are gone (a gc ran during an earlier run) is not done;
         it is removed, so no task or commit of this run trusts it.
         """
-        from featstore.format._arrays import create_arrays  # zarr: only where a run writes
+        from featstore.format import create_arrays  # zarr: only where a run writes
 
         create_arrays(group_store(self.storage, key, layout.spread, read_only=False, inherits=inherits),
                       layout, arrays, self.storage.child_url(key))
@@ -185,7 +185,7 @@ class Commits:
         raises :class:`ComputeFailed`; the receipts of damaged shards are removed, so a rerun
         recomputes exactly those.
         """
-        from featstore.format._arrays import consolidate, consolidated_groups  # zarr: only where a run writes
+        from featstore.format import consolidate, consolidated_groups  # zarr: only where a run writes
 
         key = version_key(manifest.name, manifest.id)
         if manifest.layout.spread == 1 and not manifest.bases:  # else plain Zarr must not open it
@@ -230,7 +230,7 @@ class Commits:
         """Raise :class:`ComputeFailed` unless each array's ``zarr.json`` in the group at ``key``
         describes the manifest's layout (shape, shard and chunk rows, dtype, codecs): a version
         whose metadata another writer changed would be committed unreadable (issue 20)."""
-        from featstore.format._arrays import check_array_metadata  # zarr: only where a run writes
+        from featstore.format import check_array_metadata  # zarr: only where a run writes
 
         found = read_many(self.storage, [f"{key}/{a}/zarr.json" for a in manifest.arrays])
         ref, bad = f"{manifest.name}@{manifest.id}", []

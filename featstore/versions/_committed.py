@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeAlias
 
-from featstore.codecs._dense import codec_by_name
-from featstore.codecs._parts import assemble, parts_codec
-from featstore.codecs._ragged import OFFSETS, TOKEN_FIELDS, TOKEN_LENGTH, TOKEN_START, gather_rows, offsets
+from featstore.codecs import codec_by_name
+from featstore.codecs import parts_codec
+from featstore.codecs import TOKEN_LENGTH
 from featstore.errors import (CorruptChunk, FeatstoreError, IncompatibleFormat, InvalidInput, StoreUnavailable,
                               VersionNotFound)
-from featstore.format._keys import chunk_key, shard_digest, view_path
-from featstore.format._manifests import Manifest, ShardReceipt
-from featstore.format._shard_decoder import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
+from featstore.format import chunk_key, shard_digest, view_path
+from featstore.format import Manifest, ShardReceipt
+from featstore.format import ChunkRef, ShardFormat, decode_shard_rows, shard_index, shard_index_bytes
 from featstore.storage import Storage
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 from featstore.versions._keys import MANIFEST, RECORDS, group_store, object_key, version_key, view_key
@@ -118,7 +118,7 @@ class StoredVersion:
     def __init__(self, storage: Storage, manifest: Manifest, view: int | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
-        self._arrays: dict[tuple[str, str], zarr.Array] = {}
+        self._arrays: dict[tuple[str, str], zarr.Array[Any]] = {}
         self._pid = -1
         self._view = view  # the view this object reads (see view())
         self._views: dict[int, StoredVersion] = {}
@@ -178,6 +178,11 @@ class StoredVersion:
     def views(self) -> int | None:
         """How many augmented views per sample the version holds (None: computed without views)."""
         return None if self.manifest.views is None else self.manifest.views.count
+
+    @property
+    def read_view(self) -> int | None:
+        """The view this object reads (:meth:`view`; None: the version itself)."""
+        return self._view
 
     def view(self, view: int) -> StoredVersion:
         """This version reading view ``view`` (laid out like a version without views, so
@@ -264,7 +269,7 @@ class StoredVersion:
         data = storage.read_range(key, start, stop) if stop > start else b""
         decode_shard_rows(data or b"", fmt, lo, hi, out, ref, index=index, base=start)
 
-    def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array:
+    def array(self, field: str, home: str | None = None, n_samples: int | None = None) -> zarr.Array[Any]:
         """The Zarr array of one field, opened lazily once per process (fork/spawn safe).
 
         ``home``/``n_samples``: a base's folder and length, for an incremental version's
@@ -280,7 +285,7 @@ class StoredVersion:
             if self.views is not None and self._view is None:
                 raise InvalidInput(f"{self.ref} holds {self.views} views per sample: pick one with "
                                    "version.view(v) or version[v, rows].")
-            from featstore.format._arrays import open_array
+            from featstore.format import open_array
 
             layout = replace(self.manifest.layout, n_samples=n_samples or len(self))
             try:
@@ -361,21 +366,6 @@ class StoredVersion:
                 return shard
         return shards[0] if shards else 0
 
-    def read_tokens(self, field: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Stored token rows of a per-token array for samples given by (``token_start``,
-        ``token_length``), sample after sample: one read per shard touched."""
-        spec = self.manifest.arrays[field]
-        rows = gather_rows(starts, lengths)
-        out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
-        if not len(rows):
-            return out
-        shard = rows // spec.tokens[0]
-        for s in np.unique(shard):
-            sel = shard == s
-            lo, hi = int(rows[sel].min()), int(rows[sel].max()) + 1
-            out[sel] = self.token_rows(field, int(s), lo, hi)[rows[sel] - lo]
-        return out
-
     def token_rows(self, field: str, shard: int, lo: int, hi: int) -> np.ndarray:
         """Stored rows ``[lo, hi)`` of a per-token array, all in shard ``shard`` (in a base's
         folder for an incremental version's inherited shard); damage is a :class:`CorruptChunk`
@@ -396,53 +386,6 @@ class StoredVersion:
         if spec.output:  # one part of an output stored in parts: ids as int64, -1 in unused slots
             return parts_codec(spec.codec).decode_part(spec.part, stored)
         return codec_by_name(spec.codec).decode(stored)
-
-    def __getitem__(self, index: Index) -> dict[str, torch.Tensor]:
-        """Random access: a dict of tensors (one per array) plus ``index``; ``version[v, rows]``
-        reads view ``v`` of a version with views (and adds ``view``)."""
-        if isinstance(index, tuple) and len(index) == 2 and self.views is not None:
-            out = self.view(index[0])[index[1]]
-            out["view"] = torch.full(out["index"].shape, int(index[0]), dtype=torch.int64)
-            return out
-        n = len(self)
-        if isinstance(index, (int, np.integer)):
-            i = int(index) + (n if index < 0 else 0)
-            if not 0 <= i < n:
-                raise IndexError(f"index {index} out of range for {n} samples")
-            batch = self[i:i + 1]
-            ragged = {f for f, a in self.manifest.arrays.items() if a.ragged}
-            # a per-token array's rows are all this sample's tokens: returned whole
-            return {k: v if k in ragged else v[0] for k, v in batch.items() if not k.endswith(f".{OFFSETS}")}
-        if isinstance(index, slice):
-            start, stop, step = index.indices(n)
-            if step != 1:
-                return self[np.arange(start, stop, step)]
-            rows = np.arange(start, max(start, stop))
-            selection: slice | np.ndarray = slice(start, stop)
-        else:
-            rows = np.asarray(index, dtype=np.int64).reshape(-1)
-            if rows.size and (rows.min() < -n or rows.max() >= n):
-                raise IndexError(f"indices out of range for {n} samples")
-            rows = selection = np.where(rows < 0, rows + n, rows)
-        # the input digests are featstore's own (featstore.versions.item_digests), not a user's row
-        stored = {f: self._read(f, selection) for f, a in self.manifest.arrays.items()
-                  if not a.ragged and a.source != "digest"}
-        out = {f: self.decode(f, v) for f, v in stored.items() if f not in TOKEN_FIELDS}
-        out.update(self._ragged(stored))
-        out["index"] = torch.from_numpy(rows.astype(np.int64))
-        return assemble(self.manifest.arrays, out)
-
-    def _ragged(self, stored: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """The per-token arrays of the samples whose ``token_start``/``token_length`` are in
-        ``stored``: flat token rows, and ``<output>.offsets`` per per-token output."""
-        ragged = {f: a for f, a in self.manifest.arrays.items() if a.ragged}
-        if not ragged:
-            return {}
-        starts, lengths = stored[TOKEN_START], stored[TOKEN_LENGTH]
-        out = {f: self.decode(f, self.read_tokens(f, starts, lengths)) for f in ragged}
-        for name in {a.output or f for f, a in ragged.items()}:
-            out[f"{name}.{OFFSETS}"] = torch.from_numpy(offsets(lengths))
-        return out
 
 
 def verify_version(version: StoredVersion | HasStoredVersion, progress: bool = False) -> list[str]:

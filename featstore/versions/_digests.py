@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from featstore.errors import InvalidInput, SourceMismatch
-from featstore.format._manifests import Manifest
+from featstore.format import Manifest
 from featstore._user_types import Item
 from featstore._lazy import np, torch  # imported on first use: the quick commands never need them
 

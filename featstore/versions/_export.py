@@ -24,17 +24,17 @@ import numpy as np
 import zarr
 
 from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
-from featstore.format._arrays import consolidate, consolidated_groups
-from featstore.format._shard_decoder import ChunkRef
-from featstore.format._keys import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
-from featstore.codecs._ragged import TOKEN_LENGTH
+from featstore.format import consolidate, consolidated_groups
+from featstore.format import ChunkRef
+from featstore.format import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
+from featstore.codecs import TOKEN_LENGTH
 from featstore.storage import Storage, backend_for
-from featstore.storage._base import StorageOptions
+from featstore.storage import StorageOptions
 from featstore.versions._committed import HasStoredVersion, StoredVersion, missing_data_error, stored
 from featstore.versions._keys import IO_THREADS
 
 GROUP_META = {"zarr_format": 3, "node_type": "group"}
-N = TypeVar("N", zarr.Group, zarr.Array)
+N = TypeVar("N", zarr.Group, zarr.Array[Any])
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,14 @@ def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -
     if raw is None:
         raise CorruptChunk(f"{field}/zarr.json of {version.ref} is missing; the version is damaged.",
                            version=version.ref, array=field, chunk=f"{field}/zarr.json")
-    return json.loads(mark_metadata(raw, None))
+    try:
+        parsed = json.loads(mark_metadata(raw, None))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike: not what featstore wrote
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise CorruptChunk(f"{field}/zarr.json of {version.ref} is not a JSON object; the version is damaged: "
+                           "delete and recompute it.", version=version.ref, array=field, chunk=f"{field}/zarr.json")
+    return parsed
 
 
 def _copy_objects(version: StoredVersion, dest: Storage, copies: list[tuple[StoredVersion, str, int]],

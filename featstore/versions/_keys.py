@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from featstore.format._keys import SPREAD_FOLDER, logical_key, spread_folder, spread_key, view_path
+from featstore.format import SPREAD_FOLDER, logical_key, spread_folder, spread_key, view_path
 from featstore._allowed_names import check_name, check_tag, check_version_id
 from featstore.storage import Storage
 
@@ -101,7 +101,7 @@ def group_store(storage: Storage, key: str, spread: int, *, read_only: bool,
     shard objects under their prefixes; seen through a :class:`MetadataStore`, which marks the
     array metadata it writes where some shards lie elsewhere (spread, or ``inherits`` from a
     parent), so plain Zarr on the folder fails loudly instead of reading those as zeros."""
-    from featstore.format._arrays import MetadataStore, SpreadStore  # zarr: not for the quick commands
+    from featstore.format import MetadataStore, SpreadStore  # zarr: not for the quick commands
 
     if spread <= 1:
         inner = storage.zarr_store(key, read_only=read_only)

@@ -12,9 +12,8 @@ from itertools import groupby
 
 from featstore.errors import CorruptChunk
 from featstore._json import load_json
-from featstore.format._manifests import (RECORDS_PER_OBJECT, Manifest, ShardReceipt, ShardRecords, decode_records,
-                                         encode_records)
-from featstore.format._objects import ReceiptRun
+from featstore.format import RECORDS_PER_OBJECT, Manifest, ShardReceipt, ShardRecords, decode_records, encode_records
+from featstore.format import ReceiptRun
 from featstore.storage import Storage
 from featstore.versions._keys import RECEIPTS, RECORDS, RUN_EVERY, concurrently, receipt_key
 

@@ -100,7 +100,8 @@ def _u64(value: int) -> np.ndarray:
 @lru_cache(maxsize=256)
 def _view_base(seed: int, view: int) -> np.uint64:
     """The per-(seed, view) half of the policy, shared by every sample (cached: one per epoch)."""
-    return _mix(_mix(_u64(seed)) ^ _u64(view))[0]
+    mixed: np.uint64 = _mix(_mix(_u64(seed)) ^ _u64(view))[0]
+    return mixed
 
 
 def view_seeds(seed: int, view: int, indices: Sequence[int] | np.ndarray) -> np.ndarray:

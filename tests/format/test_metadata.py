@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import featstore
 from featstore import CorruptChunk, IncompatibleFormat
@@ -74,7 +75,6 @@ def test_planted_pickles_are_never_loaded(copy):
     # In place of the real objects, one at a time (the others intact, so each case reaches the
     # object it plants): refused with a typed error naming that object, never unpickled.
     cases = [("_tags/best.json", IncompatibleFormat, lambda: store.open(f"{NAME}@best")),
-             ("features/zarr.json", CorruptChunk, lambda: store.open(f"{NAME}@{vid}").load()),
              ("features/c/1/0", CorruptChunk, lambda: store.open(f"{NAME}@{vid}").load()),
              ("features/c/1/0", CorruptChunk, lambda: list(store.open(f"{NAME}@{vid}").dataset(batch_size=32))),
              ("manifest.json", IncompatibleFormat, lambda: store.open(NAME))]
@@ -90,6 +90,16 @@ def test_planted_pickles_are_never_loaded(copy):
             assert rel.split("/")[-1] in str(err.value), (rel, str(err.value))
         target.write_bytes(good)
         read_everything(store, vid)  # restored: every object reads again
+    # An array's zarr.json: featstore reads rows from the shard objects by the manifest's layout,
+    # so a planted one changes no row; the whole-version check names it, never unpickled.
+    rows = store.open(f"{NAME}@{vid}").load()
+    (vdir / "features/zarr.json").write_bytes(payload)
+    report = store.open(f"{NAME}@{vid}").verify()
+    assert report and all("features/zarr.json" in line and "not a JSON object" in line for line in report), report
+    with pytest.raises(CorruptChunk, match="features/zarr.json"):  # nor an export of it
+        store.open(f"{NAME}@{vid}").export(marker.parent / "exported")
+    again = store.open(f"{NAME}@{vid}").load()
+    assert all(torch.equal(rows[k], again[k]) for k in rows)
     assert not marker.exists()
 
 

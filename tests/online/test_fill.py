@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, FeatureDataset
-from featstore.online import OnlineDataset
 from featstore.versions import stored
 
 from .. import fill_child
@@ -79,7 +78,7 @@ def test_fill_commits_what_compute_commits_then_reads_it(kind, workers, referenc
         endpoint = request.getfixturevalue("moto_endpoint")
         store = featstore.open_store(f"s3://{new_bucket(endpoint)}/feats", {"endpoint_url": endpoint})
     ds = store.dataset("fill/a", batch_size=20, seed=1, teacher=fill_teacher())
-    assert isinstance(ds, OnlineDataset) and ds.committed() is None
+    assert ds.online and ds.committed() is None
     assert_same_batches(epoch(ds, workers), epoch(reference.dataset(batch_size=20, seed=1), workers))
     committed = ds.committed()
     assert committed is not None

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from featstore import ComputeOptions, InvalidInput, Teacher, Tokens, Views
 from featstore.compute import compute_shard, worker_model
 from featstore.format import shard_digest
-from featstore.online import OnlineDataset, plan_teacher
+from featstore.online import plan_teacher
 from featstore.versions import stored
 from featstore.ragged import attention_mask, pad_sequences
 
@@ -67,7 +67,7 @@ def test_a_teacher_with_per_token_outputs_plans_the_version_compute_commits(loca
     assert plan_teacher(local_store.catalog, "lm/online", fill) == committed  # committed already: read as stored
     # read online (tests/online/test_tokens_online.py compares every mode): the planned version
     online = local_store.dataset("lm/online", batch_size=10, teacher=teacher)
-    assert isinstance(online, OnlineDataset) and online.version.id == committed.id
+    assert online.online and online.version.id == committed.id
 
 
 def test_a_teacher_on_another_versions_views_plans_and_reads_the_aligned_version(local_store):

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import ComputeOptions, FeatureDataset, Teacher, Tokens
-from featstore.online import OnlineDataset
 from featstore.ragged import attention_mask, pad_sequences
 from featstore.versions import stored
 
@@ -82,7 +81,7 @@ def test_online_token_batches_equal_stored_batches(reference, ragged, shuffle, w
     before = files(store)
     kw = dict(batch_size=10, seed=1, shuffle=shuffle, ragged=ragged)
     online = store.dataset("lm/ref", teacher=teacher(), **kw)
-    assert isinstance(online, OnlineDataset) and online.version.id == version.id
+    assert online.online and online.version.id == version.id
     plain = version.dataset(**kw)
     for e in (0, 1):  # another epoch: another order (with shuffle), the same batches
         online.set_epoch(e)
@@ -158,7 +157,7 @@ def test_fill_with_tokens_commits_what_compute_commits_then_reads_it(reference, 
                                                                    client="in-process", **ARGS)
     kw = dict(batch_size=10, seed=1, ragged="padded")
     ds = store.dataset("lm/ref", teacher=teacher(fill=True), **kw)
-    assert isinstance(ds, OnlineDataset) and ds.committed() is None
+    assert ds.online and ds.committed() is None
     assert_same_batches(epoch(ds, workers), epoch(ref.dataset(**kw), workers))
     committed = ds.committed()
     assert committed is not None

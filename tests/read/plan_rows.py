@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from featstore.read._assignment import UniformShards
-from featstore.read._elastic import EpochOrder, ResumeState, Segment, Split, progress, resume
-from featstore.read._mixture import Mixture
-from featstore.read._slices import Share, window_order
+from featstore.read.plans._assignment import UniformShards
+from featstore.read.plans._elastic import EpochOrder, ResumeState, Segment, Split, progress, resume
+from featstore.read.plans._mixture import Mixture
+from featstore.read.plans._slices import Share, window_order
 
 STREAM = 10**9
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from featstore.read._arena import Arena
+from featstore.read.shards._arena import Arena
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the arena maps with Linux's flags")
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 import featstore
 from featstore.versions import stored
 from featstore import CorruptChunk, InvalidInput
-from featstore.read._cache import NodeCache, Space, sweep_stale
+from featstore.read.shards._cache import NodeCache, Space, sweep_stale
 from tests.helpers import served
 
 
@@ -65,7 +65,7 @@ def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> 
 
 
 def folder_of(ds) -> Path:
-    return Path(ds._process().memory.folder)
+    return Path(ds.process_reads().memory.folder)
 
 
 def entries(folder: Path) -> list[str]:
@@ -174,7 +174,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
     shard = SPP * 5 * 4  # one logits shard, decoded (the largest entry)
     big = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=2**24)
     batches(big)  # fills the version's cache beyond the next reader's budget
-    assert big._process().memory.used_bytes() > 3 * shard
+    assert big.process_reads().memory.used_bytes() > 3 * shard
     ds = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=3 * shard)
     ref = batches(v.dataset(batch_size=32, seed=1))
     for _ in range(2):
@@ -182,7 +182,7 @@ def test_budget_is_respected_and_oversized_shards_still_read(versions):
         assert same(batches(ds), ref)
         # within the budget: an insert renames its shard into place under the eviction lock, so
         # a concurrent insert making room never misses it in its listing
-        assert 0 < ds._process().memory.used_bytes() <= 3 * shard
+        assert 0 < ds.process_reads().memory.used_bytes() <= 3 * shard
     tiny = v.dataset(batch_size=32, seed=1, cache="memory", cache_bytes=8)  # nothing fits
     assert same(batches(tiny), ref)
 
@@ -397,8 +397,8 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
     across pieces that start mid-shard and batches that cross chunk and piece edges."""
     import numpy as np
 
-    from featstore.read._gather import InPlace
-    from featstore.read._assignment import Piece
+    from featstore.read.shards._gather import InPlace
+    from featstore.read.plans._assignment import Piece
 
     rng = np.random.default_rng(seed)
     chunk_rows, n_chunks = int(rng.integers(1, 9)), int(rng.integers(1, 6))
@@ -417,14 +417,14 @@ def test_in_place_span_equals_the_row_by_row_gather(seed):
 
 
 def _arenas() -> list:
-    """This process's arenas (featstore.read._arena.process_arena's)."""
-    from featstore.read import _cache
+    """This process's arenas (featstore.read.shards._arena.process_arena's)."""
+    from featstore.read.shards import _cache
     return [v for k, v in _cache._PROCESS.items() if k[0] == "arena"]
 
 
 def _fresh_arenas(monkeypatch) -> None:
     """The process's registry without its arenas (restored afterwards)."""
-    from featstore.read import _cache
+    from featstore.read.shards import _cache
     monkeypatch.setattr(_cache, "_PROCESS", {k: v for k, v in _cache._PROCESS.items() if k[0] != "arena"})
 
 
@@ -437,8 +437,8 @@ def windows(monkeypatch) -> Counter:
     """How the reader gathers each (window, array) it places: ``"arena"`` (one ArenaRows) or
     ``"in place"`` (shard by shard, InPlace), counted where the reader decides
     (``FeatureDataset._arena_rows``, wrapped: it still does what it did)."""
-    from featstore.read._gather import ArenaRows
-    from featstore.read._sources import ArenaSource
+    from featstore.read.shards._gather import ArenaRows
+    from featstore.read.shards._sources import ArenaSource
 
     counts: Counter = Counter()
     real = ArenaSource._rows
@@ -524,8 +524,8 @@ def test_local_reads_run_in_the_reading_thread_when_no_core_is_spare(versions, t
 def test_windows_read_shard_by_shard_when_the_arena_has_no_free_slot(versions, monkeypatch, windows):
     """An arena of 2 slots cannot hold the three one-shard windows in flight: some windows are
     gathered shard by shard, the others from the arena, and the batches are the same."""
-    from featstore.read import _arena as arena
-    from featstore.read import _objects
+    from featstore.read.shards import _arena as arena
+    from featstore.read.shards import _objects
 
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=4, shuffle_window=SPP))
@@ -544,7 +544,7 @@ def test_a_failed_mapping_falls_back_to_the_per_shard_gather(versions, monkeypat
     made to do here without exhausting the machine) reads shard by shard, same batches."""
     import errno
 
-    from featstore.read import _arena as arena
+    from featstore.read.shards import _arena as arena
     v = versions["raw"]
     want = batches(v.dataset(batch_size=16, seed=6))
     _fresh_arenas(monkeypatch)

@@ -107,7 +107,7 @@ def test_iterating_again_reads_the_next_epoch_and_set_epoch_wins(version, worker
 
 def test_a_late_worker_joins_its_iterations_epoch(version):
     """Each worker finds its DataLoader iteration by key, whatever order the workers start in."""
-    from featstore.read._worker_share import SLOTS, SharedProgress, iteration_key
+    from featstore.read.state._worker_share import SLOTS, SharedProgress, iteration_key
 
     p = SharedProgress()
     keys = [iteration_key(1234, i) for i in range(3)]
@@ -126,7 +126,7 @@ def test_two_workers_starting_at_once_take_one_epoch(monkeypatch):
     read one epoch (they read different epochs otherwise: one shard twice, another never), and
     the next iteration the epoch after it. The interleaving is forced (a real one is a
     microsecond race: 2 in 300 epochs of test_bit_flips_through_dataloader_workers_local)."""
-    from featstore.read._worker_share import SharedProgress, _pack, iteration_key
+    from featstore.read.state._worker_share import SharedProgress, _pack, iteration_key
 
     p = SharedProgress()
     keys = [iteration_key(99, i) for i in range(2)]
@@ -157,7 +157,7 @@ def test_eight_workers_of_two_loaders_starting_at_once_each_read_an_epoch_of_the
     atomically loses one loader's record and its workers read the other loader's epoch."""
     import time
 
-    from featstore.read import _worker_share as share
+    from featstore.read.state import _worker_share as share
 
     real = share.SharedProgress._set
 

@@ -134,7 +134,7 @@ def test_state_dict_counts_batches_in_process(versions):
     it = iter(ds)
     got = [next(it) for _ in range(4)]
     state = ds.state_dict()
-    assert state["batches_seen"] == 4 and state["version"] == v.id
+    assert state["batches_seen"] == 4 and state["streams"][0]["members"][0]["id"] == v.id
     ds2 = v.dataset(batch_size=30, seed=1)
     ds2.load_state_dict(state)
     nxt = next(iter(ds2))
@@ -165,7 +165,7 @@ def test_reader_fast_path_reads_featstore_layout(versions):
     """Versions featstore writes are read by the whole-shard fast path, never silently by zarr."""
     v = versions["local"]
     ds = v.dataset(batch_size=32, shuffle=False)
-    assert all(ds._process().shard_format(f) is not None for f in ds.fields)
+    assert all(ds.process_reads().shard_format(f) is not None for f in ds.fields)
     got = torch.cat([b["logits"] for b in ds])
     assert torch.equal(got, v[0:len(v)]["logits"])
 
@@ -176,7 +176,7 @@ def _client_in_worker(_: int) -> None:
     from torch.utils.data import get_worker_info
 
     ds = get_worker_info().dataset
-    getter = ds._process().storage._s3_getter()
+    getter = ds.process_reads().storage._s3_getter()
     from featstore.storage import _s3_reads as s3get
 
     assert (getter is None) == (not s3get.usable()), "obstore used where its runtime cannot run"
@@ -191,7 +191,7 @@ def test_fork_workers_after_parent_used_obstore(versions):
 
     v = versions["s3"]
     ds = v.dataset(batch_size=40, seed=5)
-    storage = ds._process().storage
+    storage = ds.process_reads().storage
     assert storage._s3_getter() is not None or not s3get.usable()  # obstore in this process
     key = stored(v).object_key("logits", 0)
     assert storage.read_bytes(key)  # the runtime is started now (or was already)

@@ -1,4 +1,4 @@
-"""The disk tier for remote stores (cache="disk", featstore/read/_cache.py and _objects.py).
+"""The disk tier for remote stores (cache="disk", featstore/read/shards/_cache.py and _objects.py).
 
 Real parts only: the moto S3 server with the loopback proxy in front of it counting every GET
 (tests/faultproxy.py), real DataLoader worker processes, real rank processes sharing one cache
@@ -24,8 +24,8 @@ import featstore
 from featstore import InvalidInput
 from featstore import list_disk_cache
 from featstore.cli import main as cli_main
-from featstore.read._cache import DiskCacheOptions
-from featstore.read._objects import entry_name, scope_identity
+from featstore.read.shards._cache import DiskCacheOptions
+from featstore.read.shards._objects import entry_name, scope_identity
 from featstore.versions import StoredVersion, stored
 
 from featstore.testing import FaultProxy, Rule, wait_until
@@ -102,7 +102,7 @@ def test_batches_equal_the_uncached_ones_and_later_epochs_send_no_get(remote, tm
         # epoch 0 fetches every object exactly once (whole, even the pieces that need a few chunks)
         assert set(counts.values()) == ({1} if epoch == 0 else {0}), (epoch, counts)
         if kind == "memory+disk":
-            assert ds._process().memory.used_bytes() <= 2048
+            assert ds.process_reads().memory.used_bytes() <= 2048
     [scope] = list_disk_cache(str(tmp_path))
     assert (scope.version, scope.entries, scope.in_use) == (v.ref, len(keys), True)
 
@@ -145,7 +145,7 @@ def test_half_the_version_as_budget_fetches_half_per_epoch_and_keeps_one_set(rem
     budget = total // 2
     ds = store(remote).dataset(v.ref, batch_size=16, seed=2, cache="disk", cache_dir=str(tmp_path),
                                cache_bytes=budget)
-    cache = ds._process().disk
+    cache = ds.process_reads().disk
     fetched, held = [], []
     for epoch in range(3):
         ds.set_epoch(epoch)
@@ -170,7 +170,7 @@ def test_damaged_or_torn_entries_are_fetched_again_never_served(remote, tmp_path
                                cache_bytes=2**26)
     ref = batches(store(remote).dataset(v.ref, batch_size=16, seed=3))
     assert same(batches(ds), ref)
-    folder = Path(ds._process().disk.folder)
+    folder = Path(ds.process_reads().disk.folder)
     flipped, torn, forged = (stored(v).object_key(f, s) for f, s in (("logits", 1), ("target", 2), ("features", 3)))
     with open(folder / entry_name(flipped), "r+b") as f:
         f.seek(5)
@@ -224,7 +224,7 @@ def test_a_reader_killed_mid_fetch_leaves_the_cache_usable_and_counted(remote, t
     assert max(counts.values()) == 1
     files = entry_files(tmp_path)
     assert not [p for p in files if p.name.startswith(".tmp-")]
-    assert ds._process().disk.used_bytes() == sum(p.stat().st_size for p in files)
+    assert ds.process_reads().disk.used_bytes() == sum(p.stat().st_size for p in files)
 
 
 def test_a_writer_killed_mid_write_gives_its_reservation_back(tmp_path):
@@ -335,7 +335,7 @@ def test_bad_disk_options_are_refused_and_a_local_store_has_no_disk_tier(remote,
             v.dataset(**bad)
     lv = write_version(local_store, "d/local", n=40, outputs={"features": "float16"})
     ds = lv.dataset(cache="disk", cache_dir=str(tmp_path / "c"))
-    assert ds._process().disk is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
+    assert ds.process_reads().disk is None and len(batches(ds)) == 1 and not (tmp_path / "c").exists()
 
 
 def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
@@ -343,7 +343,7 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     child's copy of the descriptor is closed at the fork, so the lock ends with the parent's."""
     import fcntl
 
-    from featstore.read._cache import flocked
+    from featstore.read.shards._cache import flocked
 
     lock = str(tmp_path / "lock")
     ready_r, ready_w = os.pipe()

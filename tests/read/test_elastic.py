@@ -17,13 +17,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from featstore.errors import InvalidInput
-from featstore.read import _assignment
-from featstore.read._assignment import UniformShards, consumer_plan, consumer_span, round_robin_consumed, \
+from featstore.read.plans import _assignment
+from featstore.read.plans._assignment import UniformShards, consumer_plan, consumer_span, round_robin_consumed, \
     window_permutation
-from featstore.read._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch,
+from featstore.read.plans._elastic import (EpochOrder, ResumeState, Segment, Split, check_global_batch,
                                      check_same_order, epoch_share, progress, remaining_samples, resume,
                                      segment_share)
-from featstore.read._slices import Share, slice_rows
+from featstore.read.plans._slices import Share, slice_rows
 from tests.read.plan_rows import (batches, count_pieces, every_row, rank_batches, rank_totals, resumed_shares,
                                   share_rows)
 

@@ -119,8 +119,7 @@ def test_stateful_loader_resumes_with_another_number_of_workers(version, workers
         ld = loader(dataset(version, 2, r), workers_before, StatefulLoader)
         it = iter(ld)
         seen.append([next(it)["index"].tolist() for _ in range(5)])
-        next(it)  # fetched, not trained on: the state is from before it (as Lightning holds it)
-        if r == 0:
+        if r == 0:  # a reader has a length: its loader's state is after the batches yielded
             state = ld.state_dict()
         del it
     resumed = loader(dataset(version, 1, 0), workers_after, StatefulLoader)

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import InvalidInput, Stream
-from featstore.read._mixture import mixture_share
-from featstore.read._slices import slice_rows
+from featstore.read.plans._mixture import mixture_share
+from featstore.read.plans._slices import slice_rows
 from tests.helpers import noisy_flip, write_version
 
 
@@ -96,16 +96,21 @@ def test_resume_mid_epoch_under_another_split_nothing_repeated_or_lost(two, befo
     assert Counter(seen + rest) == whole and sum(whole.values()) == 1000
 
 
-def test_refuses_incompatible_versions_ragged_and_views(two, tmp_path):
+def test_refuses_incompatible_versions_and_mixes_views(two, tmp_path):
     store = featstore.open_store(tmp_path)
     other = write_version(store, "c/x", n=100, outputs={"features": "float32", "logits": "float32"})
-    with pytest.raises(InvalidInput, match=r"'features' dtype .*arrays=\[\.\.\.\].*'logits'"):
+    with pytest.raises(InvalidInput, match=r"'features' dtype .*fields=\[\.\.\.\].*'logits'"):
         featstore.mix([(two[0], 0.5), (other, 0.5)])
-    ds = featstore.mix([(two[0], 0.5), (other, 0.5)], arrays=["logits", "target"], batch_size=50)
+    ds = featstore.mix([(two[0], 0.5), (other, 0.5)], fields=["logits", "target"], batch_size=50)
     assert set(read(ds)[0]) == {"logits", "target", "index", "source"}
+    with pytest.warns(DeprecationWarning, match="fields"):  # mix's older name for it
+        assert featstore.mix([(two[0], 0.5), (other, 0.5)], arrays=["logits"]).fields == ("logits",)
+    # a version with views mixes with one without: its rows carry the epoch's view, the others -1
     viewed = write_version(store, "v/x", n=64, views=featstore.Views(k=2, augment=noisy_flip))
-    with pytest.raises(InvalidInput, match="views"):
-        featstore.mix([(two[0], 0.5), (viewed, 0.5)])
+    rows = read(featstore.mix([(two[0], 0.5), (viewed, 0.5)], epoch_size=200, batch_size=50, seed=1))
+    views = torch.cat([b["view"] for b in rows])
+    sources = torch.cat([b["source"] for b in rows])
+    assert set(views[sources == 0].tolist()) == {-1} and len(set(views[sources == 1].tolist())) == 1
 
 
 def _planned_keys(ds, epoch, batch_size):

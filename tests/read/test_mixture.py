@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featstore.errors import InvalidInput
-from featstore.read import _mixture
-from featstore.read._assignment import Piece, UniformShards, shard_order
-from featstore.read._elastic import EpochOrder, ResumeState, Split, resume
-from featstore.read._mixture import MixStream, Mixture, stream_seed
-from featstore.read._mix_gather import batch_grouped
-from featstore.read._slices import balanced_positions, cut_pieces, interleave, slice_rows, split_pieces
+from featstore.read.plans import _mixture
+from featstore.read.plans._assignment import Piece, UniformShards, shard_order
+from featstore.read.plans._elastic import EpochOrder, ResumeState, Split, resume
+from featstore.read.plans._mixture import MixStream, Mixture, stream_seed
+from featstore.read._gather import batch_grouped
+from featstore.read.plans._slices import balanced_positions, cut_pieces, interleave, slice_rows, split_pieces
 from tests.read.plan_rows import (STREAM, batches, consumed_order, count_pieces, job_order, rank_batches, rank_totals,
                                   resumed_shares, share_rows)
 

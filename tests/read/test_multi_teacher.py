@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import featstore
 from featstore import InvalidInput, VersionsMisaligned, kd
-from featstore.read import MultiTeacherDataset
+from featstore.read import FeatureDataset
 from featstore.format._keys import view_path
 from featstore.versions import stored
 
@@ -62,7 +62,7 @@ def test_batches_equal_each_teacher_read_alone(teams, kind, workers):
     store, a, b = teams[kind]
     opts = dict(batch_size=BS, seed=3, shuffle=True)
     ds = store.dataset({"a": a.ref, "b": b.ref}, **opts)
-    assert isinstance(ds, MultiTeacherDataset) and ds.batches_per_rank(workers) == a.dataset(**opts).batches_per_rank(
+    assert isinstance(ds, FeatureDataset) and ds.batches_per_rank(workers) == a.dataset(**opts).batches_per_rank(
         workers)
     epochs = [0, 1]
     multi = read(ds, workers, epochs)
@@ -207,7 +207,7 @@ def test_ddp_ranks_and_the_memory_cache(teams):
         assert all(torch.equal(x["b/logits.ids"], y["b/logits.ids"]) for x, y in zip(*multi, strict=True))
         got.append(Counter(i for m in multi[0] for i in m["index"].tolist()))
     assert sum(len(c) for c in got) == N and set(got[0]) | set(got[1]) == set(range(N))  # pad: even here
-    MultiTeacherDataset({"a": a, "b": b}, cache="memory", cache_bytes=2**24).clear_cache()
+    FeatureDataset({"a": a, "b": b}, cache="memory", cache_bytes=2**24).clear_cache()
 
 
 def test_misaligned_teachers_are_refused_before_any_batch(teams):

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featstore.read._assignment import (UniformShards, consumer_plan, consumer_span, dropped_pieces,
+from featstore.read.plans._assignment import (UniformShards, consumer_plan, consumer_span, dropped_pieces,
                                         round_robin_consumed, shard_order, span_pieces, window_permutation)
-from featstore.read._shuffle import ShardPermutation
+from featstore.read.plans._shuffle import ShardPermutation
 
 LAYOUTS = {
     "one-shard": [10],

@@ -61,7 +61,7 @@ def test_sentinel_secret_never_leaks(moto_endpoint, dask_client, all_logs, dask_
     v.load()
     ds = store.dataset("sec/set", batch_size=16)
     batches = list(ds)  # shard objects through obstore, with the secret in its config
-    getter = ds._process().storage._s3_getter()
+    getter = ds.process_reads().storage._s3_getter()
     assert getter is not None  # the obstore path really ran
     seen += [repr(getter), repr(getter._store)]  # its attributes hold them, as Storage._options does
     # An obstore error (nothing listens on port 9; no retries): the message, never the secret.

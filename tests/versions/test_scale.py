@@ -177,7 +177,7 @@ def test_a_few_rows_of_a_big_shard_are_read_by_range(store, dask_client):
 
     counting.read_range = spy
     ds = v.dataset(batch_size=8, shuffle=False)
-    fmt = ds._process().shard_format("features")
+    fmt = ds.process_reads().shard_format("features")
     out = np.empty((10, 8), dtype=np.float32)
     stored(v).read_shard_rows(counting, "features", fmt, 1, 20, 30, out)  # chunks 1-1 of 8: by range
     np.testing.assert_array_equal(out, stored(v).read_rows("features", 148, 158))

@@ -70,8 +70,9 @@ def test_the_public_version_reads_pickles_and_goes_everywhere_a_version_goes(ver
     assert repr(v) == f"<Version {v.ref} samples=24 arrays=['features', 'item_digest', 'target']>"
     assert torch.equal(v[3:5]["features"], v.load()["features"][3:5]) and v.verify() == []
     ds = featstore.FeatureDataset(v, batch_size=24, shuffle=False)  # a public Version, below the face
-    assert ds.version is stored(v) and torch.equal(next(iter(ds))["target"], v.load()["target"])
+    assert ds.version is v and torch.equal(next(iter(ds))["target"], v.load()["target"])
     multi = store.dataset([v, v.ref], batch_size=24, shuffle=False)
+    assert all(isinstance(x, featstore.Version) for x in multi.versions.values())  # the user's Versions
     assert [x.id for x in multi.versions.values()] == [v.id, v.id]
     assert isinstance(store.versions("face/set")[0], featstore.Version) and store.versions("face/set") == [v]
     with pytest.warns(DeprecationWarning, match="StoredVersion"):
