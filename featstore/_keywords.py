@@ -46,9 +46,9 @@ def inherit_attributes(cls: type) -> None:
 
 
 def _declare(fn: Callable[..., object], cls: Callable[..., object], first: str | None) -> None:
-    """Set ``fn``'s signature to its own parameters before ``*args``/``**keywords``, then ``cls``'s
-    (keyword-only unless ``fn`` takes ``*args``), and its docstring's ``Args:`` to ``first`` (the description of its last own
-    parameter) and ``cls``'s ``Attributes:``."""
+    """Set ``fn``'s signature to its own parameters before ``*args``/``**keywords``, then
+    ``cls``'s (keyword-only unless ``fn`` takes ``*args``), and its docstring's ``Args:`` to
+    ``first`` (the description of its last own parameter) and ``cls``'s ``Attributes:``."""
     own = inspect.signature(fn)
     kept_params = []
     for p in own.parameters.values():

@@ -32,6 +32,7 @@ float32 log-probabilities as ``<name>.ids`` / ``<name>.values``, like ``topk``, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -45,6 +46,7 @@ DEFAULT_LEVELS = 128
 MAX_LEVELS = 255  # a level is a uint8
 
 
+@functools.lru_cache(maxsize=8)
 def level_table(levels: int) -> torch.Tensor:
     """``log q(l)`` for every stored level ``l`` in ``0..255`` (float32): ``log((l / L)**2)``,
     and ``log(1 / (12 L**2))`` for ``l = 0``. Levels above ``L`` never occur (the table still
@@ -55,7 +57,8 @@ def level_table(levels: int) -> torch.Tensor:
     """
     s = torch.arange(256, dtype=torch.float64) / levels
     s[0] = 1.0 / (math.sqrt(12.0) * levels)
-    return (2.0 * torch.log(s)).to(torch.float32)
+    # kept per process (every decode of a batch asks for it): read-only, only ever indexed
+    return (2.0 * torch.log(s)).to(torch.float32).requires_grad_(False)
 
 
 def quantise(p: torch.Tensor, levels: int) -> torch.Tensor:

@@ -79,13 +79,13 @@ class SliceRows:
         self.single = len(arrays) == 1
         self.n = len(streams)
         if self.single:  # one stream: its own order, no grouping
-            self.labels, self.local = streams, local
+            self.labels, self.local = streams.astype(np.int64, copy=False), local
             self.joint: dict[str, _Joint] = {}
             return
         assert local is not None
         # the slice's positions in the order batches yield them: grouped by stream in each batch
         order = batch_grouped(streams.astype(np.min_scalar_type(max(len(arrays) - 1, 0))), held, batch_size)
-        self.labels = streams[order]
+        self.labels = streams[order].astype(np.int64, copy=False)  # once a slice, not once a batch
         self.local = local[order]
         self.joint = {f: j for f in self.fields if (j := _joint([None if a is None else a[f] for a in arrays],
                                                                    self.labels, self.local)) is not None}
@@ -97,20 +97,22 @@ class SliceRows:
         if self.single:
             window = self.arrays[0]
             assert window is not None
-            return Rows(window_rows(dict(window), self.local, self.drop, a, b), labels.astype(np.int64))
+            return Rows(window_rows(dict(window), self.local, self.drop, a, b), labels)
         assert self.local is not None
         out: dict[str, BatchRows] = {}
-        bounds = np.searchsorted(labels, np.arange(len(self.arrays) + 1))
+        bounds: np.ndarray | None = None  # each stream's run in the batch: only arrays not joined need it
         local = self.local[a:b]
         for f in self.fields:
             j = self.joint.get(f)
             if j is None:
+                if bounds is None:
+                    bounds = np.searchsorted(labels, np.arange(len(self.arrays) + 1))
                 out[f] = self._by_stream(f, local, bounds)
             elif j.arena is None:
                 out[f] = j.values[a:b].copy()  # a batch never shares memory with the slice
             else:
                 out[f] = j.arena.take_offsets(j.values[a:b])
-        return Rows(out, labels.astype(np.int64))
+        return Rows(out, labels)
 
     def _by_stream(self, field: str, local: np.ndarray, bounds: np.ndarray) -> BatchRows:
         """One array's rows, stream by stream (``local[bounds[k]:bounds[k + 1]]``: stream

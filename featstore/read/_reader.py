@@ -467,10 +467,13 @@ class FeatureDataset(IterableDataset[Batch]):
 
     def _joined(self, batch: Batch, index: np.ndarray, labels: np.ndarray) -> Batch:
         """``"view"`` and each stream's joined input, for its rows (a batch's rows are grouped by stream)."""
+        views = [v.view for v in self._views]
+        viewed = any(v is not None for v in views)
+        if not viewed and all(v.join is None for v in self._views):
+            return batch  # most reads: nothing to add, and no per-stream bounds to find
         bounds = np.searchsorted(labels, np.arange(len(self.streams) + 1)) if len(self.streams) > 1 \
             else np.array([0, len(labels)])
-        views = [v.view for v in self._views]
-        if any(v is not None for v in views):
+        if viewed:
             batch[VIEW_FIELD] = torch.from_numpy(np.repeat(np.array([-1 if v is None else v for v in views],
                                                                     dtype=np.int64), np.diff(bounds)))
         parts = [v.joined(index[bounds[k]:bounds[k + 1]]) for k, v in enumerate(self._views) if v.join is not None]

@@ -332,10 +332,17 @@ class DecodedChunks:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def get(self, key: tuple[str, int | None, int, int], decode: Callable[[], np.ndarray]) -> np.ndarray:
+    def kept(self, key: tuple[str, int | None, int, int]) -> np.ndarray | None:
+        """The chunk ``key`` if it is kept (then the most recently used), else None."""
         got = self._chunks.get(key)
         if got is not None:
             self._chunks.move_to_end(key)
+        return got
+
+    def get(self, key: tuple[str, int | None, int, int], decode: Callable[[], np.ndarray]) -> np.ndarray:
+        """The chunk ``key``, decoded by ``decode()`` and kept if it was not."""
+        got = self.kept(key)
+        if got is not None:
             return got
         got = self._chunks[key] = decode()
         self.held += got.nbytes
@@ -501,8 +508,10 @@ class ProcessReads:
         spec = self.version.manifest.arrays[field]
         out = np.empty((len(rows), *spec.shape), dtype=spec.dtype)
         if self.chunks is not None:  # each chunk touched: its rows copied out of the decoded chunk kept
+            chunks, view = self.chunks, self.viewing.view
             for s, k, at, local in self._by_chunk(rows, per_shard, self._chunk_rows(field)):
-                out[at] = self._chunk(field, s, k)[local]
+                kept = chunks.kept((field, view, s, k))  # the common case, without building a decoder
+                out[at] = (self._chunk(field, s, k) if kept is None else kept)[local]
             return out
         shard = rows // per_shard
         for s in np.unique(shard).tolist():  # one read of each shard's rows the samples span
