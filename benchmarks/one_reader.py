@@ -75,14 +75,6 @@ def _write(work: Path, n: int) -> None:
     (work / "refs.json").write_text(json.dumps(refs))
 
 
-def _epoch_rate(ds: Any, epoch: int) -> float:
-    ds.set_epoch(epoch)
-    t0, rows = time.perf_counter(), 0
-    for b in ds:
-        rows += len(b["index"])
-    return rows / (time.perf_counter() - t0)
-
-
 def _measure(work: Path) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -90,6 +82,7 @@ def _measure(work: Path) -> dict[str, Any]:
     import featstore
     from featstore import hf
 
+    from benchmarks.elastic import epoch_rate as _epoch_rate
     from benchmarks.reader import featstore_batches, memory_batches, train_light
     from tests.hf.lm import sentences, tokenizer
 
