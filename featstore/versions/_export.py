@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 import numpy as np
 import zarr
 
-from featstore.errors import CorruptChunk, InvalidInput, StoreConflict
-from featstore.format import consolidate, consolidated_groups
+from featstore._json import JSONObject, load_json
+from featstore.errors import CorruptChunk, IncompatibleFormat, InvalidInput, StoreConflict
+from featstore.format import check_array_metadata, consolidate, consolidated_groups
 from featstore.format import ChunkRef
 from featstore.format import VIEWS_GROUP, chunk_key, mark_metadata, shard_digest, view_path
 from featstore.codecs import TOKEN_LENGTH
@@ -98,13 +99,14 @@ def _array_metadata(version: StoredVersion, source: StoredVersion, field: str) -
     if raw is None:
         raise CorruptChunk(f"{field}/zarr.json of {version.ref} is missing; the version is damaged.",
                            version=version.ref, array=field, chunk=f"{field}/zarr.json")
+    # checked as opening the array checks it: a damaged zarr.json is CorruptChunk naming it
     try:
-        parsed = json.loads(mark_metadata(raw, None))
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike: not what featstore wrote
+        parsed: JSONObject | None = load_json(mark_metadata(raw, None), f"{field}/zarr.json")
+    except IncompatibleFormat:
         parsed = None
-    if not isinstance(parsed, dict):
-        raise CorruptChunk(f"{field}/zarr.json of {version.ref} is not a JSON object; the version is damaged: "
-                           "delete and recompute it.", version=version.ref, array=field, chunk=f"{field}/zarr.json")
+    check_array_metadata(parsed, source.manifest.arrays[field], source.manifest.layout, version=version.ref,
+                         array=field)
+    assert parsed is not None  # check_array_metadata raised otherwise
     return parsed
 
 
