@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -238,23 +238,29 @@ def _shares_an_item(stored: StoredVersion, dataset: MapDataset, n: int) -> bool:
 CheckRunner = Callable[[StoredVersion, list[list[int]]], list[ShardCheck]]
 
 
-def in_process(dataset: MapDataset, n: int, progress: bool, name: str) -> CheckRunner:
+def in_process(dataset: MapDataset, n: int, progress: bool) -> CheckRunner:
     """A :data:`CheckRunner` calling :func:`check_shards` here, one group after the other, with
     a progress bar over the items."""
     def run(stored: StoredVersion, groups: list[list[int]]) -> list[ShardCheck]:
-        bar = check_bar(n, name) if progress else None
-        out: list[ShardCheck] = []
-        try:
-            for group in groups:
-                got = check_shards(stored, dataset, group, n)
-                out += got
-                if bar is not None:
-                    bar.update(sum(checked_rows(stored, s.index, n) for s in got))
-        finally:
-            if bar is not None:
-                bar.close()
-        return out
+        return collect_checks(stored, n, progress, (check_shards(stored, dataset, g, n) for g in groups))
     return run
+
+
+def collect_checks(stored: StoredVersion, n: int, progress: bool,
+                   results: Iterable[list[ShardCheck]]) -> list[ShardCheck]:
+    """Every group's checks as ``results`` yields them (computed here, or Dask tasks as they
+    finish), the progress bar over the items moved on by each group's shards."""
+    bar = check_bar(n, stored.name) if progress else None
+    out: list[ShardCheck] = []
+    try:
+        for got in results:
+            out += got
+            if bar is not None:
+                bar.update(sum(checked_rows(stored, c.index, n) for c in got))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
 
 
 def checked_rows(stored: StoredVersion, shard: int, n: int) -> int:

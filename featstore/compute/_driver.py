@@ -123,7 +123,7 @@ def run_compute(catalog: Catalog, name: str, call: ComputeCall) -> Computed:
         if stored is not None:
             runner = None if cheap_here(call.dataset, plan.n) else runner_for(call)
             run_check = runner.check if runner is not None else in_process(
-                call.dataset, plan.n, plan.options.progress, name)
+                call.dataset, plan.n, plan.options.progress)
             check = check_content(stored, plan.n, run_check, 1)
             log.info("%s: %d of %d items differ from %s", name, check.changed, plan.n, stored.ref)
             if existing is not None and check.changed == 0:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from featstore._json import JSONObject
 from featstore._user_types import MapDataset, ModelSpec
 from featstore.compute._cluster import Cluster, ClusterSpec, connect, task_resources, workers
-from featstore.compute._content import ShardCheck, check_bar as _check_bar, check_shards, checked_rows, in_process
+from featstore.compute._content import ShardCheck, check_shards, collect_checks, in_process
 from featstore.compute._options import ComputeOptions
 from featstore.compute._request import IN_PROCESS, ComputeCall
 from featstore.compute._shard_task import REUSED, probe, run_shards
@@ -145,7 +145,7 @@ class InProcessRunner:
 
     def check(self, stored: StoredVersion, groups: list[list[int]]) -> list[ShardCheck]:
         n = len(self.dataset)
-        return in_process(self.dataset, n, self.options.progress, f"{stored.name}")(stored, groups)
+        return in_process(self.dataset, n, self.options.progress)(stored, groups)
 
     def probe(self, spec: TaskSpec, n: int) -> Probe:
         return probe(spec, self.model, self.dataset, n)
@@ -292,26 +292,16 @@ class DaskRunner:
         from distributed import as_completed
 
         n = len(self.dataset)
-        bar = _check_bar(n, stored.name) if self.options.progress else None
         dataset = self._scattered("dataset")
         futures = [self.client.submit(check_shards, stored, dataset, g, n, pure=False,
                                       key=f"featstore-check-{stored.id}-{uuid.uuid4().hex[:8]}-{g[0]:06d}")
                    for g in groups]
-        out: list[ShardCheck] = []
         try:
-            for fut in as_completed(futures):
-                got = _result(fut)
-                out += got
-                if bar is not None:
-                    bar.update(sum(checked_rows(stored, c.index, n) for c in got))
+            return collect_checks(stored, n, self.options.progress, (_result(f) for f in as_completed(futures)))
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return out
 
     def close(self) -> None:
         self.cluster.close()
