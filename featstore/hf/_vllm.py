@@ -48,8 +48,10 @@ _ENGINES_LOCK = threading.Lock()
 _OWN_GROUP = False
 #: vLLM's switch for its engine core's process: off while an engine of this process lives.
 MULTIPROCESSING_FLAG = "VLLM_ENABLE_V1_MULTIPROCESSING"
-#: The flag's value before this process's first engine, which :func:`release_engines` puts back.
-_SAVED_MULTIPROCESSING: dict[str, str | None] = {}
+#: Whether an engine of this process set the flag, and its value before (None: unset), which
+#: :func:`release_engines` puts back.
+_FLAG_SET = False
+_FLAG_BEFORE: str | None = None
 
 
 def _distributed() -> bool:
@@ -62,13 +64,15 @@ def release_engines() -> None:
     ``client="in-process"``, the process reads as a single process again (featstore's reader
     takes its rank from an initialised group, see :mod:`featstore.read`). An engine is otherwise
     kept for the next compute in the process."""
-    global _OWN_GROUP, _SAVED_MULTIPROCESSING
+    global _OWN_GROUP, _FLAG_SET
     with _ENGINES_LOCK:
         _ENGINES.clear()
-        flag = _SAVED_MULTIPROCESSING.get(MULTIPROCESSING_FLAG)
-        if MULTIPROCESSING_FLAG in _SAVED_MULTIPROCESSING:
-            _restore_environment({**os.environ, MULTIPROCESSING_FLAG: flag})
-            _SAVED_MULTIPROCESSING = {}
+        if _FLAG_SET:
+            if _FLAG_BEFORE is None:
+                os.environ.pop(MULTIPROCESSING_FLAG, None)
+            else:
+                os.environ[MULTIPROCESSING_FLAG] = _FLAG_BEFORE
+            _FLAG_SET = False
         if not _OWN_GROUP:
             return
         _OWN_GROUP = False
@@ -213,11 +217,11 @@ def _engine_environment(threads: int) -> Iterator[None]:
     user's later subprocesses (DataLoader workers, servers) would otherwise start with vLLM's
     allocator preloaded. Only ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` stays while the engine lives
     (vLLM reads it again); :func:`release_engines` restores it."""
-    global _SAVED_MULTIPROCESSING
+    global _FLAG_SET, _FLAG_BEFORE
     keep_set = torch.set_num_threads
     saved = dict(os.environ)
-    if MULTIPROCESSING_FLAG not in _SAVED_MULTIPROCESSING:
-        _SAVED_MULTIPROCESSING = {MULTIPROCESSING_FLAG: os.environ.get(MULTIPROCESSING_FLAG)}
+    if not _FLAG_SET:
+        _FLAG_SET, _FLAG_BEFORE = True, os.environ.get(MULTIPROCESSING_FLAG)
     os.environ[MULTIPROCESSING_FLAG] = "0"  # the engine core in this (maybe daemonic) process
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
@@ -229,14 +233,12 @@ def _engine_environment(threads: int) -> Iterator[None]:
         _restore_environment(saved)
 
 
-def _restore_environment(saved: Mapping[str, str | None]) -> None:
-    """Make ``os.environ`` equal ``saved`` (a value of None: unset), where it differs."""
+def _restore_environment(saved: Mapping[str, str]) -> None:
+    """Make ``os.environ`` equal ``saved``, where it differs."""
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        elif os.environ.get(key) != value:
+        if os.environ.get(key) != value:
             os.environ[key] = value
 
 
