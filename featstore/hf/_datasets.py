@@ -200,10 +200,12 @@ class SoftLabels(torch.utils.data.Dataset[Sample]):
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"indices out of range for {len(self)} samples")
         out: list[Sample | None] = [None] * len(idx)
-        for k in np.unique(self.stream[idx]).tolist():
-            at = np.flatnonzero(self.stream[idx] == k)
-            at = at[np.argsort(self.index[idx[at]], kind="stable")]  # in store order: each chunk read once
+        streams = self.stream[idx]
+        for k in np.unique(streams).tolist():
+            at = np.flatnonzero(streams == k)
             samples = self.index[idx[at]]
+            order = np.argsort(samples, kind="stable")  # in store order: each chunk read once
+            at, samples = at[order], samples[order]
             items = [self.datasets[k][s] for s in samples.tolist()]
             check = self.inputs[k]
             if check is not None:
